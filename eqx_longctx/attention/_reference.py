@@ -1,0 +1,54 @@
+"""The naive float32 attention oracle: materializes every score. Tests compare against it."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._types import AttnOut, Key, Query, SegmentIds, Value
+
+
+def reference_attention(
+    q: Query,
+    k: Key,
+    v: Value,
+    *,
+    causal: bool = True,
+    segment_ids: SegmentIds | None = None,
+    scale: float | None = None,
+) -> AttnOut:
+    """Softmax attention computed the obvious way, in float32.
+
+    Shares no code with the blockwise implementation. Rows with no visible key (possible
+    only with segment ids) return zeros.
+
+    **Arguments:**
+
+    - `q`: `[batch, seq, q_heads, head_dim]`.
+    - `k`: `[batch, seq, kv_heads, head_dim]`; `q_heads` must be a multiple of `kv_heads`.
+    - `v`: `[batch, seq, kv_heads, v_head_dim]`.
+    - `causal`: query `i` sees keys `j <= i`.
+    - `segment_ids`: `[batch, seq]` ints; query and key must share a segment.
+    - `scale`: score scale, default `1/sqrt(head_dim)`.
+
+    **Returns:** `[batch, seq, q_heads, v_head_dim]` in float32.
+    """
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    if scale is None:
+        scale = 1.0 / np.sqrt(d)
+    k = jnp.repeat(k, hq // hk, axis=2)
+    v = jnp.repeat(v, hq // hk, axis=2)
+    scores = jnp.einsum("bshd,bthd->bhst", q, k, precision="highest") * scale
+    t = k.shape[1]
+    mask = jnp.ones((b, 1, s, t), bool)
+    if causal:
+        mask = mask & (jnp.arange(s)[:, None] >= jnp.arange(t)[None, :])
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom == 0, 1.0, denom)
+    return jnp.einsum("bhst,bthd->bshd", probs, v, precision="highest")

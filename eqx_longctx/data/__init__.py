@@ -1,0 +1,14 @@
+"""Data pipeline: corpus readers, a byte-level tokenizer, and document packing.
+
+`load_datasets(seq_len=1024)` reads the Python standard library that ships with the
+interpreter (nothing to download), holds out whole documents for validation and packs
+both splits into rows whose `Batch`es carry segment ids and per-document positions.
+"""
+
+from ._corpus import load_corpus as load_corpus
+from ._corpus import load_datasets as load_datasets
+from ._corpus import split_documents as split_documents
+from ._packing import Batch as Batch
+from ._packing import PackedDataset as PackedDataset
+from ._packing import pack_documents as pack_documents
+from ._tokenizer import ByteTokenizer as ByteTokenizer

@@ -1,0 +1,172 @@
+"""Corpus readers: the interpreter's standard library by default, or the user's text files.
+
+The default corpus is real, sizeable (about 12 MB of Python) and already on disk: the
+`*.py` files of the running interpreter's standard library, tests and site-packages left
+out. Paths are sorted, so the same interpreter always yields the same documents.
+"""
+
+import codecs
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from ._packing import PackedDataset, _check_seq_len
+from ._tokenizer import ByteTokenizer
+
+DEFAULT_MAX_BYTES = 8 * 2**20
+_STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.rglob("*.py"))
+    return [f for f in files if not _STDLIB_SKIP.intersection(f.relative_to(root).parts)]
+
+
+def _folder_files(folder: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
+    """Regular files under `folder`, sorted; hidden files and folders are left out."""
+    files = []
+    for f in sorted(folder.rglob("*")):
+        hidden = any(part.startswith(".") for part in f.relative_to(folder).parts)
+        if f.is_file() and not hidden and (suffixes is None or f.suffix in suffixes):
+            files.append(f)
+    return files
+
+
+def _read_text(path: Path, budget: int) -> tuple[str, int] | None:
+    """The first `budget` bytes of `path` as text and the bytes used; None if not text."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(budget)
+        # final=False drops a multibyte character that the budget cut in half.
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None if "\0" in text else (text, len(data))
+
+
+def load_corpus(
+    path: str | os.PathLike | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    suffixes: tuple[str, ...] | None = None,
+    separator: str | None = None,
+) -> list[str]:
+    """Read a corpus of text documents.
+
+    **Arguments:**
+
+    - `path`: `None` for the Python standard library (`*.py`); a text file; or a folder,
+      read recursively in sorted order (hidden entries skipped).
+    - `max_bytes`: stop once this many bytes are read (the last file is cut short).
+    - `suffixes`: in a folder, read only files ending in one of these (e.g.
+      `(".txt", ".md")`); `None` tries every file. Binary and non-UTF-8 files are skipped.
+    - `separator`: split every file into documents at this string (`"\\n\\n"` for
+      paragraphs, `"\\n"` for lines); `None` keeps one document per file.
+
+    **Returns:**
+
+    The documents as strings; blank documents are dropped.
+    """
+    if max_bytes <= 0:
+        raise ValueError(
+            f"load_corpus needs max_bytes >= 1; got max_bytes={max_bytes}. "
+            f"Pass a positive byte budget (default {DEFAULT_MAX_BYTES})."
+        )
+    if path is None:
+        files = _stdlib_files()
+    else:
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise ValueError(
+                f"load_corpus needs an existing file or folder; got path='{path}', which "
+                "does not exist. Fix the path, or pass path=None for the Python standard library."
+            )
+        files = [path] if path.is_file() else _folder_files(path, suffixes)
+    docs, budget = [], max_bytes
+    for f in files:
+        read = _read_text(f, budget) if budget > 0 else None
+        if read is not None:
+            docs.extend([read[0]] if separator is None else read[0].split(separator))
+            budget -= read[1]
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        what = "file" if path is not None and path.is_file() else f"folder ({len(files)} files)"
+        raise ValueError(
+            f"load_corpus found no text in path='{path}': the {what} is empty or holds no "
+            f"non-blank UTF-8 text files (suffixes={suffixes}). Point at a non-empty UTF-8 "
+            "text file or a folder of them, or widen suffixes."
+        )
+    return docs
+
+
+def split_documents(
+    docs: list[str], *, val_fraction: float = 0.05, seed: int = 0
+) -> tuple[list[str], list[str]]:
+    """Hold out whole documents for validation, chosen from `seed`, kept in corpus order.
+
+    **Arguments:**
+
+    - `docs`: the documents, at least 2.
+    - `val_fraction`: share of documents held out, in `(0, 1)`; at least one document
+      goes to each side.
+    - `seed`: picks which documents are held out.
+
+    **Returns:**
+
+    `(train_docs, val_docs)`, disjoint, together `docs`.
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(
+            f"val_fraction must lie strictly between 0 and 1; got val_fraction={val_fraction}. "
+            "Pass e.g. val_fraction=0.05."
+        )
+    if len(docs) < 2:
+        raise ValueError(
+            "A validation split holds out whole documents, so it needs at least 2 documents; "
+            f"got {len(docs)} (val_fraction={val_fraction}). Point at a folder with more files, "
+            "or split a single file into documents with separator='\\n\\n'."
+        )
+    num_val = min(max(1, round(val_fraction * len(docs))), len(docs) - 1)
+    # A second word no epoch reaches keeps this stream apart from the epoch permutations.
+    held = np.random.default_rng((seed, 2**32 - 1)).permutation(len(docs))[:num_val]
+    is_val = np.zeros(len(docs), bool)
+    is_val[held] = True
+    train = [d for d, v in zip(docs, is_val, strict=True) if not v]
+    return train, [d for d, v in zip(docs, is_val, strict=True) if v]
+
+
+def load_datasets(
+    path: str | os.PathLike | None = None,
+    *,
+    seq_len: int,
+    seed: int = 0,
+    val_fraction: float = 0.05,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    tokenizer: ByteTokenizer | None = None,
+    suffixes: tuple[str, ...] | None = None,
+    separator: str | None = None,
+) -> tuple[PackedDataset, PackedDataset]:
+    """Read a corpus, hold out validation documents and pack both splits.
+
+    **Arguments:**
+
+    - `path`, `max_bytes`, `suffixes`, `separator`: as in `load_corpus` (`None` reads the
+      Python standard library).
+    - `seq_len`: tokens per row, at least 2.
+    - `seed`: picks the validation documents and the training row order.
+    - `val_fraction`: share of documents held out (see `split_documents`).
+    - `tokenizer`: default `ByteTokenizer()`.
+
+    **Returns:**
+
+    `(train, val)` `PackedDataset`s.
+    """
+    _check_seq_len(seq_len)
+    docs = load_corpus(path, max_bytes=max_bytes, suffixes=suffixes, separator=separator)
+    train_docs, val_docs = split_documents(docs, val_fraction=val_fraction, seed=seed)
+    train = PackedDataset.from_documents(train_docs, seq_len, tokenizer, seed=seed)
+    val = PackedDataset.from_documents(val_docs, seq_len, tokenizer, seed=seed)
+    return train, val

@@ -1,0 +1,24 @@
+"""Transformer building blocks: norms, RoPE, MLPs, attention layers, layer stacks.
+
+Every layer keeps an explicit batch axis and takes the sharding spec explicitly.
+"""
+
+from ._attention import SelfAttention as SelfAttention
+from ._mlp import SwiGLU as SwiGLU
+from ._norm import RMSNorm as RMSNorm
+from ._rope import Llama3RopeScaling as Llama3RopeScaling
+from ._rope import RoPE as RoPE
+from ._transformer import REMAT_POLICIES as REMAT_POLICIES
+from ._transformer import DecoderBlock as DecoderBlock
+from ._transformer import LayerStack as LayerStack
+
+__all__ = [
+    "REMAT_POLICIES",
+    "DecoderBlock",
+    "LayerStack",
+    "Llama3RopeScaling",
+    "RMSNorm",
+    "RoPE",
+    "SelfAttention",
+    "SwiGLU",
+]

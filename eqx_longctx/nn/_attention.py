@@ -1,0 +1,138 @@
+"""Multi-head self-attention layer with grouped K/V heads (MHA, GQA, MQA).
+
+Einsum letters: `b` batch, `s` sequence, `e` embed, `h` query heads, `k` kv heads,
+`d` head dim.
+
+References: Vaswani et al. 2017, "Attention Is All You Need" (arXiv:1706.03762); Shazeer
+2019, "Fast Transformer Decoding" (multi-query, arXiv:1911.02150); Ainslie et al. 2023,
+"GQA" (arXiv:2305.13245).
+"""
+
+from typing import final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._types import Hidden, Positions, SegmentIds
+from ..attention import attention
+from ._rope import RoPE
+
+
+@final
+class SelfAttention(eqx.Module):
+    """Project to queries/keys/values, rotate q and k with RoPE, attend, project back.
+
+    `n_heads == n_kv_heads` is MHA, `n_kv_heads == 1` is MQA, anything in between is GQA:
+    query head `h` reads kv head `h // (n_heads // n_kv_heads)`. K/V are never repeated;
+    `eqx_longctx.attention` groups the query heads itself. Projections are stored with the
+    heads as their own axis (`wq: [embed, q_heads, head_dim]`), so a sharding spec can name
+    the head axis directly.
+    """
+
+    wq: Float[Array, "embed q_heads head_dim"]
+    wk: Float[Array, "embed kv_heads head_dim"]
+    wv: Float[Array, "embed kv_heads head_dim"]
+    wo: Float[Array, "q_heads head_dim embed"]
+    bq: Float[Array, "q_heads head_dim"] | None
+    bk: Float[Array, "kv_heads head_dim"] | None
+    bv: Float[Array, "kv_heads head_dim"] | None
+    rope: RoPE
+    n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    spec: object = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        rope: RoPE,
+        key: PRNGKeyArray,
+        qkv_bias: bool = False,
+        causal: bool = True,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        dtype=jnp.float32,
+        spec=None,
+    ):
+        """**Arguments:**
+
+        - `dim`: model width (`embed`).
+        - `n_heads`, `n_kv_heads`: query and key/value heads (`n_heads % n_kv_heads == 0`).
+        - `head_dim`: width of each head (`n_heads * head_dim` need not equal `dim`).
+        - `rope`: the rotary embedding applied to queries and keys.
+        - `key`: PRNG key for the normal initialisation.
+        - `qkv_bias`: add learned biases to the q/k/v projections (Qwen2); zero-initialised.
+        - `causal`: query `i` attends keys `j <= i` (by token index).
+        - `init_std`, `out_init_std`: standard deviations of q/k/v and of the output
+          projection (default `init_std`).
+        - `dtype`: parameter dtype.
+        - `spec`: the sharding spec passed to `eqx_longctx.attention`; `None` = one device.
+        """
+        out_init_std = init_std if out_init_std is None else out_init_std
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.wq = init_std * jax.random.normal(kq, (dim, n_heads, head_dim), dtype)
+        self.wk = init_std * jax.random.normal(kk, (dim, n_kv_heads, head_dim), dtype)
+        self.wv = init_std * jax.random.normal(kv, (dim, n_kv_heads, head_dim), dtype)
+        self.wo = out_init_std * jax.random.normal(ko, (n_heads, head_dim, dim), dtype)
+        if qkv_bias:
+            self.bq = jnp.zeros((n_heads, head_dim), dtype)
+            self.bk = jnp.zeros((n_kv_heads, head_dim), dtype)
+            self.bv = jnp.zeros((n_kv_heads, head_dim), dtype)
+        else:
+            self.bq = self.bk = self.bv = None
+        self.rope = rope
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.causal = causal
+        self.spec = spec
+
+    def __check_init__(self):
+        if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                "SelfAttention needs n_heads to be a multiple of n_kv_heads (each kv head "
+                f"serves a group of query heads); got n_heads={self.n_heads}, "
+                f"n_kv_heads={self.n_kv_heads}. Choose n_kv_heads among the divisors of "
+                f"{self.n_heads}."
+            )
+        if self.rope.head_dim != self.head_dim:
+            raise ValueError(
+                f"SelfAttention's RoPE must rotate the whole head; got head_dim={self.head_dim} "
+                f"but rope.head_dim={self.rope.head_dim}. Build RoPE(head_dim={self.head_dim}, "
+                "...)."
+            )
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.bq is not None
+
+    def __call__(
+        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+    ) -> Hidden:
+        """**Arguments:**
+
+        - `x`: `[batch, seq, embed]` (normalised) activations.
+        - `positions`: `[batch, seq]` integer positions for RoPE.
+        - `segment_ids`: `[batch, seq]` packed-document ids, or `None` (one document).
+
+        **Returns:** `[batch, seq, embed]` in the dtype of `x`.
+        """
+        dtype = x.dtype
+        q = jnp.einsum("bse,ehd->bshd", x, self.wq.astype(dtype))
+        k = jnp.einsum("bse,ekd->bskd", x, self.wk.astype(dtype))
+        v = jnp.einsum("bse,ekd->bskd", x, self.wv.astype(dtype))
+        if self.bq is not None and self.bk is not None and self.bv is not None:
+            q = q + self.bq.astype(dtype)
+            k = k + self.bk.astype(dtype)
+            v = v + self.bv.astype(dtype)
+        q = self.rope(q, positions)
+        k = self.rope(k, positions)
+        out = attention(q, k, v, spec=self.spec, causal=self.causal, segment_ids=segment_ids)
+        return jnp.einsum("bshd,hde->bse", out, self.wo.astype(dtype))

@@ -1,0 +1,74 @@
+"""SwiGLU feed-forward block.
+
+Einsum letters: `b` batch, `s` sequence, `e` embed, `f` hidden (feed-forward width).
+
+Reference: Shazeer 2020, "GLU Variants Improve Transformer" (arXiv:2002.05202).
+"""
+
+from typing import final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._types import Hidden
+
+
+@final
+class SwiGLU(eqx.Module):
+    """`down(silu(x @ gate) * (x @ up))`, without biases (the Llama MLP).
+
+    Weights are stored `[in, out]`; they are cast to the activation dtype at use, so float32
+    parameters serve bfloat16 compute.
+    """
+
+    w_gate: Float[Array, "embed hidden"]
+    w_up: Float[Array, "embed hidden"]
+    w_down: Float[Array, "hidden embed"]
+    spec: object = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        *,
+        key: PRNGKeyArray,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        dtype=jnp.float32,
+        spec=None,
+    ):
+        """**Arguments:**
+
+        - `dim`: model width (`embed`).
+        - `hidden_dim`: feed-forward width.
+        - `key`: PRNG key for the normal initialisation.
+        - `init_std`: standard deviation of `w_gate` and `w_up`.
+        - `out_init_std`: standard deviation of `w_down` (default `init_std`); deep stacks
+          pass a smaller value so the residual stream does not grow with depth.
+        - `dtype`: parameter dtype.
+        - `spec`: the sharding spec, or `None` for one device.
+        """
+        if dim <= 0 or hidden_dim <= 0:
+            raise ValueError(
+                f"SwiGLU needs positive widths; got dim={dim}, hidden_dim={hidden_dim}."
+            )
+        out_init_std = init_std if out_init_std is None else out_init_std
+        k_gate, k_up, k_down = jax.random.split(key, 3)
+        self.w_gate = init_std * jax.random.normal(k_gate, (dim, hidden_dim), dtype)
+        self.w_up = init_std * jax.random.normal(k_up, (dim, hidden_dim), dtype)
+        self.w_down = out_init_std * jax.random.normal(k_down, (hidden_dim, dim), dtype)
+        self.spec = spec
+
+    def __call__(self, x: Hidden) -> Hidden:
+        """**Arguments:**
+
+        - `x`: `[batch, seq, embed]`.
+
+        **Returns:** `[batch, seq, embed]` in the dtype of `x`.
+        """
+        dtype = x.dtype
+        gate = jnp.einsum("bse,ef->bsf", x, self.w_gate.astype(dtype))
+        up = jnp.einsum("bse,ef->bsf", x, self.w_up.astype(dtype))
+        return jnp.einsum("bsf,fe->bse", jax.nn.silu(gate) * up, self.w_down.astype(dtype))

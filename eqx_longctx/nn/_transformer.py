@@ -1,0 +1,190 @@
+"""Pre-norm decoder block and a stack of identical blocks run with `lax.scan`.
+
+Einsum letters: none (the arithmetic lives in the sublayers).
+
+The stack stores every layer's weights with a leading `layers` axis (built by
+`eqx.filter_vmap` over the constructor), so a 32-layer model compiles one layer body once
+instead of 32 copies.
+"""
+
+from collections.abc import Callable
+from typing import final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import PRNGKeyArray
+
+from .._types import Hidden, Positions, SegmentIds
+from ._attention import SelfAttention
+from ._mlp import SwiGLU
+from ._norm import RMSNorm
+from ._rope import RoPE
+
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+@final
+class DecoderBlock(eqx.Module):
+    """`x + attn(norm(x))`, then `x + mlp(norm(x))` (the Llama block)."""
+
+    attn_norm: RMSNorm
+    attn: SelfAttention
+    mlp_norm: RMSNorm
+    mlp: SwiGLU
+    spec: object = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        hidden_dim: int,
+        *,
+        rope: RoPE,
+        key: PRNGKeyArray,
+        norm_eps: float = 1e-5,
+        qkv_bias: bool = False,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        dtype=jnp.float32,
+        spec=None,
+    ):
+        """**Arguments:**
+
+        - `dim`, `n_heads`, `n_kv_heads`, `head_dim`, `rope`, `qkv_bias`: as in
+          `SelfAttention`.
+        - `hidden_dim`: SwiGLU width.
+        - `key`: PRNG key.
+        - `norm_eps`: RMSNorm epsilon.
+        - `init_std`, `out_init_std`: standard deviations of the input and output
+          projections of both sublayers.
+        - `dtype`: parameter dtype.
+        - `spec`: the sharding spec, or `None` for one device.
+        """
+        k_attn, k_mlp = jax.random.split(key)
+        self.attn_norm = RMSNorm(dim, eps=norm_eps, dtype=dtype)
+        self.attn = SelfAttention(
+            dim,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            rope=rope,
+            key=k_attn,
+            qkv_bias=qkv_bias,
+            init_std=init_std,
+            out_init_std=out_init_std,
+            dtype=dtype,
+            spec=spec,
+        )
+        self.mlp_norm = RMSNorm(dim, eps=norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(
+            dim,
+            hidden_dim,
+            key=k_mlp,
+            init_std=init_std,
+            out_init_std=out_init_std,
+            dtype=dtype,
+            spec=spec,
+        )
+        self.spec = spec
+
+    def __call__(
+        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+    ) -> Hidden:
+        """**Arguments:**
+
+        - `x`: `[batch, seq, embed]` residual stream.
+        - `positions`: `[batch, seq]` RoPE positions.
+        - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
+
+        **Returns:** the updated residual stream, same shape and dtype.
+        """
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@final
+class LayerStack(eqx.Module):
+    """`n_layers` identical layers with stacked weights, applied in order with `lax.scan`.
+
+    Each layer is called as `layer(x, positions, segment_ids) -> x`. The remat policy
+    decides what the backward pass keeps from each layer's forward pass:
+
+    - `"none"`: keep every intermediate (fastest, most memory).
+    - `"full"`: keep only the layer inputs; recompute the layer in the backward pass.
+    - `"dots"`: keep the results of matmuls without batch dimensions (the projections),
+      recompute the cheap elementwise work (`jax.checkpoint_policies.
+      dots_with_no_batch_dims_saveable`).
+    """
+
+    layers: eqx.Module
+    n_layers: int = eqx.field(static=True)
+    remat: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        make_layer: Callable[[PRNGKeyArray], eqx.Module],
+        n_layers: int,
+        *,
+        key: PRNGKeyArray,
+        remat: str = "none",
+    ):
+        """**Arguments:**
+
+        - `make_layer`: builds one layer from a PRNG key; vmapped over `n_layers` keys, so
+          every array in the result gets a leading `layers` axis.
+        - `n_layers`: number of layers (> 0).
+        - `key`: PRNG key, split once per layer.
+        - `remat`: `"none"`, `"full"` or `"dots"`.
+        """
+        if n_layers <= 0:
+            raise ValueError(f"LayerStack needs at least one layer; got n_layers={n_layers}.")
+        self.layers = eqx.filter_vmap(make_layer)(jax.random.split(key, n_layers))
+        self.n_layers = n_layers
+        self.remat = remat
+
+    def __check_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat must be one of {REMAT_POLICIES}; got remat={self.remat!r}. "
+                "Use 'none' to keep activations, 'full' to recompute each layer, 'dots' to "
+                "keep only projection outputs."
+            )
+
+    def layer(self, i: int) -> eqx.Module:
+        """**Returns:** layer `i` alone, its weights sliced out of the stack."""
+        if not 0 <= i < self.n_layers:
+            raise ValueError(f"layer index must be in [0, {self.n_layers}); got i={i}.")
+        params, static = eqx.partition(self.layers, eqx.is_array)
+        return eqx.combine(jax.tree.map(lambda a: a[i], params), static)
+
+    def __call__(
+        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+    ) -> Hidden:
+        """**Arguments:**
+
+        - `x`: `[batch, seq, embed]` residual stream.
+        - `positions`: `[batch, seq]` RoPE positions.
+        - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
+
+        **Returns:** the residual stream after all layers, same shape and dtype.
+        """
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, layer_params):
+            layer = eqx.combine(layer_params, static)
+            return layer(h, positions, segment_ids), None
+
+        if self.remat == "full":
+            body = jax.checkpoint(body, prevent_cse=False)
+        elif self.remat == "dots":
+            body = jax.checkpoint(
+                body,
+                prevent_cse=False,
+                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            )
+        x, _ = lax.scan(body, x, params)
+        return x

@@ -82,56 +82,136 @@ def flash_attention(
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no
     key get `out = 0` and `lse = -inf`.
     """
-    b, sq, hq, d = q.shape
-    _, sk, hk, _ = k.shape
-    dv = v.shape[-1]
-    g = hq // hk
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError(
             "flash_attention needs q_segment_ids and kv_segment_ids together (or neither); "
             f"got q_segment_ids={'None' if q_segment_ids is None else 'array'} and "
             f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
         )
-    if scale is None:
-        scale = 1.0 / float(np.sqrt(d))
-    bq = min(block_q, sq)
-    bk = min(block_k, sk)
-    nq = -(-sq // bq)
-    nk = -(-sk // bk)
-    pad_q = nq * bq - sq
-    pad_k = nk * bk - sk
+    blocks = _Blocks.make(
+        q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k
+    )
+    config = blocks.config(causal, scale, q.shape[-1])
+    ob, lseb = _flash(
+        config, blocks.split_q(q), blocks.split_kv(k), blocks.split_kv(v), *blocks.masks
+    )
+    return blocks.merge_q(ob).astype(q.dtype), blocks.merge_rows(lseb)
 
-    if q_positions is None:
-        q_positions = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (b, sq))
-    if kv_positions is None:
-        kv_positions = jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (b, sk))
-    use_segments = q_segment_ids is not None or pad_k > 0
-    if use_segments:
-        if q_segment_ids is None:
+
+def flash_attention_backward(
+    q: Query,
+    k: Key,
+    v: Value,
+    dout: AttnOut,
+    lse: LogSumExp,
+    delta: LogSumExp,
+    *,
+    q_positions: Positions | None = None,
+    kv_positions: KvPositions | None = None,
+    q_segment_ids: SegmentIds | None = None,
+    kv_segment_ids: KvSegmentIds | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+):
+    """Gradients of one query block against one key block, given the row statistics.
+
+    With `lse` the logsumexp of a query row over *all* keys it attends (possibly spread over
+    several key blocks, as in ring attention) and `delta = rowsum(dout * out) - dlse`, the
+    probabilities `exp(s - lse)` restricted to this key block are exact, so the returned
+    `dk`, `dv` are this block's full contribution and `dq` its share of the query gradient.
+
+    **Returns:** `(dq, dk, dv)` in float32.
+    """
+    blocks = _Blocks.make(
+        q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k
+    )
+    config = blocks.config(causal, scale, q.shape[-1])
+    dqb, dkb, dvb = _backward_blocks(
+        config,
+        blocks.split_q(q),
+        blocks.split_kv(k),
+        blocks.split_kv(v),
+        *blocks.masks,
+        blocks.split_q(dout.astype(q.dtype)),
+        blocks.split_rows(lse),
+        blocks.split_rows(delta),
+    )
+    return blocks.merge_q(dqb), blocks.merge_kv(dkb), blocks.merge_kv(dvb)
+
+
+class _Blocks(NamedTuple):
+    """Static tiling of one (query, key) problem and the padded block-major mask inputs."""
+
+    b: int
+    sq: int
+    sk: int
+    hk: int
+    g: int
+    bq: int
+    bk: int
+    nq: int
+    nk: int
+    use_segments: bool
+    masks: tuple  # q_pos, kv_pos, q_seg, kv_seg in block-major layout [n, b, block]
+
+    @staticmethod
+    def make(q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k):
+        b, sq, hq, _ = q.shape
+        sk, hk = k.shape[1], k.shape[2]
+        bq, bk = min(block_q, sq), min(block_k, sk)
+        nq, nk = -(-sq // bq), -(-sk // bk)
+        pad_q, pad_k = nq * bq - sq, nk * bk - sk
+        if q_positions is None:
+            q_positions = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (b, sq))
+        if kv_positions is None:
+            kv_positions = jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (b, sk))
+        use_segments = q_segment_ids is not None or pad_k > 0
+        if use_segments and q_segment_ids is None:
             q_segment_ids = jnp.zeros((b, sq), jnp.int32)
             kv_segment_ids = jnp.zeros((b, sk), jnp.int32)
-        q_seg = _pad_seq(q_segment_ids.astype(jnp.int32), pad_q, _PAD_Q_SEGMENT)
-        kv_seg = _pad_seq(kv_segment_ids.astype(jnp.int32), pad_k, _PAD_KV_SEGMENT)
-        q_seg = q_seg.reshape(b, nq, bq).transpose(1, 0, 2)
-        kv_seg = kv_seg.reshape(b, nk, bk).transpose(1, 0, 2)
-    else:
-        q_seg = kv_seg = None
-    q_pos = _pad_seq(q_positions.astype(jnp.int32), pad_q, 0)
-    kv_pos = _pad_seq(kv_positions.astype(jnp.int32), pad_k, 0)
-    q_pos = q_pos.reshape(b, nq, bq).transpose(1, 0, 2)
-    kv_pos = kv_pos.reshape(b, nk, bk).transpose(1, 0, 2)
 
-    # [b, s, h, d] -> [n, b, k, g, block, d]: heads of one GQA group share a K/V head.
-    qb = _pad_seq(q, pad_q, 0).reshape(b, nq, bq, hk, g, d).transpose(1, 0, 3, 4, 2, 5)
-    kb = _pad_seq(k, pad_k, 0).reshape(b, nk, bk, hk, d).transpose(1, 0, 3, 2, 4)
-    vb = _pad_seq(v, pad_k, 0).reshape(b, nk, bk, hk, dv).transpose(1, 0, 3, 2, 4)
+        def rows(x, pad, value, n, block):
+            x = _pad_seq(x.astype(jnp.int32), pad, value)
+            return x.reshape(b, n, block).transpose(1, 0, 2)
 
-    config = _Config(causal=bool(causal), scale=float(scale), use_segments=use_segments)
-    ob, lseb = _flash(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg)
+        masks = (
+            rows(q_positions, pad_q, 0, nq, bq),
+            rows(kv_positions, pad_k, 0, nk, bk),
+            rows(q_segment_ids, pad_q, _PAD_Q_SEGMENT, nq, bq) if use_segments else None,
+            rows(kv_segment_ids, pad_k, _PAD_KV_SEGMENT, nk, bk) if use_segments else None,
+        )
+        return _Blocks(b, sq, sk, hk, hq // hk, bq, bk, nq, nk, use_segments, masks)
 
-    out = ob.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, hq, dv)[:, :sq]
-    lse = lseb.transpose(1, 0, 4, 2, 3).reshape(b, nq * bq, hq)[:, :sq]
-    return out.astype(q.dtype), lse
+    def config(self, causal: bool, scale: float | None, head_dim: int) -> "_Config":
+        scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else float(scale)
+        return _Config(causal=bool(causal), scale=scale, use_segments=self.use_segments)
+
+    def split_q(self, x):
+        """`[b, s, h, d]` -> `[n, b, k, g, block, d]`: a GQA group shares one K/V head."""
+        x = _pad_seq(x, self.nq * self.bq - self.sq, 0)
+        x = x.reshape(self.b, self.nq, self.bq, self.hk, self.g, x.shape[-1])
+        return x.transpose(1, 0, 3, 4, 2, 5)
+
+    def split_kv(self, x):
+        x = _pad_seq(x, self.nk * self.bk - self.sk, 0)
+        return x.reshape(self.b, self.nk, self.bk, self.hk, x.shape[-1]).transpose(1, 0, 3, 2, 4)
+
+    def split_rows(self, x):
+        """`[b, s, h]` row statistics -> `[n, b, k, g, block]`."""
+        return self.split_q(x[..., None])[..., 0]
+
+    def merge_q(self, x):
+        x = x.transpose(1, 0, 4, 2, 3, 5)
+        return x.reshape(self.b, self.nq * self.bq, self.hk * self.g, x.shape[-1])[:, : self.sq]
+
+    def merge_kv(self, x):
+        x = x.transpose(1, 0, 3, 2, 4)
+        return x.reshape(self.b, self.nk * self.bk, self.hk, x.shape[-1])[:, : self.sk]
+
+    def merge_rows(self, x):
+        return self.merge_q(x[..., None])[..., 0]
 
 
 def _pad_seq(x, pad: int, value):
@@ -232,15 +312,20 @@ def _flash_fwd(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
 def _flash_bwd(config, residuals, cotangents):
     qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
     dout, dlse = cotangents
-    nq = qb.shape[0]
     # d(loss)/d(score) = p * (dp - delta) with delta = rowsum(dout * out) - dlse.
     delta = jnp.einsum(
-        "nbkgsv,nbkgsv->nbkgs",
-        dout.astype(jnp.float32),
-        out.astype(jnp.float32),
+        "nbkgsv,nbkgsv->nbkgs", dout.astype(jnp.float32), out.astype(jnp.float32)
     ) - dlse.astype(jnp.float32)
+    dq, dk, dv = _backward_blocks(
+        config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout.astype(qb.dtype), lse, delta
+    )
+    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None, None, None, None
+
+
+def _backward_blocks(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta):
+    """Blockwise gradients (float32): outer loop over key blocks, inner over query blocks."""
+    nq = qb.shape[0]
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    dout = dout.astype(qb.dtype)
 
     def one_kv_block(dq, args):
         kj, vj, kpj, ksj = args
@@ -268,25 +353,20 @@ def _flash_bwd(config, residuals, cotangents):
                 dk = dk + jnp.einsum(
                     "bkgst,bkgsd->bktd", ds, qb[i], preferred_element_type=jnp.float32
                 )
-                dq = dq.at[i].add(dq_i)
-                return dk, dv, dq
+                return dk, dv, dq.at[i].add(dq_i)
 
             qsi = None if q_seg is None else q_seg[i]
             empty = _block_is_empty(config, q_pos[i], kpj, qsi, ksj)
             return lax.cond(empty, lambda c: c, compute, carry)
 
-        init = (
-            jnp.zeros(kj.shape, jnp.float32),
-            jnp.zeros(vj.shape, jnp.float32),
-            dq,
-        )
+        init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32), dq)
         dk, dv, dq = lax.fori_loop(0, nq, q_step, init)
-        return dq, (dk.astype(kj.dtype), dv.astype(vj.dtype))
+        return dq, (dk, dv)
 
     kv_seg_blocks = kv_seg if kv_seg is not None else jnp.zeros(kv_pos.shape, jnp.int32)
     dq0 = jnp.zeros(qb.shape, jnp.float32)
     dq, (dk, dv) = lax.scan(one_kv_block, dq0, (kb, vb, kv_pos, kv_seg_blocks))
-    return dq.astype(qb.dtype), dk, dv, None, None, None, None
+    return dq, dk, dv
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,45 @@
+"""Training: a functional train step, a resumable loop, orbax checkpoints and a CLI.
+
+`python -m eqx_longctx.train` (or `eqx-longctx-train`) trains the tiny Llama on the Python
+standard library in a few minutes on a laptop CPU. Library use:
+
+```python
+trainer = Trainer(TrainConfig(steps=200, run_dir="runs/demo"))
+result = trainer.run()
+print(result.summary())
+```
+"""
+
+from ._checkpoint import Checkpointer as Checkpointer
+from ._checkpoint import check_checkpoint_dir as check_checkpoint_dir
+from ._config import TrainConfig as TrainConfig
+from ._config import build_model_config as build_model_config
+from ._loop import Trainer as Trainer
+from ._loop import TrainResult as TrainResult
+from ._metrics import MetricsLog as MetricsLog
+from ._metrics import plot_metrics as plot_metrics
+from ._parallel import DataParallel as DataParallel
+from ._step import check_batch as check_batch
+from ._step import evaluate as evaluate
+from ._step import loss_fn as loss_fn
+from ._step import make_optimizer as make_optimizer
+from ._step import make_schedule as make_schedule
+from ._step import make_train_step as make_train_step
+
+__all__ = [
+    "Checkpointer",
+    "DataParallel",
+    "MetricsLog",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "build_model_config",
+    "check_batch",
+    "check_checkpoint_dir",
+    "evaluate",
+    "loss_fn",
+    "make_optimizer",
+    "make_schedule",
+    "make_train_step",
+    "plot_metrics",
+]

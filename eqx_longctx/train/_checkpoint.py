@@ -1,0 +1,215 @@
+"""Orbax checkpoints of (params, optimizer state) plus a JSON record of step and config.
+
+A checkpoint directory holds only orbax step folders (`<step>/state`, `<step>/meta`).
+Anything else there means the path is not ours: we refuse to write into or resume from it
+rather than clobber someone's files.
+"""
+
+import json
+import pathlib
+import re
+import shutil
+from typing import Any
+
+import equinox as eqx
+import jax
+import orbax.checkpoint as ocp
+
+_TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
+
+
+def _is_step_dir(path: pathlib.Path) -> bool:
+    return path.is_dir() and path.name.isdigit() and (path / "state").is_dir()
+
+
+def check_checkpoint_dir(directory: str | pathlib.Path) -> pathlib.Path:
+    """Check that `directory` is absent, empty, or holds only orbax checkpoints.
+
+    **Arguments:**
+
+    - `directory`: the checkpoint directory.
+
+    **Returns:** the directory as a `pathlib.Path`; raises `ValueError` otherwise.
+    """
+    path = pathlib.Path(directory).absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            "a checkpoint directory must be a directory that holds only orbax step folders; "
+            f"{path} is a file. Remove it or choose another --run-dir."
+        )
+    if path.is_dir():
+        foreign = sorted(
+            p.name for p in path.iterdir() if not (_is_step_dir(p) or _TMP_RE.match(p.name))
+        )
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise ValueError(
+                "a checkpoint directory must hold only orbax step folders (<step>/state); "
+                f"{path} also holds {len(foreign)} other entries: {shown}. Refusing to write "
+                "there or resume from it: choose another --run-dir or move those files away."
+            )
+    return path
+
+
+def _to_json(obj: Any) -> Any:
+    # Round trip through JSON so configs compare equal to what a checkpoint stored.
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _abstract(tree):
+    def spec(x):
+        sharding = getattr(x, "sharding", None)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(spec, tree)
+
+
+class Checkpointer:
+    """Saves and restores `(model, opt_state)` with orbax, keeping the newest few steps.
+
+    **Arguments:**
+
+    - `directory`: where step folders go; validated with [`check_checkpoint_dir`][].
+    - `max_to_keep`: how many of the newest checkpoints to keep.
+    - `async_save`: write in a background thread (the host copy is taken before `save`
+      returns, so training may continue at once).
+    """
+
+    def __init__(
+        self, directory: str | pathlib.Path, *, max_to_keep: int = 2, async_save: bool = True
+    ):
+        if max_to_keep < 1:
+            raise ValueError(
+                f"max_to_keep must be >= 1; got max_to_keep={max_to_keep}. Pass 1 or more."
+            )
+        self.directory = check_checkpoint_dir(directory)
+        # Half-written saves of a killed run; removed here, synchronously (orbax's own
+        # cleanup runs in a thread that a quick close() would cut short).
+        if self.directory.is_dir():
+            for p in self.directory.iterdir():
+                if _TMP_RE.match(p.name):
+                    shutil.rmtree(p)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def steps(self) -> list[int]:
+        """**Returns:** the saved steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """**Returns:** the newest saved step, or `None` when there is none."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, model, opt_state, meta: dict[str, Any]) -> None:
+        """Save `eqx.filter(model, eqx.is_array)`, `opt_state` and the JSON-able `meta`.
+
+        **Arguments:**
+
+        - `step`: number of completed updates.
+        - `model`: the Equinox model.
+        - `opt_state`: the optimizer state.
+        - `meta`: JSON-serialisable record (config, counters); `step` is added.
+        """
+        state = {"params": eqx.filter(model, eqx.is_array), "opt_state": opt_state}
+        meta = _to_json({**meta, "step": step})
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """**Returns:** the JSON record of `step` (default: the newest)."""
+        step = self._require_step(step)
+        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored["meta"])
+
+    def restore(self, model, opt_state, step: int | None = None):
+        """Restore into the structure, shapes, dtypes and shardings of `model`/`opt_state`.
+
+        **Arguments:**
+
+        - `model`: a freshly built model of the same config (its arrays give the targets).
+        - `opt_state`: a freshly initialised optimizer state for it.
+        - `step`: which checkpoint (default: the newest).
+
+        **Returns:** `(model, opt_state, meta)`.
+        """
+        step = self._require_step(step)
+        params, static = eqx.partition(model, eqx.is_array)
+        target = _abstract({"params": params, "opt_state": opt_state})
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+            ),
+        )
+        state = restored["state"]
+        return eqx.combine(state["params"], static), state["opt_state"], dict(restored["meta"])
+
+    def wait(self) -> None:
+        """Block until any background save has finished."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def delete_all(self) -> None:
+        """Delete every checkpoint in the (validated) directory."""
+        self.wait()
+        for step in self.steps():
+            self._manager.delete(step)
+
+    def _require_step(self, step: int | None) -> int:
+        steps = self.steps()
+        if not steps:
+            raise ValueError(
+                f"resuming needs a saved checkpoint; {self.directory} holds none. Train "
+                "without --resume first, or point --run-dir at the run that saved one."
+            )
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise ValueError(
+                f"a checkpoint can be restored only from a saved step; {self.directory} holds "
+                f"steps {steps}, not step {step}. Pass one of those steps (or None: the newest)."
+            )
+        return step
+
+
+def check_meta_matches(meta: dict[str, Any], model_config: dict[str, Any], where: str) -> None:
+    """Check that a checkpoint was written for the same model config.
+
+    **Arguments:**
+
+    - `meta`: the checkpoint's JSON record (holds `model_config`).
+    - `model_config`: the requested config as a dict.
+    - `where`: the checkpoint path, for the message.
+
+    **Returns:** nothing; raises `ValueError` listing the fields that differ.
+    """
+    saved = meta.get("model_config")
+    wanted = _to_json(model_config)
+    if saved == wanted:
+        return
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"a checkpoint must record its model config; {where} has none. Resume only from "
+            "checkpoints written by eqx_longctx.train, or start a fresh --run-dir."
+        )
+    keys = sorted(set(saved) | set(wanted))
+    diffs = [
+        f"{k}: saved={saved.get(k)!r} requested={wanted.get(k)!r}"
+        for k in keys
+        if saved.get(k) != wanted.get(k)
+    ]
+    raise ValueError(
+        "the resumed model config must match the checkpoint's; "
+        f"{where} differs in {'; '.join(diffs)}. Pass the same --preset/--override flags "
+        "as the run that wrote it, or start a fresh --run-dir."
+    )

@@ -1,0 +1,180 @@
+"""`python -m eqx_longctx.train` / `eqx-longctx-train`: train the tiny Llama from the shell.
+
+Arguments are parsed before anything touches JAX: `--devices` must set the number of CPU
+devices before the first array exists, so the model and data modules (which may build
+arrays when imported) are imported inside `main`, after that.
+"""
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from ._config import TrainConfig
+
+
+def _override(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(
+            f"--override takes FIELD=VALUE (a LlamaConfig field); got {text!r}. "
+            "Example: --override n_layers=2"
+        )
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """**Returns:** the argument parser of the training CLI."""
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="eqx-longctx-train",
+        description="Train a Llama on a text corpus (default: the tiny preset on the Python "
+        "standard library). Writes metrics.jsonl, loss.png and orbax checkpoints to --run-dir.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--preset", default=d.preset, help="models.llama.PRESETS key")
+    p.add_argument(
+        "--override",
+        action="append",
+        type=_override,
+        default=[],
+        metavar="FIELD=VALUE",
+        help="replace a LlamaConfig field (repeatable)",
+    )
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per row")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per step")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="global gradient norm")
+    p.add_argument(
+        "--data", default=d.data, help="text file or folder (default: the Python standard library)"
+    )
+    p.add_argument("--max-bytes", type=int, default=d.max_bytes, help="corpus bytes to read")
+    p.add_argument("--run-dir", default=d.run_dir, help="metrics, plot and checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=d.eval_batches,
+        help="validation batches per evaluation (0: the whole split)",
+    )
+    p.add_argument(
+        "--final-eval-batches",
+        type=int,
+        default=d.final_eval_batches or 0,
+        help="validation batches after the last step (0: the whole split)",
+    )
+    p.add_argument("--log-every", type=int, default=d.log_every, help="metrics.jsonl stride")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an earlier run's checkpoints and metrics in --run-dir",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=d.devices,
+        help="data-parallel devices (on CPU: fake devices)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default=d.on_nonfinite)
+    p.add_argument(
+        "--remat",
+        choices=("none", "full", "dots"),
+        default=None,
+        help="rematerialisation policy (default: the preset's)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _set_cpu_devices(n: int) -> None:
+    """Ask for `n` CPU devices; possible only before JAX creates its backends."""
+    import jax
+
+    current = jax.config.jax_num_cpu_devices  # pyright: ignore[reportAttributeAccessIssue]
+    if n <= 1 or current >= n:
+        return
+    flag = f"--xla_force_host_platform_device_count={n}"
+    os.environ["XLA_FLAGS"] = " ".join(
+        [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f] + [flag]
+    )
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass  # backends already exist (e.g. inside a notebook); the Trainer checks the count
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags, train, print a summary.
+
+    **Arguments:**
+
+    - `argv`: the flags (default `sys.argv[1:]`).
+
+    **Returns:** the exit status: 0 when training completed, 1 when it stopped at a
+    non-finite loss, 2 on invalid settings (the `ValueError` message is printed), 130 on
+    Ctrl-C (background checkpoint writes are finished first).
+    """
+    args = build_parser().parse_args(argv)
+    _set_cpu_devices(args.devices)
+
+    from ._loop import Trainer
+
+    try:
+        config = TrainConfig(
+            preset=args.preset,
+            model_overrides=dict(args.override),
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            weight_decay=args.weight_decay,
+            clip_norm=args.clip_norm,
+            data=args.data,
+            max_bytes=args.max_bytes,
+            run_dir=args.run_dir,
+            checkpoint_every=args.checkpoint_every,
+            eval_every=args.eval_every,
+            eval_batches=args.eval_batches or None,
+            final_eval_batches=args.final_eval_batches or None,
+            log_every=args.log_every,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            devices=args.devices,
+            seed=args.seed,
+            on_nonfinite=args.on_nonfinite,
+            remat=args.remat,
+            progress=not args.no_progress,
+        )
+        trainer = Trainer(config)
+        print(
+            f"training {config.preset} ({trainer.model.num_params():,} parameters) for "
+            f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
+            f"{config.devices} device(s), "
+            f"{'resuming at step ' + str(trainer.step) if config.resume else 'fresh run'} "
+            f"in {trainer.run_dir}",
+            flush=True,
+        )
+        try:
+            result = trainer.run()
+        except KeyboardInterrupt:
+            last = trainer.checkpointer.latest_step()
+            print(
+                f"\ninterrupted at step {trainer.step}; the newest checkpoint is step {last}. "
+                f"Continue with the same flags plus --resume (run dir {trainer.run_dir}).",
+                file=sys.stderr,
+            )
+            return 130
+        finally:
+            trainer.close()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.summary(), flush=True)
+    return 0 if result.status == "completed" else 1

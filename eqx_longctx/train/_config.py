@@ -1,0 +1,159 @@
+"""What a training run is: every knob in one frozen dataclass, validated on construction."""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+NONFINITE_MODES = ("stop", "skip")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Settings of one training run (the CLI flags map one to one onto these fields).
+
+    **Arguments:**
+
+    - `preset`: key of `models.llama.PRESETS`.
+    - `model_overrides`: `LlamaConfig` fields to replace, e.g. `{"num_layers": 2}`.
+    - `seq_len`, `batch_size`: tokens per row, rows per step.
+    - `steps`: total optimizer steps (the cosine schedule spans them).
+    - `lr`, `warmup_steps`, `weight_decay`, `clip_norm`: see `make_optimizer`.
+    - `data`: corpus path (`None`: the Python standard library); `max_bytes`: read at most
+      this much of it (`None`: the data package's default); `val_fraction`: held-out share.
+    - `run_dir`: where `metrics.jsonl`, `loss.png` and `checkpoints/` go.
+    - `checkpoint_every`, `eval_every`, `log_every`: in steps; the last step always
+      evaluates and checkpoints.
+    - `eval_batches`: validation batches per periodic evaluation (`None`: the whole
+      split); `final_eval_batches`: the same for the evaluation after the last step.
+    - `keep_checkpoints`: how many newest checkpoints orbax keeps.
+    - `resume`: continue from the newest checkpoint in `run_dir`.
+    - `overwrite`: delete an earlier run's checkpoints and metrics in `run_dir`.
+    - `devices`: data-parallel devices (the batch is split over a mesh axis `"data"`).
+    - `seed`: model init, validation split and batch order.
+    - `on_nonfinite`: `"stop"` ends the run at a non-finite loss; `"skip"` drops the update.
+    - `remat`: `"none"`, `"full"` or `"dots"` (see `eqx_longctx.nn.LayerStack`);
+      `None` keeps the preset's.
+    - `progress`: show a tqdm progress bar.
+    """
+
+    preset: str = "tiny"
+    model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 300
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    data: str | None = None
+    max_bytes: int | None = 4 * 2**20
+    val_fraction: float = 0.05
+    run_dir: str = "runs/latest"
+    checkpoint_every: int = 100
+    eval_every: int = 50
+    log_every: int = 1
+    eval_batches: int | None = 16
+    final_eval_batches: int | None = None
+    keep_checkpoints: int = 2
+    resume: bool = False
+    overwrite: bool = False
+    devices: int = 1
+    seed: int = 0
+    on_nonfinite: str = "stop"
+    remat: str | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(
+                f"on_nonfinite must be one of {NONFINITE_MODES}; got "
+                f"on_nonfinite={self.on_nonfinite!r}. Pass 'stop' to end the run at the first "
+                "non-finite loss or 'skip' to drop that update and continue."
+            )
+        positive = {
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "steps": self.steps,
+            "checkpoint_every": self.checkpoint_every,
+            "eval_every": self.eval_every,
+            "log_every": self.log_every,
+            "keep_checkpoints": self.keep_checkpoints,
+            "devices": self.devices,
+        }
+        bad = {k: v for k, v in positive.items() if v < 1}
+        if bad:
+            raise ValueError(f"these settings must be at least 1; got {bad}. Pass positive values.")
+        for name in ("eval_batches", "final_eval_batches"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(
+                    f"{name} must be >= 1 or None (the whole split); got {name}={value}. "
+                    "Pass a positive count or None."
+                )
+        if self.batch_size % self.devices:
+            raise ValueError(
+                "data parallelism splits each batch evenly over the devices, so batch_size "
+                f"must be divisible by devices; got batch_size={self.batch_size}, "
+                f"devices={self.devices}. Pass --batch-size as a multiple of {self.devices}."
+            )
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "resume continues the checkpoints in run_dir while overwrite deletes them; got "
+                "resume=True and overwrite=True. Pass only one of --resume / --overwrite."
+            )
+
+
+def build_model_config(config: TrainConfig, vocab_size: int):
+    """The `LlamaConfig` a run trains: the preset, fitted to the tokenizer and `seq_len`.
+
+    **Arguments:**
+
+    - `config`: the run settings (`preset`, `model_overrides`, `remat`, `seq_len`).
+    - `vocab_size`: the tokenizer's vocabulary size.
+
+    **Returns:** a `models.llama.LlamaConfig`.
+    """
+    from models.llama import PRESETS, LlamaConfig
+
+    if config.preset not in PRESETS:
+        raise ValueError(
+            f"preset must be one of {sorted(PRESETS)}; got preset={config.preset!r}. "
+            "Pass e.g. --preset tiny."
+        )
+    base = PRESETS[config.preset]
+    fields = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(config.model_overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"model overrides must name LlamaConfig fields; got unknown {unknown}. "
+            f"Valid fields: {sorted(fields)}."
+        )
+    changes: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "max_seq_len": max(base.max_seq_len, config.seq_len),
+    }
+    if config.remat is not None:
+        changes["remat"] = config.remat
+    for name, value in config.model_overrides.items():
+        changes[name] = _coerce(value, getattr(base, name), name)
+    return LlamaConfig.from_preset(config.preset, **changes)
+
+
+def _coerce(value: Any, like: Any, name: str) -> Any:
+    """Turn a CLI string into the type of the preset's value for that field."""
+    if not isinstance(value, str) or isinstance(like, str) or like is None:
+        return value
+    if isinstance(like, bool):
+        if value.lower() in ("1", "true", "yes"):
+            return True
+        if value.lower() in ("0", "false", "no"):
+            return False
+    else:
+        try:
+            return type(like)(value)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(
+        f"override {name}={value!r} must parse as {type(like).__name__} like the preset's "
+        f"value {like!r}. Pass e.g. --override {name}={like}."
+    )

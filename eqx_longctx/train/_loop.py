@@ -1,0 +1,315 @@
+"""The training loop: data, model, optimizer, metrics, evaluation and checkpoints in order.
+
+Resume is exact: batches are a pure function of (seed, step), and the checkpoint holds the
+parameters, the optimizer state (whose step count drives the schedule), the step and the
+skipped-step count, so step `s + 1` after a resume sees what it would have seen.
+"""
+
+import dataclasses
+import functools
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
+from ._config import TrainConfig, build_model_config
+from ._metrics import MetricsLog, plot_metrics
+from ._parallel import DataParallel
+from ._step import check_batch, evaluate, make_optimizer, make_train_step
+
+BatchHook = Callable[[int, Any], Any]
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run ended with.
+
+    - `status`: `"completed"`, `"nonfinite"` (stopped by `on_nonfinite="stop"`) or
+      `"interrupted"` (stopped early by `run(stop_at=...)`).
+    - `step`: completed steps (a step that stopped the run does not count);
+      `skipped_steps`: updates dropped as non-finite by `on_nonfinite="skip"`.
+    - `wall_time`: seconds, including earlier segments of a resumed run.
+    - `val`: the last validation `{"loss", "bpb", "tokens"}`, or `None`.
+    - `model`, `opt_state`: the final (last finite) state.
+    - `metrics_path`, `plot_path`, `checkpoint_dir`, `checkpoint_steps`: where things are.
+    """
+
+    status: str
+    step: int
+    skipped_steps: int
+    wall_time: float
+    val: dict[str, float] | None
+    model: Any
+    opt_state: Any
+    metrics_path: pathlib.Path
+    plot_path: pathlib.Path
+    checkpoint_dir: pathlib.Path
+    checkpoint_steps: list[int]
+
+    def summary(self) -> str:
+        """**Returns:** a few human-readable lines about the run."""
+        val = "n/a" if self.val is None else f"{self.val['bpb']:.4f}"
+        return "\n".join(
+            [
+                f"status:        {self.status}",
+                f"steps:         {self.step} ({self.skipped_steps} skipped as non-finite)",
+                f"wall time:     {self.wall_time:.1f} s",
+                f"val bpb:       {val}",
+                f"metrics:       {self.metrics_path}",
+                f"loss curve:    {self.plot_path}",
+                f"checkpoints:   {self.checkpoint_dir} (steps {self.checkpoint_steps})",
+            ]
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_train_step(lr, warmup_steps, total_steps, weight_decay, clip_norm):
+    # One function object per optimizer setting, so fresh Trainers reuse the compiled step.
+    optimizer = make_optimizer(lr, warmup_steps, total_steps, weight_decay, clip_norm)
+    return optimizer, make_train_step(optimizer)
+
+
+class Trainer:
+    """Builds everything a run needs from a [`TrainConfig`][], then [`run`][] trains.
+
+    Construction validates the run directory: it resumes from (`resume=True`), clears
+    (`overwrite=True`), or refuses to touch an earlier run's checkpoints.
+
+    **Arguments:**
+
+    - `config`: the run settings.
+    - `datasets`: `(train, val)` `PackedDataset`s to use instead of loading `config.data`.
+    - `batch_hook`: `hook(step, batch) -> batch` applied to every training batch (to inject
+      faults in tests, or augment).
+    """
+
+    def __init__(self, config: TrainConfig, *, datasets=None, batch_hook: BatchHook | None = None):
+        from eqx_longctx.data import ByteTokenizer, load_datasets
+        from models.llama import Llama
+
+        self.config = config
+        self.batch_hook = batch_hook
+        if datasets is None:
+            kwargs: dict[str, Any] = {}
+            if config.max_bytes is not None:
+                kwargs["max_bytes"] = config.max_bytes
+            datasets = load_datasets(
+                config.data,
+                seq_len=config.seq_len,
+                seed=config.seed,
+                val_fraction=config.val_fraction,
+                **kwargs,
+            )
+        self.train_data, self.val_data = datasets
+        lengths = {d.tokens.shape[1] for d in datasets}
+        if lengths != {config.seq_len}:
+            raise ValueError(
+                "the datasets must be packed at the configured seq_len; got rows of length "
+                f"{sorted(lengths)} and seq_len={config.seq_len}. Pack them with "
+                f"load_datasets(seq_len={config.seq_len}) or change seq_len."
+            )
+        self.model_config = build_model_config(config, ByteTokenizer.vocab_size)
+        self.parallel = DataParallel(config.devices)
+
+        # Validate the run directory before the (slow) model build.
+        self.run_dir = pathlib.Path(config.run_dir)
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ValueError(
+                f"run_dir must be a directory; got run_dir={str(self.run_dir)!r}, which is a "
+                "file. Pass another --run-dir."
+            )
+        checkpoint_dir = check_checkpoint_dir(self.run_dir / "checkpoints")
+        if config.resume and not checkpoint_dir.is_dir():
+            raise ValueError(
+                f"resuming needs a saved checkpoint; {checkpoint_dir} does not exist. Train "
+                "without --resume first, or point --run-dir at the run that saved one."
+            )
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.plot_path = self.run_dir / "loss.png"
+        self.checkpointer = Checkpointer(checkpoint_dir, max_to_keep=config.keep_checkpoints)
+        try:
+            self._init_state(Llama)
+        except BaseException:
+            self.checkpointer.close()
+            raise
+        self.last_val: dict[str, float] | None = None
+
+    def _init_state(self, model_class) -> None:
+        """Build model and optimizer state: fresh, or restored from the newest checkpoint."""
+        config, checkpointer = self.config, self.checkpointer
+        if config.resume:
+            meta = checkpointer.read_meta()  # raises when there is no checkpoint
+            model_config = dataclasses.asdict(self.model_config)
+            check_meta_matches(meta, model_config, str(checkpointer.directory))
+        elif checkpointer.steps() and not config.overwrite:
+            raise ValueError(
+                "a fresh run must not mix with an earlier run's checkpoints; "
+                f"{checkpointer.directory} holds steps {checkpointer.steps()}. Pass --resume "
+                "to continue that run, --overwrite to delete it, or a new --run-dir."
+            )
+        replicate = self.parallel.replicate
+        model = replicate(model_class(self.model_config, key=jax.random.key(config.seed)))
+        self.optimizer, self.train_step = _cached_train_step(
+            config.lr, config.warmup_steps, config.steps, config.weight_decay, config.clip_norm
+        )
+        opt_state = replicate(self.optimizer.init(eqx.filter(model, eqx.is_inexact_array)))
+        self.step, self.skipped, self.wall_offset = 0, 0, 0.0
+        if config.resume:
+            model, opt_state, meta = checkpointer.restore(model, opt_state)
+            self.step, self.skipped = meta["step"], meta.get("skipped_steps", 0)
+            self.wall_offset = meta.get("wall_time", 0.0)
+            self.metrics.truncate_after(self.step)
+        else:
+            checkpointer.delete_all()  # empty unless overwrite=True
+            self.metrics.reset()
+        self.model, self.opt_state = model, opt_state
+
+    def _meta(self, wall_time: float) -> dict[str, Any]:
+        train = {
+            k: v
+            for k, v in dataclasses.asdict(self.config).items()
+            if k not in ("resume", "overwrite", "progress")
+        }
+        return {
+            "model_config": dataclasses.asdict(self.model_config),
+            "train_config": train,
+            "skipped_steps": self.skipped,
+            "wall_time": wall_time,
+        }
+
+    def evaluate(self, final: bool = False) -> dict[str, float]:
+        """Validation loss and bits per byte of the current model, on `eval_batches`
+        batches (`final_eval_batches` when `final`)."""
+        cfg = self.config
+        max_batches = cfg.final_eval_batches if final else cfg.eval_batches
+        put = self.parallel.shard_batch
+        val = evaluate(self.model, self.val_data, cfg.batch_size, max_batches=max_batches, put=put)
+        return {**val, "final": final}
+
+    def run(self, stop_at: int | None = None) -> TrainResult:
+        """Train from the current step to `config.steps` (or to `stop_at`, like a kill).
+
+        **Arguments:**
+
+        - `stop_at`: end after this step without a final evaluation or checkpoint.
+
+        **Returns:** a [`TrainResult`][].
+        """
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        start = time.perf_counter() - self.wall_offset
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.step,
+            disable=not cfg.progress,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        say = bar.write if cfg.progress else print
+        status = "completed" if stop_at is None or stop_at >= cfg.steps else "interrupted"
+        smooth, checked = None, False
+        try:
+            while self.step < end:
+                t0 = time.perf_counter()
+                batch = self.train_data.batch(self.step, cfg.batch_size)
+                if self.batch_hook is not None:
+                    batch = self.batch_hook(self.step, batch)
+                if not checked:  # once per segment: ids are all in range or nothing runs
+                    check_batch(batch, self.model_config.vocab_size)
+                    checked = True
+                model, opt_state, m = self.train_step(
+                    self.model, self.opt_state, self.parallel.shard_batch(batch)
+                )
+                m = {k: v.item() for k, v in jax.device_get(m).items()}
+                dt = time.perf_counter() - t0
+                if not m["finite"]:
+                    if cfg.on_nonfinite == "stop":
+                        status = "nonfinite"
+                        say(self._stop_message(self.step + 1, m))
+                        break
+                    self.skipped += 1
+                    say(
+                        f"step {self.step + 1}: non-finite loss={m['loss']} grad_norm="
+                        f"{m['grad_norm']}; update skipped ({self.skipped} so far)."
+                    )
+                self.model, self.opt_state, self.step = model, opt_state, self.step + 1
+                if math.isfinite(m["loss"]):
+                    smooth = m["loss"] if smooth is None else 0.9 * smooth + 0.1 * m["loss"]
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{smooth:.3f}" if smooth is not None else "nan",
+                    tok_s=f"{tokens_per_step / dt:,.0f}",
+                    refresh=False,
+                )
+                wall = time.perf_counter() - start
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    keys = ("loss", "bpb", "lr", "grad_norm", "tokens")
+                    record = {"split": "train", "step": self.step, **{k: m[k] for k in keys}}
+                    record.update(tokens_per_s=tokens_per_step / dt, wall_time=wall)
+                    self.metrics.write({**record, "skipped_steps": self.skipped})
+                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                    self.last_val = self.evaluate(final=self.step == cfg.steps)
+                    self.metrics.write(
+                        {"split": "val", "step": self.step, **self.last_val, "wall_time": wall}
+                    )
+                    say(
+                        f"step {self.step}: val loss {self.last_val['loss']:.4f} nats/token, "
+                        f"{self.last_val['bpb']:.4f} bits/byte"
+                    )
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                    self.checkpointer.save(
+                        self.step,
+                        self.model,
+                        self.opt_state,
+                        self._meta(time.perf_counter() - start),
+                    )
+        finally:
+            bar.close()
+            self.checkpointer.wait()
+        wall = time.perf_counter() - start
+        records = self.metrics.read()
+        if records:
+            plot_metrics(records, self.plot_path, title=f"{cfg.preset} on {cfg.data or 'stdlib'}")
+        return TrainResult(
+            status=status,
+            step=self.step,
+            skipped_steps=self.skipped,
+            wall_time=wall,
+            val=self.last_val,
+            model=self.model,
+            opt_state=self.opt_state,
+            metrics_path=self.metrics.path,
+            plot_path=self.plot_path,
+            checkpoint_dir=self.checkpointer.directory,
+            checkpoint_steps=self.checkpointer.steps(),
+        )
+
+    def _stop_message(self, step: int, m: dict[str, Any]) -> str:
+        last = self.checkpointer.latest_step()
+        kept = (
+            "no checkpoint was saved yet"
+            if last is None
+            else (
+                f"the last good checkpoint (step {last}) in {self.checkpointer.directory} is intact"
+            )
+        )
+        return (
+            f"step {step}: loss is not finite (loss={m['loss']}, grad_norm="
+            f"{m['grad_norm']}); stopping because on_nonfinite='stop'. The update was dropped and "
+            f"{kept}. Lower --lr, or pass --on-nonfinite skip to drop such updates and continue."
+        )
+
+    def close(self) -> None:
+        """Finish background saves and release the checkpoint manager."""
+        self.checkpointer.close()

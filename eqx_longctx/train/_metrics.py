@@ -1,0 +1,112 @@
+"""Metrics as JSON lines, and the loss-curve plot drawn from them."""
+
+import json
+import math
+import pathlib
+from typing import Any
+
+
+class MetricsLog:
+    """Append-only JSON-lines log: one object per line, each with `split` and `step`.
+
+    **Arguments:**
+
+    - `path`: the `.jsonl` file (created on first write).
+    """
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path)
+
+    def read(self) -> list[dict[str, Any]]:
+        """**Returns:** every record, in file order (a torn last line is dropped)."""
+        if not self.path.exists():
+            return []
+        records = []
+        for line in self.path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        return records
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only records with `step <= step`, so a resumed run continues the curve."""
+        kept = [r for r in self.read() if r.get("step", 0) <= step]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def reset(self) -> None:
+        """Delete the log."""
+        self.path.unlink(missing_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record and flush it to disk."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+
+def plot_metrics(records: list[dict[str, Any]], path: str | pathlib.Path, title: str = "") -> None:
+    """Draw train and validation bits per byte (and the learning rate) against step.
+
+    **Arguments:**
+
+    - `records`: as read by [`MetricsLog.read`][].
+    - `path`: the `.png` to write.
+    - `title`: figure title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r.get("split") == "train" and r.get("bpb") is not None]
+    val = [r for r in records if r.get("split") == "val" and r.get("bpb") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if train:
+        steps = [r["step"] for r in train]
+        bpb = [r["bpb"] for r in train]
+        ax.plot(steps, bpb, color="tab:blue", alpha=0.3, lw=0.8)
+        ax.plot(steps, _ema(bpb, 0.9), color="tab:blue", lw=1.6, label="train (EMA 0.9)")
+    if val:
+        ax.plot(
+            [r["step"] for r in val],
+            [r["bpb"] for r in val],
+            "o-",
+            color="tab:orange",
+            lw=1.6,
+            label="validation",
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per byte")
+    ax.grid(alpha=0.3)
+    if train and any(r.get("lr") is not None for r in train):
+        lr_ax = ax.twinx()
+        lr_ax.plot(
+            [r["step"] for r in train],
+            [math.nan if r.get("lr") is None else r["lr"] for r in train],
+            color="gray",
+            lw=0.8,
+            ls="--",
+            label="learning rate",
+        )
+        lr_ax.set_ylabel("learning rate", color="gray")
+    if train or val:
+        ax.legend(loc="upper right")
+    ax.set_title(title)
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _ema(values: list[float], decay: float) -> list[float]:
+    out, avg = [], None
+    for v in values:
+        avg = v if avg is None else decay * avg + (1 - decay) * v
+        out.append(avg)
+    return out

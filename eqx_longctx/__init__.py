@@ -1,5 +1,9 @@
 """eqx_longctx: Equinox transformers for very long sequences in JAX."""
 
+from ._layout import from_layout as from_layout
+from ._layout import layout_order as layout_order
+from ._layout import to_layout as to_layout
+from ._sharding import ShardingSpec as ShardingSpec
 from .attention import attention as attention
 from .attention import flash_attention as flash_attention
 from .attention import reference_attention as reference_attention

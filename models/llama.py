@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from eqx_longctx import ShardingSpec, layout_order
 from eqx_longctx._types import Hidden, Logits, Positions, SegmentIds, Tokens
 from eqx_longctx.nn import REMAT_POLICIES, DecoderBlock, LayerStack, RMSNorm, RoPE
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
@@ -145,7 +146,7 @@ class Llama(eqx.Module):
     norm: RMSNorm
     lm_head: Float[Array, "embed vocab"] | None
     config: LlamaConfig = eqx.field(static=True)
-    spec: object = eqx.field(static=True)
+    spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, spec=None):
         """**Arguments:**
@@ -229,7 +230,18 @@ class Llama(eqx.Module):
         **Returns:** `[batch, seq, vocab]` float32 logits.
         """
         self._check_shapes(x.shape[:2], "x", positions, segment_ids)
+        if self.spec is None:
+            return self._forward(x, positions, segment_ids)
+        logits_pspec = self.spec.activation_pspec()
+        return self.spec.auto_axes(self._forward, logits_pspec)(x, positions, segment_ids)
+
+    def _forward(self, x, positions, segment_ids):
         dtype = jnp.dtype(self.config.compute_dtype)
+        if self.spec is not None:
+            x = self.spec.place(x, self.spec.activation_pspec())
+            positions = self.spec.place(positions, self.spec.token_pspec())
+            if segment_ids is not None:
+                segment_ids = self.spec.place(segment_ids, self.spec.token_pspec())
         x = self.layers(x.astype(dtype), positions, segment_ids)
         x = self.norm(x)
         if self.lm_head is None:
@@ -270,8 +282,11 @@ class Llama(eqx.Module):
                 ".astype(jnp.int32)."
             )
         if positions is None:
+            # Tokens arrive in the spec's layout order: each one's RoPE position is its
+            # original index.
             batch, seq = tokens.shape
-            positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+            order = np.arange(seq) if self.spec is None else layout_order(self.spec, seq)
+            positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (batch, seq))
         positions = jnp.asarray(positions)
         segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
         self._check_shapes(tokens.shape, "tokens", positions, segment_ids)

@@ -1,5 +1,7 @@
 """Shared test helpers: tolerances keyed by dtype, relative error, random inputs."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,3 +26,49 @@ def assert_close(actual, expected, dtype=jnp.float32, factor: float = 1.0, what:
 def random_segment_ids(key, batch: int, seq: int, max_docs: int = 4):
     """Sorted random segment ids: packed documents of random lengths in each row."""
     return jnp.sort(jax.random.randint(key, (batch, seq), 0, max_docs), axis=1).astype(jnp.int32)
+
+
+def pairwise_cover(factors: dict, seed_rows=()) -> list[dict]:
+    """Rows (`{factor: value}`) in which every pair of values of every two factors appears.
+
+    Keeps `seed_rows` first, then adds rows of the full product greedily, each covering the
+    most pairs not yet covered (ties go to the earliest in product order, so the result is
+    the same in every pytest-xdist worker).
+    """
+    names = list(factors)
+
+    def pairs(row):
+        return frozenset((a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2))
+
+    uncovered = {
+        (a, x, b, y)
+        for a, b in itertools.combinations(names, 2)
+        for x in factors[a]
+        for y in factors[b]
+    }
+    rows = [dict(r) for r in seed_rows]
+    for row in rows:
+        uncovered -= pairs(row)
+    candidates = [
+        dict(zip(names, values, strict=True)) for values in itertools.product(*factors.values())
+    ]
+    candidate_pairs = [pairs(row) for row in candidates]
+    while uncovered:
+        best = max(range(len(candidates)), key=lambda i: len(candidate_pairs[i] & uncovered))
+        rows.append(candidates[best])
+        uncovered -= candidate_pairs[best]
+    return rows
+
+
+def segment_ids_from_lengths(rows_of_lengths) -> np.ndarray:
+    """`int32 [batch, seq]` segment ids of packed rows: document `j` of a row gets id `j`."""
+    return np.stack([np.repeat(np.arange(len(ls)), ls) for ls in rows_of_lengths]).astype(np.int32)
+
+
+def make_mesh(shape: tuple, names: tuple, axes: str = "explicit"):
+    """A mesh over the fake CPU devices: `"explicit"` as users build it (`jax.make_mesh`,
+    Explicit axes), or `"auto"` (`jax.sharding.Mesh`, Auto axes)."""
+    if axes == "explicit":
+        return jax.make_mesh(shape, names)
+    n = int(np.prod(shape))
+    return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)

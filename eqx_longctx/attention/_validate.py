@@ -51,3 +51,45 @@ def _is_integer(dtype) -> bool:
     import numpy as np
 
     return np.issubdtype(dtype, np.integer)
+
+
+def check_spec_inputs(spec, q, k, segment_ids) -> str:
+    """Check shapes against a `ShardingSpec`; return the strategy to run (resolving "auto")."""
+    from .._layout import check_sequence_length
+
+    b, s, hq, _ = q.shape
+    hk = k.shape[2]
+    nb = spec.axis_size(spec.batch_axis)
+    if b % nb:
+        raise ValueError(
+            f"batch_axis {spec.batch_axis!r} has {nb} devices, so the batch must be divisible "
+            f"by {nb}; got batch={b}. Use a batch of {-(-b // nb) * nb}, or batch_axis=None."
+        )
+    check_sequence_length(spec, s)
+    nt = spec.axis_size(spec.tensor_axis)
+    if hq % nt or hk % nt:
+        raise ValueError(
+            f"tensor_axis {spec.tensor_axis!r} has {nt} devices and shards the heads, so "
+            f"q_heads and kv_heads must be divisible by {nt}; got q_heads={hq}, kv_heads={hk}. "
+            "Use a smaller tensor axis, or tensor_axis=None."
+        )
+    strategy = spec.strategy
+    if strategy == "auto":
+        from ._plan import choose_strategy
+
+        strategy = choose_strategy(spec, q, k).strategy
+    if strategy in ("ulysses", "usp"):
+        axis = spec.context_axis if strategy == "ulysses" else spec.ulysses_axis
+        n = spec.axis_size(axis)
+        local_heads = hq // nt
+        if local_heads % n:
+            alt = "use strategy='usp' with a smaller ulysses axis, or 'ring'"
+            if strategy == "usp":
+                alt = "use a ulysses axis whose size divides the heads, or strategy='ring'"
+            raise ValueError(
+                f"strategy={strategy!r} over axis {axis!r} (size {n}) needs num_heads "
+                f"divisible by {n}, got {local_heads}"
+                + (f" (q_heads={hq} over tensor axis of size {nt})" if nt > 1 else "")
+                + f": {alt}."
+            )
+    return strategy

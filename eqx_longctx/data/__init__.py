@@ -8,6 +8,7 @@ both splits into rows whose `Batch`es carry segment ids and per-document positio
 from ._corpus import load_corpus as load_corpus
 from ._corpus import load_datasets as load_datasets
 from ._corpus import split_documents as split_documents
+from ._device import place_batch as place_batch
 from ._packing import Batch as Batch
 from ._packing import PackedDataset as PackedDataset
 from ._packing import pack_documents as pack_documents

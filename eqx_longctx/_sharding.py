@@ -1,0 +1,212 @@
+"""`ShardingSpec`: which mesh axis carries the batch, the sequence, the heads.
+
+Every module that touches sharded data receives one explicitly; nothing reads a global mesh.
+"""
+
+from typing import Literal, final
+
+import equinox as eqx
+import jax
+from jax.core import Tracer
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+Strategy = Literal["all_gather", "ulysses", "ring", "usp", "auto"]
+LoadBalance = Literal["none", "zigzag", "striped"]
+STRATEGIES = ("all_gather", "ulysses", "ring", "usp", "auto")
+LOAD_BALANCES = ("none", "zigzag", "striped")
+_DEFAULT_BATCH_AXIS = "data"
+
+
+@final
+class ShardingSpec(eqx.Module):
+    """How a long sequence is split over a device mesh, and how attention communicates.
+
+    Immutable and validated on construction; hashable, so modules keep it as a static field.
+
+    **Arguments:**
+
+    - `mesh`: a `jax.sharding.Mesh` (from `jax.make_mesh`, Explicit axes, or `Mesh(...)`,
+      Auto axes: both work).
+    - `strategy`: `"all_gather"` (gather K/V), `"ulysses"` (all-to-all over heads), `"ring"`
+      (K/V blocks passed around a ring), `"usp"` (Ulysses over `ulysses_axis`, ring over
+      `context_axis`) or `"auto"` (chosen per call by a cost model).
+    - `load_balance`: token layout for causal balance: `"none"` (contiguous chunks),
+      `"zigzag"` (device `i` holds chunks `i` and `2N-1-i` of `2N`) or `"striped"` (token `t`
+      on device `t mod N`).
+    - `batch_axis`: mesh axis for the batch dimension, or `None`. Defaults to `"data"` when
+      the mesh has such an axis, else `None`.
+    - `context_axis`: mesh axis the sequence is split over (the ring axis under `"usp"`).
+    - `ulysses_axis`: the all-to-all axis; required by `"usp"` only.
+    - `tensor_axis`: mesh axis for heads / MLP hidden units, or `None`.
+    """
+
+    mesh: Mesh = eqx.field(static=True)
+    strategy: str = eqx.field(static=True, default="ring")
+    load_balance: str = eqx.field(static=True, default="zigzag")
+    batch_axis: str | None = eqx.field(static=True, default=_DEFAULT_BATCH_AXIS)
+    context_axis: str = eqx.field(static=True, default="context")
+    ulysses_axis: str | None = eqx.field(static=True, default=None)
+    tensor_axis: str | None = eqx.field(static=True, default=None)
+
+    def __init__(
+        self,
+        mesh: object,  # checked below, with an error that says how to build one
+        strategy: str = "ring",
+        load_balance: str = "zigzag",
+        batch_axis: str | None = _DEFAULT_BATCH_AXIS,
+        context_axis: str = "context",
+        ulysses_axis: str | None = None,
+        tensor_axis: str | None = None,
+    ):
+        if not isinstance(mesh, Mesh):
+            raise ValueError(
+                f"ShardingSpec needs a jax.sharding.Mesh; got {type(mesh).__name__}. Build one "
+                "with jax.make_mesh((data, context), ('data', 'context'))."
+            )
+        if batch_axis == _DEFAULT_BATCH_AXIS and batch_axis not in mesh.axis_names:
+            batch_axis = None
+        self.mesh = mesh
+        self.strategy = strategy
+        self.load_balance = load_balance
+        self.batch_axis = batch_axis
+        self.context_axis = context_axis
+        self.ulysses_axis = ulysses_axis
+        self.tensor_axis = tensor_axis
+
+    def __check_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"ShardingSpec: unknown strategy {self.strategy!r}; choose one of {STRATEGIES}."
+            )
+        if self.load_balance not in LOAD_BALANCES:
+            raise ValueError(
+                f"ShardingSpec: unknown load_balance {self.load_balance!r}; choose one of "
+                f"{LOAD_BALANCES}."
+            )
+        names = self.mesh.axis_names
+        roles = {
+            "batch_axis": self.batch_axis,
+            "context_axis": self.context_axis,
+            "ulysses_axis": self.ulysses_axis,
+            "tensor_axis": self.tensor_axis,
+        }
+        for role, axis in roles.items():
+            if axis is not None and axis not in names:
+                raise ValueError(
+                    f"ShardingSpec: {role}={axis!r} is not an axis of the mesh, whose axes are "
+                    f"{tuple(names)}. Use one of those names, or None."
+                )
+        used = [(r, a) for r, a in roles.items() if a is not None]
+        for i, (role_a, axis_a) in enumerate(used):
+            for role_b, axis_b in used[i + 1 :]:
+                if axis_a == axis_b:
+                    raise ValueError(
+                        f"ShardingSpec: mesh axis {axis_a!r} is used twice, as {role_a} and "
+                        f"{role_b}; each role needs its own mesh axis (set one of them to None "
+                        "or add an axis to the mesh)."
+                    )
+        if self.strategy == "usp":
+            if self.ulysses_axis is None:
+                raise ValueError(
+                    "ShardingSpec: strategy='usp' needs ulysses_axis (the all-to-all axis; the "
+                    f"ring runs over context_axis={self.context_axis!r}). Add an axis to the "
+                    "mesh for it, or use strategy='ring' or 'ulysses'."
+                )
+            if self.mesh.shape[self.ulysses_axis] == 1:
+                raise ValueError(
+                    f"ShardingSpec: strategy='usp' needs ulysses_axis {self.ulysses_axis!r} of "
+                    "size > 1, got size 1. Use strategy='ring' over the context axis instead."
+                )
+        elif self.ulysses_axis is not None:
+            raise ValueError(
+                f"ShardingSpec: ulysses_axis={self.ulysses_axis!r} is used only by "
+                f"strategy='usp', got strategy={self.strategy!r}. Drop ulysses_axis or set "
+                "strategy='usp'."
+            )
+
+    # ---- derived sizes -------------------------------------------------------------------
+
+    def axis_size(self, axis: str | None) -> int:
+        """Number of devices along `axis` (1 for `None`)."""
+        return 1 if axis is None else int(self.mesh.shape[axis])
+
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        """Mesh axes the sequence is split over, major to minor."""
+        if self.ulysses_axis is not None:
+            return (self.ulysses_axis, self.context_axis)
+        return (self.context_axis,)
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Number of sequence shards `N` (ulysses x context under `"usp"`)."""
+        n = 1
+        for axis in self.sequence_axes:
+            n *= self.axis_size(axis)
+        return n
+
+    # ---- shardings ---------------------------------------------------------------------
+
+    def token_pspec(self) -> PartitionSpec:
+        """Partition spec of `[batch, seq]` arrays (tokens, positions, segment ids)."""
+        return PartitionSpec(self.batch_axis, self.sequence_axes)
+
+    def activation_pspec(self) -> PartitionSpec:
+        """Partition spec of `[batch, seq, embed]` activations."""
+        return PartitionSpec(self.batch_axis, self.sequence_axes, None)
+
+    def heads_pspec(self) -> PartitionSpec:
+        """Partition spec of `[batch, seq, heads, head_dim]` arrays."""
+        return PartitionSpec(self.batch_axis, self.sequence_axes, self.tensor_axis, None)
+
+    def sharding(self, pspec: PartitionSpec) -> NamedSharding:
+        return NamedSharding(self.mesh, pspec)
+
+    @property
+    def is_explicit(self) -> bool:
+        """Whether the mesh has Explicit axes (the `jax.make_mesh` default)."""
+        return _is_explicit(self.mesh)
+
+    def compute_mesh(self) -> Mesh:
+        """The mesh to place and `shard_map` with right now.
+
+        The spec's own mesh, except inside `jax.sharding.auto_axes` (how the models run an
+        Explicit mesh, so that autodiff of dense layers needs no output-sharding
+        annotations), where the same devices are used with Auto axes.
+        """
+        if self.is_explicit and _in_auto_context(self.mesh):
+            types = (jax.sharding.AxisType.Auto,) * len(self.mesh.axis_names)
+            return Mesh(self.mesh.devices, self.mesh.axis_names, axis_types=types)
+        return self.mesh
+
+    def place(self, x, pspec: PartitionSpec):
+        """Constrain `x` to `pspec` on this mesh, under `jit` or eagerly, Explicit or Auto."""
+        mesh = self.compute_mesh()
+        sharding = NamedSharding(mesh, pspec)
+        if _is_explicit(mesh):
+            return jax.sharding.reshard(x, sharding)
+        if isinstance(x, Tracer):
+            return jax.lax.with_sharding_constraint(x, sharding)
+        return jax.device_put(x, sharding)
+
+    def auto_axes(self, fn, out_pspec: PartitionSpec):
+        """Run `fn` with this mesh's axes Auto when the mesh is Explicit (else as is)."""
+        if not self.is_explicit or _in_auto_context(self.mesh):
+            return fn
+        return jax.sharding.auto_axes(
+            fn, axes=tuple(self.mesh.axis_names), out_sharding=self.sharding(out_pspec)
+        )
+
+
+def _in_auto_context(mesh: Mesh) -> bool:
+    current = jax.sharding.get_abstract_mesh()
+    if current is None or getattr(current, "empty", True):
+        return False
+    if tuple(current.axis_names) != tuple(mesh.axis_names):
+        return False
+    return not _is_explicit(current)
+
+
+def _is_explicit(mesh: Mesh | AbstractMesh) -> bool:
+    types = getattr(mesh, "axis_types", ())
+    return any(str(t).endswith("Explicit") for t in types)

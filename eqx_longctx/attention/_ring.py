@@ -1,0 +1,167 @@
+"""Ring context parallelism: K/V blocks travel around the ring, queries stay put.
+
+Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers" (arXiv:2310.01889).
+Each of the `N` devices holds one query shard and one K/V shard. For `N` steps it attends its
+queries to the K/V shard it currently holds and passes that shard (with its token positions
+and segment ids) to the next device with `lax.ppermute`; the next shard's transfer is issued
+before the current shard's compute so the two can overlap. Partial results merge by online
+softmax in float32 (`_merge`: a log-add-exp that never forms `inf - inf`, so rows that see
+no key stay exactly zero). Hops that the causal mask or disjoint segments leave empty are
+skipped with `lax.cond`, not computed and zeroed.
+
+The backward (`jax.custom_vjp`) runs the ring again: each device recomputes its block's
+probabilities from the saved global logsumexp, keeps its query gradient, and sends float32
+dK/dV accumulators around the ring with the K/V shard; after `N` hops they are home.
+Communication: `N-1` K/V hops forward; `N-1` K/V hops and `N` dK/dV hops backward.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._local import _block_is_empty, _Config, flash_attention, flash_attention_backward
+
+
+class _RingConfig(NamedTuple):
+    axis: str
+    causal: bool
+    scale: float
+
+
+def ring_attention(q, k, v, positions, segment_ids, *, axis: str, causal: bool, scale):
+    """Local shard of ring attention over mesh axis `axis` (call inside `shard_map`).
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: this device's `[batch, seq/N, heads, dim]` shards.
+    - `positions`: `[batch, seq/N]` original token indices of this shard's tokens.
+    - `segment_ids`: `[batch, seq/N]` ints or `None`.
+
+    **Returns:** this shard's attention output, `q`'s dtype.
+    """
+    scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
+    config = _RingConfig(axis=axis, causal=bool(causal), scale=scale)
+    return _ring(config, q, k, v, positions, segment_ids)
+
+
+def _hop_is_empty(config: _RingConfig, q_pos, kv_pos, q_seg, kv_seg):
+    block_config = _Config(config.causal, config.scale, q_seg is not None)
+    return _block_is_empty(block_config, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def _shift(tree, axis: str):
+    n = lax.axis_size(axis)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    return jax.tree.map(lambda x: lax.ppermute(x, axis, perm), tree)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Combine two softmax partials over disjoint key sets (float32, -inf safe)."""
+    new = jnp.logaddexp(lse, block_lse)
+    finite = jnp.isfinite(new)
+    safe = jnp.where(finite, new, 0.0)
+    w_old = jnp.where(finite, jnp.exp(lse - safe), 0.0)[..., None]
+    w_new = jnp.where(finite, jnp.exp(block_lse - safe), 0.0)[..., None]
+    return w_old * out + w_new * block_out.astype(jnp.float32), new
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(config, q, k, v, positions, segment_ids):
+    out, _ = _ring_forward(config, q, k, v, positions, segment_ids)
+    return out
+
+
+def _ring_forward(config, q, k, v, positions, segment_ids):
+    b, s, h, _ = q.shape
+    kw = dict(causal=config.causal, scale=config.scale)
+
+    def attend(acc, shard):
+        out, lse = acc
+        k_j, v_j, pos_j, seg_j = shard
+
+        def compute(acc):
+            block_out, block_lse = flash_attention(
+                q,
+                k_j,
+                v_j,
+                q_positions=positions,
+                kv_positions=pos_j,
+                q_segment_ids=segment_ids,
+                kv_segment_ids=seg_j,
+                **kw,
+            )
+            return _merge(out, lse, block_out, block_lse)
+
+        empty = _hop_is_empty(config, positions, pos_j, segment_ids, seg_j)
+        return lax.cond(empty, lambda acc: acc, compute, acc)
+
+    def step(carry, _):
+        acc, shard = carry
+        incoming = _shift(shard, config.axis)  # issued before this hop's compute
+        return (attend(acc, shard), incoming), None
+
+    acc0 = (
+        jnp.zeros((b, s, h, v.shape[-1]), jnp.float32),
+        jnp.full((b, s, h), -jnp.inf, jnp.float32),
+    )
+    n = lax.axis_size(config.axis)
+    shard0 = (k, v, positions, segment_ids)
+    (acc, last), _ = lax.scan(step, (acc0, shard0), None, length=n - 1)
+    out, lse = attend(acc, last)
+    return out.astype(q.dtype), lse
+
+
+def _ring_fwd(config, q, k, v, positions, segment_ids):
+    out, lse = _ring_forward(config, q, k, v, positions, segment_ids)
+    return out, (q, k, v, positions, segment_ids, out, lse)
+
+
+def _ring_bwd(config, residuals, dout):
+    q, k, v, positions, segment_ids, out, lse = residuals
+    delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
+    kw = dict(causal=config.causal, scale=config.scale)
+
+    def grads(dq, shard, acc):
+        k_j, v_j, pos_j, seg_j = shard
+
+        def compute(operands):
+            dq, (dk, dv) = operands
+            dq_j, dk_j, dv_j = flash_attention_backward(
+                q,
+                k_j,
+                v_j,
+                dout,
+                lse,
+                delta,
+                q_positions=positions,
+                kv_positions=pos_j,
+                q_segment_ids=segment_ids,
+                kv_segment_ids=seg_j,
+                **kw,
+            )
+            return dq + dq_j, (dk + dk_j, dv + dv_j)
+
+        empty = _hop_is_empty(config, positions, pos_j, segment_ids, seg_j)
+        return lax.cond(empty, lambda x: x, compute, (dq, acc))
+
+    def step(carry, _):
+        dq, shard, acc = carry
+        incoming = _shift(shard, config.axis)
+        dq, acc = grads(dq, shard, acc)
+        return (dq, incoming, _shift(acc, config.axis)), None
+
+    n = lax.axis_size(config.axis)
+    acc0 = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dq0 = jnp.zeros(q.shape, jnp.float32)
+    carry0 = (dq0, (k, v, positions, segment_ids), acc0)
+    (dq, last, acc), _ = lax.scan(step, carry0, None, length=n - 1)
+    dq, acc = grads(dq, last, acc)
+    dk, dv = _shift(acc, config.axis)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,58 @@
+"""Ulysses context parallelism: all-to-all from sequence shards to head shards and back.
+
+Jacobs et al. 2023, "DeepSpeed Ulysses" (arXiv:2309.14509). Each device trades its slice of
+the sequence for a slice of the heads, runs full-sequence attention on those heads, and
+trades back. Two beyond-the-paper properties:
+
+- GQA/MQA with `kv_heads` not divisible by the Ulysses degree `N` (but `q_heads` is): each
+  K/V head is repeated `r = N / gcd(kv_heads, N)` times before the all-to-all, so every
+  device receives the K/V heads its query heads use (for MQA that is one head per device).
+- Load-balanced layouts: token positions travel with the tokens (all-gathered), so the
+  causal mask stays correct whatever order the sequence is in.
+"""
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from ._local import flash_attention
+
+
+def kv_repeats(kv_heads: int, degree: int) -> int:
+    """How many times each K/V head is repeated so that the heads split over `degree`."""
+    return degree // math.gcd(kv_heads, degree)
+
+
+def ulysses_attention(
+    q, k, v, positions, segment_ids, *, axis: str, causal: bool, scale, inner=None
+):
+    """Sequence-sharded in, sequence-sharded out; heads are sharded over `axis` inside.
+
+    `inner(q, k, v, positions, segment_ids)` attends the head shard over the full sequence
+    gathered over `axis` (default: the local flash attention; USP passes the ring).
+    """
+    degree = lax.axis_size(axis)
+    r = kv_repeats(k.shape[2], degree)
+    if r > 1:
+        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    to_heads = lambda x: lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731
+    gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    positions = gather(positions)
+    segment_ids = None if segment_ids is None else gather(segment_ids)
+    if inner is None:
+        out, _ = flash_attention(
+            q,
+            k,
+            v,
+            q_positions=positions,
+            kv_positions=positions,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            causal=causal,
+            scale=scale,
+        )
+    else:
+        out = inner(q, k, v, positions, segment_ids)
+    return lax.all_to_all(out, axis, 1, 2, tiled=True)

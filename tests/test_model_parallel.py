@@ -1,0 +1,86 @@
+"""The Llama model gives the same logits and gradients under every strategy and layout."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+from jax.sharding import Mesh
+
+import eqx_longctx as el
+from eqx_longctx.data import Batch, place_batch
+from models.llama import PRESETS, Llama
+
+CONFIG = dataclasses.replace(
+    PRESETS["tiny"], dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8, hidden_dim=96
+)
+# (strategy, mesh shape, axis names, ulysses axis)
+MESHES = [
+    ("all_gather", (2, 4), ("data", "context"), None),
+    ("ring", (2, 4), ("data", "context"), None),
+    ("ring", (1, 8), ("data", "context"), None),
+    ("ulysses", (1, 8), ("data", "context"), None),
+    ("usp", (2, 4), ("ulysses", "context"), "ulysses"),
+]
+
+
+@pytest.fixture(scope="module")
+def packed():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, CONFIG.vocab_size, (4, 64)).astype(np.int32)
+    seg = np.sort(rng.integers(1, 4, (4, 64)), axis=1).astype(np.int32)
+    pos = np.zeros_like(seg)
+    for r in range(4):
+        for d in np.unique(seg[r]):
+            idx = np.flatnonzero(seg[r] == d)
+            pos[r, idx] = np.arange(idx.size)
+    return tokens, pos, seg
+
+
+def _loss(model, tokens, pos, seg):
+    logits = model(tokens, pos, seg)
+    return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+
+
+@pytest.mark.parametrize("strategy,shape,names,ulysses", MESHES)
+@pytest.mark.parametrize("load_balance", ["none", "zigzag", "striped"])
+def test_same_logits_and_grads_as_one_device(packed, strategy, shape, names, ulysses, load_balance):
+    tokens, pos, seg = packed
+    model = Llama(CONFIG, key=jax.random.PRNGKey(0))
+    ref_logits = model(tokens, pos, seg)
+    ref_grads = eqx.filter_grad(_loss)(model, tokens, pos, seg)
+
+    mesh = jax.make_mesh(shape, names)
+    spec = el.ShardingSpec(mesh, strategy, load_balance, ulysses_axis=ulysses)
+    sharded = Llama(CONFIG, key=jax.random.PRNGKey(0), spec=spec)
+    lay = lambda x: el.to_layout(x, spec)  # noqa: E731
+    logits = eqx.filter_jit(lambda m, t, p, s: m(t, p, s))(sharded, lay(tokens), lay(pos), lay(seg))
+    assert_close(el.from_layout(logits, spec), ref_logits, what="logits")
+    grads = eqx.filter_jit(eqx.filter_grad(_loss))(sharded, lay(tokens), lay(pos), lay(seg))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert_close(a, b, factor=5, what="parameter gradient")
+
+
+def test_default_positions_follow_the_layout():
+    """Without explicit positions, each token's RoPE position is its original index."""
+    tokens = np.random.default_rng(1).integers(0, CONFIG.vocab_size, (2, 32)).astype(np.int32)
+    model = Llama(CONFIG, key=jax.random.PRNGKey(0))
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "context"))  # Auto axes
+    spec = el.ShardingSpec(mesh, "ring", "zigzag")
+    sharded = Llama(CONFIG, key=jax.random.PRNGKey(0), spec=spec)
+    logits = jax.jit(lambda m, t: m(t))(sharded, el.to_layout(tokens, spec))
+    assert_close(el.from_layout(logits, spec), model(tokens), what="logits")
+
+
+def test_place_batch_lays_out_and_shards():
+    mesh = jax.make_mesh((2, 4), ("data", "context"))
+    spec = el.ShardingSpec(mesh, "ring", "striped")
+    host = Batch(*(np.arange(2 * 16, dtype=np.int32).reshape(2, 16) + i for i in range(5)))
+    batch = place_batch(host, spec)
+    assert batch.tokens.sharding.spec == spec.token_pspec()
+    np.testing.assert_array_equal(np.asarray(el.from_layout(np.asarray(batch.tokens), spec)), host.tokens)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        place_batch(Batch(*(np.zeros((2, 10), np.int32) for _ in range(5))), spec)

@@ -46,6 +46,7 @@ def small_config(run_dir, **changes) -> TrainConfig:
         eval_every=4,
         eval_batches=2,
         progress=False,
+        devices=1,
     )
     return dataclasses.replace(base, **changes)
 
@@ -267,7 +268,13 @@ def test_error_token_ids_outside_vocabulary(tmp_path, datasets):
     ("changes", "match"),
     [
         ({"on_nonfinite": "explode"}, "on_nonfinite must be one of"),
-        ({"batch_size": 6, "devices": 4}, "batch_size must be divisible by devices"),
+        (
+            {"batch_size": 6, "devices": 4, "mesh": "data=4,context=1"},
+            "batch_size must be divisible by 4",
+        ),
+        ({"seq_len": 24, "devices": 8, "mesh": "context=8"}, "seq_len divisible by 16"),
+        ({"devices": 8, "mesh": "data=2,context=2"}, "has 4 devices but devices=8"),
+        ({"devices": 2, "mesh": "data=2"}, "needs a 'context' axis"),
         ({"steps": 0}, "must be at least 1"),
         ({"resume": True, "overwrite": True}, "Pass only one of --resume / --overwrite"),
     ],

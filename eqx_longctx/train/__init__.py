@@ -18,7 +18,7 @@ from ._loop import Trainer as Trainer
 from ._loop import TrainResult as TrainResult
 from ._metrics import MetricsLog as MetricsLog
 from ._metrics import plot_metrics as plot_metrics
-from ._parallel import DataParallel as DataParallel
+from ._parallel import Placement as Placement
 from ._step import check_batch as check_batch
 from ._step import evaluate as evaluate
 from ._step import loss_fn as loss_fn
@@ -28,7 +28,7 @@ from ._step import make_train_step as make_train_step
 
 __all__ = [
     "Checkpointer",
-    "DataParallel",
+    "Placement",
     "MetricsLog",
     "TrainConfig",
     "TrainResult",

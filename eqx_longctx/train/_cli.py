@@ -78,7 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         type=int,
         default=d.devices,
-        help="data-parallel devices (on CPU: fake devices)",
+        help="devices to run on (on CPU: fake devices; 1 = no mesh)",
+    )
+    p.add_argument(
+        "--mesh",
+        default=d.mesh,
+        help="mesh axis sizes, e.g. data=2,context=4 or ulysses=2,context=4 (default: "
+        "context=DEVICES)",
+    )
+    p.add_argument(
+        "--strategy",
+        default=d.strategy,
+        choices=("all_gather", "ulysses", "ring", "usp", "auto"),
+        help="context-parallel attention strategy",
+    )
+    p.add_argument(
+        "--load-balance",
+        default=d.load_balance,
+        choices=("none", "zigzag", "striped"),
+        help="token layout that balances causal work over the context axis",
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default=d.on_nonfinite)
@@ -147,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             resume=args.resume,
             overwrite=args.overwrite,
             devices=args.devices,
+            mesh=args.mesh,
+            strategy=args.strategy,
+            load_balance=args.load_balance,
             seed=args.seed,
             on_nonfinite=args.on_nonfinite,
             remat=args.remat,
@@ -156,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"training {config.preset} ({trainer.model.num_params():,} parameters) for "
             f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
-            f"{config.devices} device(s), "
+            f"{trainer.parallel.describe()}, "
             f"{'resuming at step ' + str(trainer.step) if config.resume else 'fresh run'} "
             f"in {trainer.run_dir}",
             flush=True,

@@ -5,6 +5,34 @@ from collections.abc import Mapping
 from typing import Any
 
 NONFINITE_MODES = ("stop", "skip")
+MESH_AXES = ("data", "ulysses", "context", "tensor")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`"data=2,context=4"` -> `{"data": 2, "context": 4}` (axes in the order given)."""
+    shape: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, size = part.partition("=")
+        if not sep or not size.strip().isdigit() or name.strip() not in MESH_AXES:
+            raise ValueError(
+                f"mesh must look like 'data=2,context=4' with axes from {MESH_AXES}; got "
+                f"{text!r} (bad part {part!r})."
+            )
+        shape[name.strip()] = int(size)
+    if "context" not in shape:
+        raise ValueError(
+            f"mesh needs a 'context' axis (the sequence is split over it); got {text!r}. "
+            "Add context=1 for plain data parallelism."
+        )
+    return shape
+
+
+def default_mesh(devices: int) -> str:
+    """The mesh of a run on `devices` devices by default: the batch over 2 of them if it can,
+    the sequence over the rest (context parallelism)."""
+    if devices >= 4 and devices % 2 == 0:
+        return f"data=2,context={devices // 2}"
+    return f"context={devices}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +56,9 @@ class TrainConfig:
     - `keep_checkpoints`: how many newest checkpoints orbax keeps.
     - `resume`: continue from the newest checkpoint in `run_dir`.
     - `overwrite`: delete an earlier run's checkpoints and metrics in `run_dir`.
-    - `devices`: data-parallel devices (the batch is split over a mesh axis `"data"`).
+    - `devices`: how many (on CPU: fake) devices to run on.
+    - `mesh`: their mesh, e.g. `"data=2,context=4"` (`None`: every device on `"context"`).
+    - `strategy`, `load_balance`: context-parallel attention (see `ShardingSpec`).
     - `seed`: model init, validation split and batch order.
     - `on_nonfinite`: `"stop"` ends the run at a non-finite loss; `"skip"` drops the update.
     - `remat`: `"none"`, `"full"` or `"dots"` (see `eqx_longctx.nn.LayerStack`);
@@ -57,7 +87,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = False
     overwrite: bool = False
-    devices: int = 1
+    devices: int = 8
+    mesh: str | None = None
+    strategy: str = "ring"
+    load_balance: str = "zigzag"
     seed: int = 0
     on_nonfinite: str = "stop"
     remat: str | None = None
@@ -90,16 +123,38 @@ class TrainConfig:
                     f"{name} must be >= 1 or None (the whole split); got {name}={value}. "
                     "Pass a positive count or None."
                 )
-        if self.batch_size % self.devices:
-            raise ValueError(
-                "data parallelism splits each batch evenly over the devices, so batch_size "
-                f"must be divisible by devices; got batch_size={self.batch_size}, "
-                f"devices={self.devices}. Pass --batch-size as a multiple of {self.devices}."
-            )
+        if self.devices > 1 or self.mesh is not None:
+            self._check_mesh()
         if self.resume and self.overwrite:
             raise ValueError(
                 "resume continues the checkpoints in run_dir while overwrite deletes them; got "
                 "resume=True and overwrite=True. Pass only one of --resume / --overwrite."
+            )
+
+    def _check_mesh(self) -> None:
+        shape = parse_mesh(self.mesh or default_mesh(self.devices))
+        total = 1
+        for size in shape.values():
+            total *= size
+        if total != self.devices:
+            raise ValueError(
+                f"the mesh {shape} has {total} devices but devices={self.devices}; make the "
+                "axis sizes multiply to the device count (--mesh / --devices)."
+            )
+        data = shape.get("data", 1)
+        if self.batch_size % data:
+            raise ValueError(
+                f"the batch is split over the mesh axis 'data' of size {data}, so batch_size "
+                f"must be divisible by {data}; got batch_size={self.batch_size}. Pass "
+                f"--batch-size as a multiple of {data}."
+            )
+        n = shape["context"] * shape.get("ulysses", 1)
+        need = 2 * n if self.load_balance == "zigzag" else n
+        if self.seq_len % need:
+            raise ValueError(
+                f"load_balance={self.load_balance!r} over {n} sequence shards needs seq_len "
+                f"divisible by {need}; got seq_len={self.seq_len}. Pass --seq-len as a "
+                f"multiple of {need}."
             )
 
 

@@ -20,7 +20,7 @@ import jax
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
 from ._config import TrainConfig, build_model_config
 from ._metrics import MetricsLog, plot_metrics
-from ._parallel import DataParallel
+from ._parallel import Placement
 from ._step import check_batch, evaluate, make_optimizer, make_train_step
 
 BatchHook = Callable[[int, Any], Any]
@@ -115,7 +115,7 @@ class Trainer:
                 f"load_datasets(seq_len={config.seq_len}) or change seq_len."
             )
         self.model_config = build_model_config(config, ByteTokenizer.vocab_size)
-        self.parallel = DataParallel(config.devices)
+        self.parallel = Placement(config.devices, config.mesh, config.strategy, config.load_balance)
 
         # Validate the run directory before the (slow) model build.
         self.run_dir = pathlib.Path(config.run_dir)
@@ -154,7 +154,9 @@ class Trainer:
                 "to continue that run, --overwrite to delete it, or a new --run-dir."
             )
         replicate = self.parallel.replicate
-        model = replicate(model_class(self.model_config, key=jax.random.key(config.seed)))
+        model = replicate(
+            model_class(self.model_config, key=jax.random.key(config.seed), spec=self.parallel.spec)
+        )
         self.optimizer, self.train_step = _cached_train_step(
             config.lr, config.warmup_steps, config.steps, config.weight_decay, config.clip_norm
         )

@@ -1,39 +1,79 @@
-"""Plain data parallelism through `jit`: the batch is split over a mesh axis `"data"`, the
-model and optimizer state are replicated, and XLA inserts the gradient all-reduce."""
+"""Where a training run's arrays live: one device, or a mesh with a `ShardingSpec`.
+
+On a mesh the batch is split over `"data"` (if the mesh has it), the sequence over
+`"context"` (and `"ulysses"` under USP) in the spec's load-balanced layout, and the model
+and optimizer state are replicated; attention runs the spec's context-parallel strategy and
+XLA inserts the gradient reductions.
+"""
 
 import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from eqx_longctx import ShardingSpec
+from eqx_longctx.data import place_batch
 
-class DataParallel:
-    """Placement of a data-parallel run over the first `num_devices` JAX devices.
+from ._config import default_mesh, parse_mesh
+
+
+class Placement:
+    """The devices, mesh and sharding spec of one run.
 
     **Arguments:**
 
-    - `num_devices`: devices to use; 1 keeps everything on the default device.
+    - `devices`: how many devices to use; 1 keeps everything on the default device.
+    - `mesh`: axis sizes such as `"data=2,context=4"` (product = `devices`), or `None` for
+      `default_mesh(devices)`.
+    - `strategy`, `load_balance`: the `ShardingSpec`'s (see `eqx_longctx.ShardingSpec`).
     """
 
-    def __init__(self, num_devices: int):
+    def __init__(
+        self,
+        devices: int,
+        mesh: str | None = None,
+        strategy: str = "ring",
+        load_balance: str = "zigzag",
+    ):
         available = jax.devices()
-        if not 1 <= num_devices <= len(available):
+        if not 1 <= devices <= len(available):
             raise ValueError(
-                f"devices={num_devices} needs that many JAX devices (and at least 1); this "
+                f"devices={devices} needs that many JAX devices (and at least 1); this "
                 f"process has {len(available)}. On CPU, pass --devices before JAX starts (the "
                 "CLI does) or set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{num_devices}; or pass fewer devices."
+                f"{devices}; or pass fewer devices."
             )
-        self.num_devices = num_devices
-        if num_devices == 1:
-            self.mesh = None
-            self._batch = self._replicated = available[0]
-        else:
-            # An Auto-axis mesh (not jax.make_mesh's Explicit default): jit propagates the
-            # shardings and eager ops on the replicated model keep working.
-            self.mesh = Mesh(np.array(available[:num_devices]), ("data",))
-            self._batch = NamedSharding(self.mesh, PartitionSpec("data"))
-            self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.num_devices = devices
+        self.spec: ShardingSpec | None = None
+        if devices == 1 and mesh is None:
+            self._replicated = available[0]
+            return
+        shape = parse_mesh(mesh or default_mesh(devices))
+        if int(np.prod(list(shape.values()))) != devices:
+            raise ValueError(
+                f"the mesh {mesh!r} has {int(np.prod(list(shape.values())))} devices but "
+                f"devices={devices}; make the axis sizes multiply to the device count."
+            )
+        # Auto axes: jit propagates shardings through the replicated model and optimizer.
+        grid = np.array(available[:devices]).reshape(tuple(shape.values()))
+        self.mesh = Mesh(grid, tuple(shape))
+        self.spec = ShardingSpec(
+            self.mesh,
+            strategy=strategy,
+            load_balance=load_balance,
+            ulysses_axis="ulysses" if "ulysses" in shape else None,
+            tensor_axis="tensor" if "tensor" in shape else None,
+        )
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+
+    def describe(self) -> str:
+        if self.spec is None:
+            return "1 device"
+        axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        return (
+            f"{self.num_devices} devices (mesh {axes}; strategy={self.spec.strategy}, "
+            f"load_balance={self.spec.load_balance})"
+        )
 
     def replicate(self, tree):
         """**Returns:** `tree` with every array copied to all devices (other leaves kept)."""
@@ -41,5 +81,5 @@ class DataParallel:
         return eqx.combine(jax.device_put(arrays, self._replicated), rest)
 
     def shard_batch(self, batch):
-        """**Returns:** `batch` with every `[batch, ...]` array split over the devices."""
-        return jax.device_put(batch, self._batch)
+        """**Returns:** `batch` in the spec's token layout, split over the mesh."""
+        return place_batch(batch, self.spec)

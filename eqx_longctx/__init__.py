@@ -1,5 +1,6 @@
 """eqx_longctx: Equinox transformers for very long sequences in JAX."""
 
+from ._hlo import collective_bytes as collective_bytes
 from ._layout import from_layout as from_layout
 from ._layout import layout_order as layout_order
 from ._layout import to_layout as to_layout
@@ -7,5 +8,8 @@ from ._sharding import ShardingSpec as ShardingSpec
 from .attention import attention as attention
 from .attention import flash_attention as flash_attention
 from .attention import reference_attention as reference_attention
+from .attention._plan import Plan as Plan
+from .attention._plan import choose_strategy as choose_strategy
+from .attention._plan import explain as explain
 
 __version__ = "0.1.0"

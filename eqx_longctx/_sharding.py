@@ -36,7 +36,9 @@ class ShardingSpec(eqx.Module):
     - `batch_axis`: mesh axis for the batch dimension, or `None`. Defaults to `"data"` when
       the mesh has such an axis, else `None`.
     - `context_axis`: mesh axis the sequence is split over (the ring axis under `"usp"`).
-    - `ulysses_axis`: the all-to-all axis; required by `"usp"` only.
+    - `ulysses_axis`: the all-to-all axis; required by `"usp"`, allowed with `"auto"` (the
+      sequence is then split over both axes, and a strategy other than USP runs over the
+      two together).
     - `tensor_axis`: mesh axis for heads / MLP hidden units, or `None`.
     """
 
@@ -117,11 +119,11 @@ class ShardingSpec(eqx.Module):
                     f"ShardingSpec: strategy='usp' needs ulysses_axis {self.ulysses_axis!r} of "
                     "size > 1, got size 1. Use strategy='ring' over the context axis instead."
                 )
-        elif self.ulysses_axis is not None:
+        elif self.ulysses_axis is not None and self.strategy != "auto":
             raise ValueError(
                 f"ShardingSpec: ulysses_axis={self.ulysses_axis!r} is used only by "
-                f"strategy='usp', got strategy={self.strategy!r}. Drop ulysses_axis or set "
-                "strategy='usp'."
+                f"strategy='usp' (or 'auto', which may pick it), got strategy="
+                f"{self.strategy!r}. Drop ulysses_axis or set strategy='usp'."
             )
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -188,6 +190,14 @@ class ShardingSpec(eqx.Module):
         if isinstance(x, Tracer):
             return jax.lax.with_sharding_constraint(x, sharding)
         return jax.device_put(x, sharding)
+
+    def explain(self, **shape) -> str:
+        """The planner's table for this spec: memory, communication and balance of every
+        strategy, and the choice `"auto"` would make. Takes `plan`'s keyword arguments
+        (`batch`, `seq`, `q_heads`, `kv_heads`, `head_dim`, ...)."""
+        from .attention._plan import explain
+
+        return explain(self, **shape)
 
     def auto_axes(self, fn, out_pspec: PartitionSpec):
         """Run `fn` with this mesh's axes Auto when the mesh is Explicit (else as is)."""

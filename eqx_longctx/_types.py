@@ -24,6 +24,7 @@ Heads = Float[Array, "batch seq heads head_dim"]
 
 __all__ = [
     "Array",
+    "AxisName",
     "AttnOut",
     "Bool",
     "Float",
@@ -42,3 +43,6 @@ __all__ = [
     "Tokens",
     "Value",
 ]
+
+# A mesh axis name, or several mesh axes acting as one (collectives accept both).
+AxisName = str | tuple[str, ...]

@@ -389,7 +389,7 @@ SPEC_ERRORS = [
     (
         "ulysses axis without usp",
         dict(strategy="ring", ulysses_axis="data", batch_axis=None),
-        "ulysses_axis='data' is used only by strategy='usp'",
+        "ulysses_axis='data' is used only by strategy='usp' \\(or 'auto'",
     ),
     ("usp without ulysses axis", dict(strategy="usp"), "strategy='usp' needs ulysses_axis"),
 ]

@@ -81,6 +81,8 @@ def test_place_batch_lays_out_and_shards():
     host = Batch(*(np.arange(2 * 16, dtype=np.int32).reshape(2, 16) + i for i in range(5)))
     batch = place_batch(host, spec)
     assert batch.tokens.sharding.spec == spec.token_pspec()
-    np.testing.assert_array_equal(np.asarray(el.from_layout(np.asarray(batch.tokens), spec)), host.tokens)
+    np.testing.assert_array_equal(
+        np.asarray(el.from_layout(np.asarray(batch.tokens), spec)), host.tokens
+    )
     with pytest.raises(ValueError, match="divisible by 4"):
         place_batch(Batch(*(np.zeros((2, 10), np.int32) for _ in range(5))), spec)

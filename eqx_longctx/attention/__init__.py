@@ -74,22 +74,26 @@ def attention(
         )
         return out
     strategy = check_spec_inputs(spec, q, k, segment_ids)
-    return _context_parallel(spec, strategy, q, k, v, segment_ids, causal, scale)
+    return _context_parallel(spec, strategy, q, k, v, segment_ids, causal=causal, scale=scale)
 
 
-def _context_parallel(spec, strategy, q, k, v, segment_ids, causal, scale):
+def _context_parallel(spec, strategy, q, k, v, segment_ids, *, causal, scale):
     b, s = q.shape[:2]
     positions = jnp.broadcast_to(jnp.asarray(layout_order(spec, s)), (b, s))
     heads, tokens = spec.heads_pspec(), spec.token_pspec()
     q, k, v = (spec.place(x, heads) for x in (q, k, v))
     positions = spec.place(positions, tokens)
     kw = dict(causal=causal, scale=scale)
+    # Outside USP, a strategy runs over every sequence axis (two of them when "auto" had a
+    # ulysses axis to choose with); collectives accept a tuple of mesh axes.
+    axes = spec.sequence_axes
+    axis = axes[0] if len(axes) == 1 else axes
     if strategy == "all_gather":
-        local = functools.partial(all_gather_attention, axis=spec.context_axis, **kw)
+        local = functools.partial(all_gather_attention, axis=axis, **kw)
     elif strategy == "ulysses":
-        local = functools.partial(ulysses_attention, axis=spec.context_axis, **kw)
+        local = functools.partial(ulysses_attention, axis=axis, **kw)
     elif strategy == "ring":
-        local = functools.partial(ring_attention, axis=spec.context_axis, **kw)
+        local = functools.partial(ring_attention, axis=axis, **kw)
     else:
         local = functools.partial(
             usp_attention, ulysses_axis=spec.ulysses_axis, ring_axis=spec.context_axis, **kw

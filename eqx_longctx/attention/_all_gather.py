@@ -9,10 +9,11 @@ training, Dubey et al. 2024, arXiv:2407.21783, uses this for its long-context st
 
 from jax import lax
 
+from .._types import AxisName
 from ._local import flash_attention
 
 
-def all_gather_attention(q, k, v, positions, segment_ids, *, axis: str, causal: bool, scale):
+def all_gather_attention(q, k, v, positions, segment_ids, *, axis: AxisName, causal: bool, scale):
     """Attention for the local query shard against K/V gathered over `axis`."""
     gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
     kv_segments = None if segment_ids is None else gather(segment_ids)

@@ -23,16 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._types import AxisName
 from ._local import _block_is_empty, _Config, flash_attention, flash_attention_backward
 
 
 class _RingConfig(NamedTuple):
-    axis: str
+    axis: AxisName
     causal: bool
     scale: float
 
 
-def ring_attention(q, k, v, positions, segment_ids, *, axis: str, causal: bool, scale):
+def ring_attention(q, k, v, positions, segment_ids, *, axis: AxisName, causal: bool, scale):
     """Local shard of ring attention over mesh axis `axis` (call inside `shard_map`).
 
     **Arguments:**
@@ -53,7 +54,7 @@ def _hop_is_empty(config: _RingConfig, q_pos, kv_pos, q_seg, kv_seg):
     return _block_is_empty(block_config, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _shift(tree, axis: str):
+def _shift(tree, axis: AxisName):
     n = lax.axis_size(axis)
     perm = [(i, (i + 1) % n) for i in range(n)]
     return jax.tree.map(lambda x: lax.ppermute(x, axis, perm), tree)

@@ -16,6 +16,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from .._types import AxisName
 from ._local import flash_attention
 
 
@@ -25,7 +26,7 @@ def kv_repeats(kv_heads: int, degree: int) -> int:
 
 
 def ulysses_attention(
-    q, k, v, positions, segment_ids, *, axis: str, causal: bool, scale, inner=None
+    q, k, v, positions, segment_ids, *, axis: AxisName, causal: bool, scale, inner=None
 ):
     """Sequence-sharded in, sequence-sharded out; heads are sharded over `axis` inside.
 

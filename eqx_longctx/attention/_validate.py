@@ -79,8 +79,10 @@ def check_spec_inputs(spec, q, k, segment_ids) -> str:
 
         strategy = choose_strategy(spec, q, k).strategy
     if strategy in ("ulysses", "usp"):
-        axis = spec.context_axis if strategy == "ulysses" else spec.ulysses_axis
-        n = spec.axis_size(axis)
+        if strategy == "ulysses":
+            axis, n = "+".join(spec.sequence_axes), spec.context_parallel_size
+        else:
+            axis, n = spec.ulysses_axis, spec.axis_size(spec.ulysses_axis)
         local_heads = hq // nt
         if local_heads % n:
             alt = "use strategy='usp' with a smaller ulysses axis, or 'ring'"

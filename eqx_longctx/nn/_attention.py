@@ -5,7 +5,8 @@ Einsum letters: `b` batch, `s` sequence, `e` embed, `h` query heads, `k` kv head
 
 References: Vaswani et al. 2017, "Attention Is All You Need" (arXiv:1706.03762); Shazeer
 2019, "Fast Transformer Decoding" (multi-query, arXiv:1911.02150); Ainslie et al. 2023,
-"GQA" (arXiv:2305.13245).
+"GQA" (arXiv:2305.13245); Dehghani et al. 2023, "Scaling Vision Transformers to 22
+Billion Parameters" (query/key normalisation, arXiv:2302.05442), as used by Qwen3.
 """
 
 from typing import final
@@ -17,6 +18,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import attention
+from ._norm import RMSNorm
 from ._rope import RoPE
 
 
@@ -28,7 +30,9 @@ class SelfAttention(eqx.Module):
     query head `h` reads kv head `h // (n_heads // n_kv_heads)`. K/V are never repeated;
     `eqx_longctx.attention` groups the query heads itself. Projections are stored with the
     heads as their own axis (`wq: [embed, q_heads, head_dim]`), so a sharding spec can name
-    the head axis directly.
+    the head axis directly. With `qk_norm`, queries and keys are RMS-normalised over each
+    head's features (one learned `[head_dim]` scale for all heads) after the biases and
+    before RoPE, as in Qwen3.
     """
 
     wq: Float[Array, "embed q_heads head_dim"]
@@ -38,6 +42,8 @@ class SelfAttention(eqx.Module):
     bq: Float[Array, "q_heads head_dim"] | None
     bk: Float[Array, "kv_heads head_dim"] | None
     bv: Float[Array, "kv_heads head_dim"] | None
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
     rope: RoPE
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
@@ -55,6 +61,8 @@ class SelfAttention(eqx.Module):
         rope: RoPE,
         key: PRNGKeyArray,
         qkv_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
         causal: bool = True,
         init_std: float = 0.02,
         out_init_std: float | None = None,
@@ -69,6 +77,8 @@ class SelfAttention(eqx.Module):
         - `rope`: the rotary embedding applied to queries and keys.
         - `key`: PRNG key for the normal initialisation.
         - `qkv_bias`: add learned biases to the q/k/v projections (Qwen2); zero-initialised.
+        - `qk_norm`: RMS-normalise each query and key head before RoPE (Qwen3).
+        - `norm_eps`: epsilon of those norms (unused without `qk_norm`).
         - `causal`: query `i` attends keys `j <= i` (by token index).
         - `init_std`, `out_init_std`: standard deviations of q/k/v and of the output
           projection (default `init_std`).
@@ -87,6 +97,11 @@ class SelfAttention(eqx.Module):
             self.bv = jnp.zeros((n_kv_heads, head_dim), dtype)
         else:
             self.bq = self.bk = self.bv = None
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.rope = rope
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
@@ -102,6 +117,12 @@ class SelfAttention(eqx.Module):
                 f"n_kv_heads={self.n_kv_heads}. Choose n_kv_heads among the divisors of "
                 f"{self.n_heads}."
             )
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError(
+                "SelfAttention normalises queries and keys together: q_norm and k_norm must "
+                f"both be set or both be None; got q_norm={self.q_norm is not None}, "
+                f"k_norm={self.k_norm is not None}. Build it with qk_norm=True or False."
+            )
         if self.rope.head_dim != self.head_dim:
             raise ValueError(
                 f"SelfAttention's RoPE must rotate the whole head; got head_dim={self.head_dim} "
@@ -112,6 +133,10 @@ class SelfAttention(eqx.Module):
     @property
     def qkv_bias(self) -> bool:
         return self.bq is not None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.q_norm is not None
 
     def __call__(
         self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
@@ -132,6 +157,9 @@ class SelfAttention(eqx.Module):
             q = q + self.bq.astype(dtype)
             k = k + self.bk.astype(dtype)
             v = v + self.bv.astype(dtype)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         q = self.rope(q, positions)
         k = self.rope(k, positions)
         out = attention(q, k, v, spec=self.spec, causal=self.causal, segment_ids=segment_ids)

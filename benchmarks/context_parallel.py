@@ -1,0 +1,259 @@
+"""Context-parallel attention strategies on 8 fake CPU devices, side by side.
+
+Sections (all by default, pick with `--sections`):
+
+- `a`: per-device memory (compiled memory analysis: arguments + outputs + temporaries) of
+  each strategy at seq 8K..128K on 8 devices, beside the cost model's prediction; then seq
+  and devices grown together (seq / device fixed, meshes of 1, 2, 4, 8 devices), where memory
+  should stay flat unless the strategy holds the whole sequence.
+- `b`: collective bytes received per device per layer, counted in the compiled HLO, against
+  the cost model and against each strategy's theoretical minimum (the K/V or q/k/v/out
+  payload alone, no positions, no K/V head repeats, dK/dV in the input dtype).
+- `c`: causal work balance, max / mean of non-empty score elements over devices, for the
+  token layouts none / zigzag / striped (from the layouts, at block granularity).
+- `d`: wall time of each strategy on 8 fake devices against single-device
+  `eqx_longctx.attention` (`spec=None`), forward and forward + backward; and the
+  `ringattention` package when it is installed.
+
+(a) and (b) only compile, from abstract sharded inputs: nothing big runs. The 8 fake devices
+share this machine's cores, so (d) measures overheads, not speed-up.
+
+    python benchmarks/context_parallel.py
+    python benchmarks/context_parallel.py --sections a b --seqs 8192 32768
+    python benchmarks/context_parallel.py --sections d --time-seq 4096 --repeats 3
+"""
+
+import argparse
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+
+from eqx_longctx import ShardingSpec, attention  # noqa: E402
+from eqx_longctx._hlo import collective_bytes  # noqa: E402
+from eqx_longctx.attention._plan import plan  # noqa: E402
+from eqx_longctx.plan import compiled_attention, compiled_memory  # noqa: E402
+
+STRATEGIES = ("all_gather", "ulysses", "ring", "usp")
+LAYOUTS = ("none", "zigzag", "striped")
+MIB = 2**20
+
+
+def _spec(strategy: str, n: int, layout: str = "zigzag") -> ShardingSpec | None:
+    """`strategy` over the first `n` devices; usp splits them ulysses 2 x ring n/2."""
+    devices = jax.devices()[:n]
+    if strategy == "usp":
+        if n < 2:
+            return None
+        mesh = jax.make_mesh((2, n // 2), ("ulysses", "context"), devices=devices)
+        return ShardingSpec(mesh, strategy="usp", load_balance=layout, ulysses_axis="ulysses")
+    mesh = jax.make_mesh((n,), ("context",), devices=devices)
+    return ShardingSpec(mesh, strategy=strategy, load_balance=layout)
+
+
+def _table(rows: list) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(x).rjust(w) for x, w in zip(r, widths, strict=True)))
+
+
+class _Compiled:
+    """Compile each (strategy, devices, seq, pass) once; keep its memory and collectives."""
+
+    def __init__(self, shape: dict):
+        self.shape, self.cache = shape, {}
+
+    def __call__(self, strategy: str, n: int, seq: int, backward: bool):
+        key = (strategy, n, seq, backward)
+        if key not in self.cache:
+            spec = _spec(strategy, n)
+            if spec is None:
+                self.cache[key] = None
+            else:
+                c = compiled_attention(spec, seq=seq, backward=backward, **self.shape)
+                cost = plan(spec, seq=seq, **self.shape).costs[strategy]
+                self.cache[key] = (compiled_memory(c), collective_bytes(c), cost)
+        return self.cache[key]
+
+
+def memory_section(compiled: _Compiled, seqs: list, per_device: int) -> None:
+    print("\n(a) per-device memory, MiB: compiled (arguments + outputs + temporaries) / model")
+    for backward in (False, True):
+        head = ["seq"] + [f"{s} {'f+b' if backward else 'fwd'}" for s in STRATEGIES]
+        rows = [head]
+        for seq in seqs:
+            row = [seq]
+            for s in STRATEGIES:
+                mem, _, cost = compiled(s, 8, seq, backward)
+                pred = cost.memory_train if backward else cost.memory_forward
+                row.append(f"{mem / MIB:.1f} / {pred / MIB:.1f} ({mem / pred:.2f})")
+            rows.append(row)
+        _table(rows)
+    print(
+        f"\n(a') seq and devices grown together ({per_device} tokens per device), fwd+bwd "
+        "MiB: compiled / model (x = compiled / the smallest mesh)"
+    )
+    rows = [["devices", "seq"] + list(STRATEGIES)]
+    first = {}
+    for n in (1, 2, 4, 8):
+        row = [n, n * per_device]
+        for s in STRATEGIES:
+            got = compiled(s, n, n * per_device, True)
+            if got is None:
+                row.append("-")
+                continue
+            mem, _, cost = got
+            first.setdefault(s, mem)
+            row.append(f"{mem / MIB:.1f} / {cost.memory_train / MIB:.1f} ({mem / first[s]:.2f}x)")
+        rows.append(row)
+    _table(rows)
+    print(
+        "(1 -> 2 devices adds each strategy's own buffers, e.g. the ring's second K/V shard "
+        "and float32 accumulators; after that growth is the gathered sequence (all_gather) or "
+        "K/V heads repeated r = N / gcd(kv_heads, N) times (ulysses))"
+    )
+
+
+def _minimum(strategy: str, seq: int, shape: dict, backward: bool) -> float:
+    """Payload-only bytes per device: what the strategy must move at the least."""
+    b, hq, hk, d = shape["batch"], shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    dv, e = shape["v_head_dim"] or d, jnp.dtype(shape["dtype"]).itemsize
+    nu, nr = {"all_gather": (1, 8), "ulysses": (8, 1), "ring": (1, 8), "usp": (2, 4)}[strategy]
+    if strategy == "all_gather":
+        fwd = b * seq * hk * (d + dv) * e * 7 / 8
+        return 2 * fwd if backward else fwd
+    a2a = b * seq / nr / nu * (hq * d + hk * (d + dv) + hq * dv) * e * (nu - 1) / nu
+    ring = (nr - 1) * b * seq / nr * hk / nu * (d + dv) * e
+    # backward: dout in and dq/dk/dv out again; K/V around the ring again and dK/dV back
+    return (2 * a2a + 3 * ring) if backward else (a2a + ring)
+
+
+def comm_section(compiled: _Compiled, seqs: list, shape: dict) -> None:
+    print(
+        "\n(b) collective bytes per device per layer: compiled HLO, HLO / model, "
+        "HLO / theoretical minimum"
+    )
+    rows = [["seq", "strategy", "pass", "HLO MiB", "/ model", "/ minimum", "by op (MiB)"]]
+    for seq in seqs:
+        for s in STRATEGIES:
+            for backward in (False, True):
+                _, comm, cost = compiled(s, 8, seq, backward)
+                pred = sum((cost.comm_train if backward else cost.comm_forward).values())
+                got = sum(comm.values())
+                ops = ", ".join(f"{k} {v / MIB:.2f}" for k, v in comm.items() if v > 64)
+                rows.append([
+                    seq, s, "f+b" if backward else "fwd", f"{got / MIB:.2f}",
+                    f"{got / pred:.3f}", f"{got / _minimum(s, seq, shape, backward):.2f}", ops,
+                ])  # fmt: skip
+    _table(rows)
+    print(
+        "(the all-reduce of a few bytes in f+b is the loss; above the minimum: int32 "
+        "positions, K/V heads repeated for Ulysses when kv_heads < degree, ring dK/dV in f32 "
+        "for N hops)"
+    )
+
+
+def balance_section(seq: int, shape: dict) -> None:
+    print(f"\n(c) causal work balance at seq {seq} on 8 devices: max / mean non-empty score")
+    rows = [["layout"] + list(STRATEGIES)]
+    for layout in LAYOUTS:
+        row = [layout]
+        for s in STRATEGIES:
+            spec = _spec(s, 8, layout)
+            row.append(f"{plan(spec, seq=seq, **shape).costs[s].balance:.3f}")
+        rows.append(row)
+    _table(rows)
+
+
+def _timed(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_section(seq: int, heads: int, head_dim: int, repeats: int) -> None:
+    print(
+        f"\n(d) wall time, batch 1, seq {seq}, heads {heads}, head_dim {head_dim}, causal, "
+        f"f32; best of {repeats}; x = / single device"
+    )
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (1, seq, heads, head_dim)) for key in keys)
+    results = {}
+    for name in ("single device",) + STRATEGIES:
+        spec = None if name == "single device" else _spec(name, 8)
+        if spec is None:
+            args = tuple(jax.device_put(x, jax.devices()[0]) for x in (q, k, v))
+        else:
+            args = tuple(jax.device_put(x, spec.sharding(spec.heads_pspec())) for x in (q, k, v))
+
+        def fwd(q, k, v, spec=spec):
+            return attention(q, k, v, spec=spec)
+
+        def loss(q, k, v, spec=spec):
+            return jnp.sum(attention(q, k, v, spec=spec))
+
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        results[name] = (
+            _timed(jax.jit(fwd), *args, repeats=repeats),
+            _timed(grad, *args, repeats=repeats),
+        )
+    base = results["single device"]
+    rows = [["", "fwd s", "x", "fwd+bwd s", "x"]]
+    for name, (f, t) in results.items():
+        rows.append([name, f"{f:.3f}", f"{f / base[0]:.2f}", f"{t:.3f}", f"{t / base[1]:.2f}"])
+    _table(rows)
+    try:
+        import ringattention  # noqa: F401
+    except ImportError:
+        print("ringattention is not installed: skipped (pip install ringattention to compare).")
+        return
+    print("ringattention is installed but not wired in: its API differs by version.")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--sections", nargs="+", default=["a", "b", "c", "d"])
+    p.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
+    p.add_argument("--per-device", type=int, default=8192, help="tokens per device in (a')")
+    p.add_argument("--comm-seqs", type=int, nargs="+", default=[32768])
+    p.add_argument("--balance-seq", type=int, default=131072)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--time-seq", type=int, default=8192)
+    p.add_argument("--time-heads", type=int, default=8)
+    p.add_argument("--time-head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+
+    shape = dict(
+        batch=1, q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        v_head_dim=None, dtype=jnp.float32,
+    )  # fmt: skip
+    print(
+        f"jax {jax.__version__}, {len(jax.devices())} fake {jax.devices()[0].platform} devices; "
+        f"batch 1, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, float32, "
+        "causal, zigzag; usp = ulysses 2 x ring N/2"
+    )
+    t0 = time.perf_counter()
+    compiled = _Compiled(shape)
+    if "a" in args.sections:
+        memory_section(compiled, args.seqs, args.per_device)
+    if "b" in args.sections:
+        comm_section(compiled, args.comm_seqs, shape)
+    if "c" in args.sections:
+        balance_section(args.balance_seq, shape)
+    if "d" in args.sections:
+        time_section(args.time_seq, args.time_heads, args.time_head_dim, args.repeats)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

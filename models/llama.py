@@ -6,6 +6,10 @@ Tokens -> embedding -> `n_layers` x (RMSNorm -> GQA self-attention with RoPE -> 
 RMSNorm -> SwiGLU -> residual) -> RMSNorm -> LM head (or the tied embedding) -> float32
 logits. References: Touvron et al. 2023, "Llama 2" (arXiv:2307.09288); Llama Team 2024,
 "The Llama 3 Herd of Models" (arXiv:2407.21783).
+
+The same decoder with q/k/v biases is Qwen2 (Yang et al. 2024, arXiv:2407.10671) and with
+per-head q/k RMSNorm Qwen3 (Qwen Team 2025, arXiv:2505.09388): `from_hf` and `to_hf` read
+and write the Hugging Face checkpoints of all three families.
 """
 
 import dataclasses
@@ -16,6 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec, layout_order
@@ -23,7 +28,13 @@ from eqx_longctx._types import Hidden, Logits, Positions, SegmentIds, Tokens
 from eqx_longctx.nn import REMAT_POLICIES, DecoderBlock, LayerStack, RMSNorm, RoPE
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
 
+from . import _hf
+
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _is_none(x) -> bool:
+    return x is None
 
 
 @final
@@ -42,6 +53,7 @@ class LlamaConfig:
     - `max_seq_len`: longest sequence the model accepts.
     - `tie_embeddings`: reuse the token embedding as the LM head.
     - `attention_bias`: biases on the q/k/v projections (Qwen2-style).
+    - `qk_norm`: RMSNorm over each query and key head before RoPE (Qwen3-style).
     - `remat`: `"none"`, `"full"` or `"dots"` (see `eqx_longctx.nn.LayerStack`).
     - `param_dtype`, `compute_dtype`: `"float32"`, `"bfloat16"` or `"float16"`; logits
       are always float32.
@@ -62,6 +74,7 @@ class LlamaConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
     remat: str = "none"
     param_dtype: str | type | np.dtype = "float32"
     compute_dtype: str | type | np.dtype = "float32"
@@ -163,7 +176,7 @@ class Llama(eqx.Module):
         out_std = c.init_std / math.sqrt(2 * c.n_layers)
 
         def make_layer(k):
-            return DecoderBlock(
+            block = DecoderBlock(
                 c.dim,
                 c.n_heads,
                 n_kv_heads,
@@ -177,6 +190,13 @@ class Llama(eqx.Module):
                 out_init_std=out_std,
                 dtype=dtype,
                 spec=spec,
+            )
+            if not c.qk_norm:
+                return block
+            # DecoderBlock does not forward `qk_norm` to its SelfAttention: add the norms here.
+            norms = tuple(RMSNorm(head_dim, eps=c.norm_eps, dtype=dtype) for _ in range(2))
+            return eqx.tree_at(
+                lambda b: (b.attn.q_norm, b.attn.k_norm), block, norms, is_leaf=_is_none
             )
 
         self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
@@ -233,7 +253,9 @@ class Llama(eqx.Module):
         if self.spec is None:
             return self._forward(x, positions, segment_ids)
         logits_pspec = self.spec.activation_pspec()
-        return self.spec.auto_axes(self._forward, logits_pspec)(x, positions, segment_ids)
+        # The parameters go in as arguments, so that ones replicated over an Explicit mesh
+        # turn Auto along with the activations.
+        return self.spec.auto_axes(Llama._forward, logits_pspec)(self, x, positions, segment_ids)
 
     def _forward(self, x, positions, segment_ids):
         dtype = jnp.dtype(self.config.compute_dtype)
@@ -341,4 +363,276 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 # fmt: on
 
-__all__ = ["PRESETS", "Llama", "Llama3RopeScaling", "LlamaConfig"]
+
+# ---- Hugging Face checkpoints ------------------------------------------------------------
+# Hugging Face stores q/k projections already permuted for its rotate_half RoPE, the
+# convention of `eqx_longctx.nn.RoPE`, so weights map by transposing and reshaping only.
+
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_HF_REQUIRED = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+)  # fmt: skip
+_HF_COMMON = _HF_REQUIRED + (
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_dropout",
+)  # fmt: skip
+_HF_SLIDING = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+# `pretraining_tp` only split the matmuls of old transformers versions: same arithmetic.
+_HF_KEYS = {
+    "llama": _HF_COMMON + ("attention_bias", "mlp_bias", "pretraining_tp"),
+    "qwen2": _HF_COMMON + _HF_SLIDING,
+    "qwen3": _HF_COMMON + _HF_SLIDING + ("attention_bias",),
+}
+_HF_MAX_LEN = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}  # transformers' defaults
+_HF_OVERRIDES = ("remat", "compute_dtype", "max_seq_len")
+# Old conversions saved RoPE frequencies as buffers; they are recomputed from config.json.
+_HF_IGNORE = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def from_hf(
+    path,
+    *,
+    spec: ShardingSpec | None = None,
+    dtype: str | type | np.dtype | None = None,
+    **overrides,
+) -> Llama:
+    """Load a Hugging Face Llama 2/3.x, Qwen2 or Qwen3 causal-LM checkpoint.
+
+    Reads `config.json` and `model.safetensors` (or the shards listed by
+    `model.safetensors.index.json`) with `safetensors`, without torch. Every tensor is
+    checked by name and shape before any data is read; then one tensor at a time is read,
+    converted to `dtype` on the host and placed on its devices.
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory (e.g. from `save_pretrained` or a Hub snapshot).
+    - `spec`: the sharding spec of the returned model; its parameters are replicated over
+      `spec.mesh`. `None` = one device.
+    - `dtype`: parameter dtype (`"float32"`, `"bfloat16"`, `"float16"`); default the
+      checkpoint's (`config.json` `dtype`/`torch_dtype`, else float32).
+    - `**overrides`: `remat`, `compute_dtype` (default `dtype`) or `max_seq_len` (default
+      `max_position_embeddings`) of the `LlamaConfig`.
+
+    **Returns:** the `Llama`; its `.config` is the equivalent `LlamaConfig`.
+    """
+    bad = sorted(set(overrides) - set(_HF_OVERRIDES))
+    if bad:
+        raise ValueError(
+            f"from_hf can override only {_HF_OVERRIDES}; got {bad}. The architecture comes "
+            "from config.json."
+        )
+    config = _config_from_hf(_hf.read_config(path), dtype, overrides)
+    abstract = eqx.filter_eval_shape(Llama, config, key=jax.random.key(0), spec=spec)
+    replicated = None if spec is None else spec.sharding(PartitionSpec())
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_embeddings else None
+    with _hf.SafetensorsCheckpoint(path) as checkpoint:
+        return _hf.load_params(
+            abstract,
+            _hf_table(config),
+            checkpoint,
+            dtype=config.param_dtype,
+            sharding=lambda _path, _shape: replicated,
+            ignore=_HF_IGNORE,
+            tied=tied,
+        )
+
+
+def to_hf(model: Llama, path, *, max_shard_size: int | None = None) -> None:
+    """Write `model` as a Hugging Face checkpoint (`config.json` + safetensors).
+
+    The family follows the config: `qk_norm` gives Qwen3, `attention_bias` Qwen2, neither
+    Llama. `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
+
+    **Arguments:**
+
+    - `model`: the `Llama` to write (its parameters must be addressable from this process).
+    - `path`: output directory, created if needed.
+    - `max_shard_size`: bytes per safetensors file; `None` writes one `model.safetensors`.
+    """
+    _hf.save_params(
+        eqx.filter(model, eqx.is_array),
+        _hf_table(model.config),
+        path,
+        _config_to_hf(model.config),
+        max_shard_size=max_shard_size,
+    )
+
+
+def _hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
+    """Zoo parameter path -> Hugging Face tensor."""
+    T, layer = _hf.HFTensor, "model.layers.{layer}."
+    table = {
+        "embed": T("model.embed_tokens.weight"),
+        "norm.weight": T("model.norm.weight"),
+        "layers.layers.attn_norm.weight": T(layer + "input_layernorm.weight"),
+        "layers.layers.mlp_norm.weight": T(layer + "post_attention_layernorm.weight"),
+        "layers.layers.attn.wq": T(layer + "self_attn.q_proj.weight", "linear"),
+        "layers.layers.attn.wk": T(layer + "self_attn.k_proj.weight", "linear"),
+        "layers.layers.attn.wv": T(layer + "self_attn.v_proj.weight", "linear"),
+        "layers.layers.attn.wo": T(layer + "self_attn.o_proj.weight", "linear", n_in=2),
+        "layers.layers.mlp.w_gate": T(layer + "mlp.gate_proj.weight", "linear"),
+        "layers.layers.mlp.w_up": T(layer + "mlp.up_proj.weight", "linear"),
+        "layers.layers.mlp.w_down": T(layer + "mlp.down_proj.weight", "linear"),
+    }
+    if not c.tie_embeddings:
+        table["lm_head"] = T("lm_head.weight", "linear")
+    if c.attention_bias:
+        for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+            table[f"layers.layers.attn.{ours}"] = T(layer + f"self_attn.{theirs}.bias", "flat")
+    if c.qk_norm:
+        for ours in ("q_norm", "k_norm"):
+            table[f"layers.layers.attn.{ours}.weight"] = T(layer + f"self_attn.{ours}.weight")
+    return table
+
+
+def _unsupported(key: str, value, why: str) -> ValueError:
+    return ValueError(f"config.json {key}={value!r} is not supported: {why}")
+
+
+def _config_from_hf(hf: dict, dtype, overrides: dict) -> LlamaConfig:
+    model_type = hf.get("model_type")
+    if model_type not in _HF_ARCHITECTURES:
+        raise ValueError(
+            f"models.llama.from_hf reads model_type {sorted(_HF_ARCHITECTURES)} "
+            f"(architectures {sorted(_HF_ARCHITECTURES.values())}); got "
+            f"model_type={model_type!r}. Use the zoo family of that model, if there is one."
+        )
+    arch = hf.get("architectures")
+    if arch is not None and list(arch) != [_HF_ARCHITECTURES[model_type]]:
+        raise ValueError(
+            f"models.llama.from_hf reads causal LMs, architectures "
+            f"[{_HF_ARCHITECTURES[model_type]!r}] for model_type={model_type!r}; got "
+            f"architectures={arch!r} (a base model or another head is not read)."
+        )
+    _hf.check_config_keys(hf, _HF_KEYS[model_type], f"models.llama ({model_type})")
+    missing = [k for k in _HF_REQUIRED if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}; every {model_type} config states them.")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise _unsupported("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu).")
+    if hf.get("mlp_bias", False):
+        raise _unsupported("mlp_bias", True, "the zoo's MLP has no biases.")
+    if hf.get("attention_bias", False):
+        raise _unsupported(
+            "attention_bias",
+            True,
+            f"{model_type} then adds biases to q/k/v and the output projection; the zoo has "
+            "q/k/v biases only (as Qwen2).",
+        )
+    if hf.get("attention_dropout") not in (None, 0, 0.0):
+        raise _unsupported(
+            "attention_dropout", hf["attention_dropout"], "the zoo's attention has no dropout."
+        )
+    layer_types = set(hf.get("layer_types") or ()) - {"full_attention"}
+    if hf.get("use_sliding_window") or layer_types:
+        raise _unsupported(
+            "use_sliding_window/layer_types",
+            (hf.get("use_sliding_window"), sorted(layer_types)),
+            "sliding-window attention is not implemented; every layer attends fully.",
+        )
+    rope_theta, rope_scaling = _rope_from_hf(hf)
+    if dtype is None:
+        stored = hf.get("dtype") or hf.get("torch_dtype")
+        dtype = stored if stored in _DTYPES else "float32"
+    n_heads = hf["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        hidden_dim=hf["intermediate_size"],
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_seq_len=overrides.get(
+            "max_seq_len", hf.get("max_position_embeddings", _HF_MAX_LEN[model_type])
+        ),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        remat=overrides.get("remat", "none"),
+        param_dtype=dtype,
+        compute_dtype=overrides.get("compute_dtype", dtype),
+    )
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, Llama3RopeScaling | None]:
+    """RoPE base and scaling from `rope_parameters` (transformers 5) or the older
+    `rope_theta` + `rope_scaling`."""
+    if hf.get("rope_parameters") is not None and hf.get("rope_scaling") is not None:
+        raise ValueError(
+            "config.json has both rope_parameters and rope_scaling; keep one (transformers 5 "
+            "writes rope_parameters, older versions rope_scaling)."
+        )
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None)
+    if theta is not None and hf.get("rope_theta") not in (None, theta):
+        raise ValueError(
+            f"config.json gives two RoPE bases: rope_theta={hf['rope_theta']} and "
+            f"rope_parameters.rope_theta={theta}; keep one."
+        )
+    theta = float(theta or hf.get("rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    expected = {"default": (), "llama3": _LLAMA3_KEYS}.get(rope_type)
+    if expected is None:
+        raise _unsupported(
+            "rope type",
+            rope_type,
+            "the zoo implements 'default' (plain RoPE) and 'llama3' (Llama 3.1 scaling) only.",
+        )
+    if set(params) != set(expected):
+        raise _unsupported(
+            f"{rope_type!r} RoPE parameters",
+            sorted(params),
+            f"expected exactly {sorted(expected)} besides rope_type and rope_theta.",
+        )
+    return theta, (Llama3RopeScaling(**params) if rope_type == "llama3" else None)
+
+
+def _config_to_hf(c: LlamaConfig) -> dict:
+    if c.qk_norm and c.attention_bias:
+        raise ValueError(
+            "to_hf: no supported Hugging Face family has both q/k norm and q/k/v-only biases "
+            "(Qwen3 has the norm, Qwen2 the biases); got qk_norm=True, attention_bias=True."
+        )
+    model_type = "qwen3" if c.qk_norm else "qwen2" if c.attention_bias else "llama"
+    scaling = c.rope_scaling
+    hf = {
+        "architectures": [_HF_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.dim,
+        "intermediate_size": c.hidden_dim,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None
+        if scaling is None
+        else {"rope_type": "llama3", **{k: getattr(scaling, k) for k in _LLAMA3_KEYS}},
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_dropout": 0.0,
+        "torch_dtype": c.param_dtype,
+    }
+    if model_type != "qwen2":
+        hf["attention_bias"] = False
+    if model_type == "llama":
+        hf["mlp_bias"] = False
+    else:
+        hf["use_sliding_window"] = False
+    return hf
+
+
+__all__ = ["PRESETS", "Llama", "Llama3RopeScaling", "LlamaConfig", "from_hf", "to_hf"]

@@ -52,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", default=d.data, help="text file or folder (default: the Python standard library)"
     )
     p.add_argument("--max-bytes", type=int, default=d.max_bytes, help="corpus bytes to read")
-    p.add_argument("--run-dir", default=d.run_dir, help="metrics, plot and checkpoints")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="metrics, plot and checkpoints (default: a new runs/DATE-TIME; with --resume the "
+        "newest run under runs/)",
+    )
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument(

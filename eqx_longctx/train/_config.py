@@ -1,6 +1,8 @@
 """What a training run is: every knob in one frozen dataclass, validated on construction."""
 
 import dataclasses
+import pathlib
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +29,24 @@ def parse_mesh(text: str) -> dict[str, int]:
     return shape
 
 
+def default_run_dir(resume: bool, root: str = "runs") -> pathlib.Path:
+    """A fresh `runs/<date>-<time>` directory, or for `resume` the newest run with checkpoints."""
+    base = pathlib.Path(root)
+    if resume:
+        runs = sorted(d for d in base.glob("*") if (d / "checkpoints").is_dir())
+        if not runs:
+            raise ValueError(
+                f"--resume without --run-dir continues the newest run under {base}/, but none "
+                "there has checkpoints. Pass --run-dir of the run to continue."
+            )
+        return runs[-1]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = base / stamp, 1
+    while path.exists():
+        path, n = base / f"{stamp}-{n}", n + 1
+    return path
+
+
 def default_mesh(devices: int) -> str:
     """The mesh of a run on `devices` devices by default: the batch over 2 of them if it can,
     the sequence over the rest (context parallelism)."""
@@ -48,7 +68,8 @@ class TrainConfig:
     - `lr`, `warmup_steps`, `weight_decay`, `clip_norm`: see `make_optimizer`.
     - `data`: corpus path (`None`: the Python standard library); `max_bytes`: read at most
       this much of it (`None`: the data package's default); `val_fraction`: held-out share.
-    - `run_dir`: where `metrics.jsonl`, `loss.png` and `checkpoints/` go.
+    - `run_dir`: where `metrics.jsonl`, `loss.png` and `checkpoints/` go (`None`: a new
+      `runs/<date>-<time>`, or with `resume` the newest run under `runs/`).
     - `checkpoint_every`, `eval_every`, `log_every`: in steps; the last step always
       evaluates and checkpoints.
     - `eval_batches`: validation batches per periodic evaluation (`None`: the whole
@@ -70,15 +91,15 @@ class TrainConfig:
     model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seq_len: int = 256
     batch_size: int = 8
-    steps: int = 300
+    steps: int = 200
     lr: float = 3e-3
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     data: str | None = None
     max_bytes: int | None = 4 * 2**20
     val_fraction: float = 0.05
-    run_dir: str = "runs/latest"
+    run_dir: str | None = None
     checkpoint_every: int = 100
     eval_every: int = 50
     log_every: int = 1
@@ -97,6 +118,8 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        if self.run_dir is None:
+            object.__setattr__(self, "run_dir", str(default_run_dir(self.resume)))
         if self.on_nonfinite not in NONFINITE_MODES:
             raise ValueError(
                 f"on_nonfinite must be one of {NONFINITE_MODES}; got "

@@ -7,6 +7,7 @@ from ._layout import to_layout as to_layout
 from ._sharding import ShardingSpec as ShardingSpec
 from .attention import attention as attention
 from .attention import flash_attention as flash_attention
+from .attention import latent_attention as latent_attention
 from .attention import reference_attention as reference_attention
 from .attention._plan import Plan as Plan
 from .attention._plan import choose_strategy as choose_strategy

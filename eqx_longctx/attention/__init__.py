@@ -7,19 +7,22 @@ the mesh and one of the context-parallel strategies runs under `jax.shard_map`:
 the original token positions of the layout, so every layout works with every strategy.
 """
 
-import functools
+from collections.abc import Callable
+from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from .._layout import layout_order
 from .._sharding import ShardingSpec
-from ._all_gather import all_gather_attention
+from ._all_gather import all_gather_latent_attention
 from ._local import flash_attention as flash_attention
 from ._local import flash_attention_backward as flash_attention_backward
 from ._reference import reference_attention as reference_attention
-from ._ring import ring_attention
+from ._ring import _kv_identity, ring_latent_attention
 from ._ulysses import ulysses_attention
 from ._usp import usp_attention
 from ._validate import check_attention_inputs, check_spec_inputs
@@ -74,40 +77,137 @@ def attention(
         )
         return out
     strategy = check_spec_inputs(spec, q, k, segment_ids)
-    return _context_parallel(spec, strategy, q, k, v, segment_ids, causal=causal, scale=scale)
+    return _context_parallel(
+        spec, strategy, q, (k, v), _kv_identity, (), segment_ids, causal=causal, scale=scale
+    )
 
 
-def _context_parallel(spec, strategy, q, k, v, segment_ids, *, causal, scale):
+def latent_attention(
+    q: Float[Array, "..."],
+    latent,
+    up_project: Callable,
+    *,
+    spec: ShardingSpec | None = None,
+    causal: bool = True,
+    segment_ids: Int[Array, "..."] | Float[Array, "..."] | None = None,
+    scale: float | None = None,
+) -> Float[Array, "batch seq q_heads v_head_dim"]:
+    """Attention whose keys and values are up-projected from a compressed per-token latent.
+
+    For multi-head latent attention (DeepSeek-V2, arXiv:2405.04434): the K/V of every token
+    are a function of a small latent (the normalised KV compression plus the shared RoPE
+    key). Context-parallel strategies then move the latent instead of per-head K/V:
+    `"all_gather"` gathers latents, `"ring"` passes latents around the ring (and latent-sized
+    gradient accumulators back), and each device runs the up-projection for the tokens it
+    holds. `"ulysses"` and `"usp"` up-project the local tokens first and split heads as usual.
+
+    **Arguments:**
+
+    - `q`: `[batch, seq, q_heads, head_dim]`.
+    - `latent`: a pytree of `[batch, seq, ...]` arrays (e.g. `(c_kv, k_rope)`).
+    - `up_project`: `up_project(latent) -> (k, v)` with `k` `[batch, seq, kv_heads,
+      head_dim]` and `v` `[batch, seq, kv_heads, v_head_dim]`; an Equinox module (its arrays
+      are differentiated, and replicated over the mesh) or a function.
+    - `spec`, `causal`, `segment_ids`, `scale`: as in `attention`.
+
+    **Returns:** `[batch, seq, q_heads, v_head_dim]` in the dtype of `q` (layout order).
+    """
+    params, static = eqx.partition(up_project, eqx.is_array)
+    k_shape, v_shape = jax.eval_shape(up_project, latent)
+    check_attention_inputs(q, k_shape, v_shape, segment_ids)
+    if spec is None:
+        k, v = up_project(latent)
+        return attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
+    if spec.tensor_axis is not None:
+        raise ValueError(
+            f"latent_attention replicates the up-projection, so it cannot shard heads over "
+            f"tensor_axis={spec.tensor_axis!r}; use a spec with tensor_axis=None (or call "
+            "attention with up-projected K/V)."
+        )
+    for leaf in jax.tree.leaves(latent):
+        if tuple(leaf.shape[:2]) != tuple(q.shape[:2]):
+            raise ValueError(
+                f"every latent array must be laid out [batch, seq, ...] like q {tuple(q.shape[:2])}"
+                f"; got a latent array of shape {tuple(leaf.shape)}."
+            )
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+    strategy = check_spec_inputs(spec, q, k_shape, segment_ids)
+    expand = _Expand(static)
+    return _context_parallel(
+        spec, strategy, q, latent, expand, params, segment_ids, causal=causal, scale=scale
+    )
+
+
+class _Expand(eqx.Module):
+    """`expand(params, source) -> (k, v)`: the up-projection rebuilt from its arrays."""
+
+    static: Any = eqx.field(static=True)
+
+    def __call__(self, params, source):
+        return eqx.combine(params, self.static)(source)
+
+
+def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, *, causal, scale):
+    """Run `strategy` under `shard_map`; `expand(params, source) -> (k, v)` builds K/V."""
     b, s = q.shape[:2]
     positions = jnp.broadcast_to(jnp.asarray(layout_order(spec, s)), (b, s))
     heads, tokens = spec.heads_pspec(), spec.token_pspec()
-    q, k, v = (spec.place(x, heads) for x in (q, k, v))
+    dense = expand is _kv_identity
+
+    def source_pspec(x):
+        if dense:
+            return heads
+        return PartitionSpec(spec.batch_axis, spec.sequence_axes, *([None] * (x.ndim - 2)))
+
+    source_specs = jax.tree.map(source_pspec, source)
+    q = spec.place(q, heads)
+    source = jax.tree.map(spec.place, source, source_specs)
     positions = spec.place(positions, tokens)
+    params_specs = jax.tree.map(lambda _: PartitionSpec(), params)
     kw = dict(causal=causal, scale=scale)
     # Outside USP, a strategy runs over every sequence axis (two of them when "auto" had a
     # ulysses axis to choose with); collectives accept a tuple of mesh axes.
     axes = spec.sequence_axes
     axis = axes[0] if len(axes) == 1 else axes
-    if strategy == "all_gather":
-        local = functools.partial(all_gather_attention, axis=axis, **kw)
-    elif strategy == "ulysses":
-        local = functools.partial(ulysses_attention, axis=axis, **kw)
-    elif strategy == "ring":
-        local = functools.partial(ring_attention, axis=axis, **kw)
-    else:
-        local = functools.partial(
-            usp_attention, ulysses_axis=spec.ulysses_axis, ring_axis=spec.context_axis, **kw
+
+    def local(q, params, source, positions, segment_ids):
+        if strategy == "all_gather":
+            fn = all_gather_latent_attention
+            return fn(q, source, expand, params, positions, segment_ids, axis=axis, **kw)
+        if strategy == "ring":
+            fn = ring_latent_attention
+            return fn(q, source, expand, params, positions, segment_ids, axis=axis, **kw)
+        k, v = expand(params, source)  # Ulysses splits heads of up-projected K/V
+        if strategy == "ulysses":
+            return ulysses_attention(q, k, v, positions, segment_ids, axis=axis, **kw)
+        return usp_attention(
+            q,
+            k,
+            v,
+            positions,
+            segment_ids,
+            ulysses_axis=spec.ulysses_axis,
+            ring_axis=spec.context_axis,
+            **kw,
         )
+
+    in_specs = (heads, params_specs, source_specs, tokens)
+    args = (q, params, source, positions)
     if segment_ids is None:
-        fn = lambda q, k, v, p: local(q, k, v, p, None)  # noqa: E731
-        args, in_specs = (q, k, v, positions), (heads, heads, heads, tokens)
+        fn = lambda q, p, src, pos: local(q, p, src, pos, None)  # noqa: E731
     else:
         fn = local
-        segment_ids = spec.place(segment_ids, tokens)
-        args, in_specs = (q, k, v, positions, segment_ids), (heads, heads, heads, tokens, tokens)
+        args, in_specs = (*args, spec.place(segment_ids, tokens)), (*in_specs, tokens)
     mesh = spec.compute_mesh()
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)
     return mapped(*args)
 
 
-__all__ = ["attention", "flash_attention", "flash_attention_backward", "reference_attention"]
+__all__ = [
+    "attention",
+    "flash_attention",
+    "flash_attention_backward",
+    "latent_attention",
+    "reference_attention",
+]

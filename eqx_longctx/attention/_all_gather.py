@@ -7,20 +7,36 @@ gathered token positions, so any layout works. Memory grows with the full sequen
 training, Dubey et al. 2024, arXiv:2407.21783, uses this for its long-context stage).
 """
 
+import jax
 from jax import lax
 
 from .._types import AxisName
 from ._local import flash_attention
+from ._ring import _kv_identity
 
 
 def all_gather_attention(q, k, v, positions, segment_ids, *, axis: AxisName, causal: bool, scale):
     """Attention for the local query shard against K/V gathered over `axis`."""
+    return all_gather_latent_attention(
+        q, (k, v), _kv_identity, (), positions, segment_ids, axis=axis, causal=causal, scale=scale
+    )
+
+
+def all_gather_latent_attention(
+    q, source, expand, params, positions, segment_ids, *, axis: AxisName, causal: bool, scale
+):
+    """Gather a K/V *source* (K/V themselves, or MLA's latent) and expand it locally.
+
+    `expand(params, source) -> (k, v)` runs on the gathered source, so only the source
+    crosses the wire; autodiff sends its gradient back with a reduce-scatter.
+    """
     gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
+    k, v = expand(params, jax.tree.map(gather, source))
     kv_segments = None if segment_ids is None else gather(segment_ids)
     out, _ = flash_attention(
         q,
-        gather(k),
-        gather(v),
+        k,
+        v,
         q_positions=positions,
         kv_positions=gather(positions),
         q_segment_ids=segment_ids,

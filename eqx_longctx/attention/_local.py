@@ -285,8 +285,6 @@ def _flash_fwd_impl(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
                 )
                 return m_new, row_sum, alpha[..., None] * acc + pv
 
-            if nk == 1:  # one block: no loop to skip in (an empty one leaves zeros)
-                return compute(carry)
             ksj = None if kv_seg is None else kv_seg[j]
             empty = _block_is_empty(config, qpi, kv_pos[j], qsi, ksj)
             return lax.cond(empty, lambda c: c, compute, carry)
@@ -296,21 +294,14 @@ def _flash_fwd_impl(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
             jnp.zeros((b, hk, g, bq), jnp.float32),
             jnp.zeros((b, hk, g, bq, dv), jnp.float32),
         )
-        m, row_sum, acc = _loop(nk, kv_step, init)
+        m, row_sum, acc = lax.fori_loop(0, nk, kv_step, init)
         seen = row_sum > 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
         return out.astype(qb.dtype), lse
 
     q_seg_blocks = q_seg if q_seg is not None else jnp.zeros(q_pos.shape, jnp.int32)
-    if qb.shape[0] == 1:  # short sequences (ring hops): no loop overhead
-        return jax.tree.map(lambda x: x[None], one_q_block((qb[0], q_pos[0], q_seg_blocks[0])))
     return lax.map(one_q_block, (qb, q_pos, q_seg_blocks))
-
-
-def _loop(n: int, body, init):
-    """`fori_loop(0, n, body, init)`, called inline when there is one iteration."""
-    return body(0, init) if n == 1 else lax.fori_loop(0, n, body, init)
 
 
 def _flash_fwd(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
@@ -364,23 +355,17 @@ def _backward_blocks(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse
                 )
                 return dk, dv, dq.at[i].add(dq_i)
 
-            if nq == 1:  # one block: an empty one contributes exact zeros
-                return compute(carry)
             qsi = None if q_seg is None else q_seg[i]
             empty = _block_is_empty(config, q_pos[i], kpj, qsi, ksj)
             return lax.cond(empty, lambda c: c, compute, carry)
 
         init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32), dq)
-        dk, dv, dq = _loop(nq, q_step, init)
+        dk, dv, dq = lax.fori_loop(0, nq, q_step, init)
         return dq, (dk, dv)
 
     kv_seg_blocks = kv_seg if kv_seg is not None else jnp.zeros(kv_pos.shape, jnp.int32)
     dq0 = jnp.zeros(qb.shape, jnp.float32)
-    xs = (kb, vb, kv_pos, kv_seg_blocks)
-    if kb.shape[0] == 1:
-        dq, (dk, dv) = one_kv_block(dq0, jax.tree.map(lambda x: x[0], xs))
-        return dq, dk[None], dv[None]
-    dq, (dk, dv) = lax.scan(one_kv_block, dq0, xs)
+    dq, (dk, dv) = lax.scan(one_kv_block, dq0, (kb, vb, kv_pos, kv_seg_blocks))
     return dq, dk, dv
 
 

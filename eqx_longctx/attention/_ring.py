@@ -16,6 +16,7 @@ Communication: `N-1` K/V hops forward; `N-1` K/V hops and `N` dK/dV hops backwar
 """
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -31,6 +32,12 @@ class _RingConfig(NamedTuple):
     axis: AxisName
     causal: bool
     scale: float
+    # expand(params, source) -> (k, v): how a travelling K/V source becomes keys and values.
+    expand: Callable
+
+
+def _kv_identity(params, source):
+    return source
 
 
 def ring_attention(q, k, v, positions, segment_ids, *, axis: AxisName, causal: bool, scale):
@@ -44,9 +51,33 @@ def ring_attention(q, k, v, positions, segment_ids, *, axis: AxisName, causal: b
 
     **Returns:** this shard's attention output, `q`'s dtype.
     """
+    return ring_latent_attention(
+        q, (k, v), _kv_identity, (), positions, segment_ids, axis=axis, causal=causal, scale=scale
+    )
+
+
+def ring_latent_attention(
+    q, source, expand, params, positions, segment_ids, *, axis: AxisName, causal: bool, scale
+):
+    """Ring attention where what travels is a K/V *source* (e.g. MLA's compressed latent).
+
+    Each hop rebuilds its keys and values locally with `expand(params, source)`; the
+    backward pulls their gradients back through `expand`, so the float32 accumulators that
+    travel home are source-sized too, and the gradient of `params` stays on the device.
+
+    **Arguments:**
+
+    - `q`: this device's `[batch, seq/N, heads, dim]` queries.
+    - `source`: a pytree of `[batch, seq/N, ...]` arrays (this device's tokens).
+    - `expand`: `expand(params, source) -> (k, v)`, differentiable.
+    - `params`: a pytree of arrays `expand` uses (replicated).
+    - `positions`, `segment_ids`: as in `ring_attention`.
+
+    **Returns:** this shard's attention output, `q`'s dtype.
+    """
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
-    config = _RingConfig(axis=axis, causal=bool(causal), scale=scale)
-    return _ring(config, q, k, v, positions, segment_ids)
+    config = _RingConfig(axis=axis, causal=bool(causal), scale=scale, expand=expand)
+    return _ring(config, q, params, source, positions, segment_ids)
 
 
 def _hop_is_empty(config: _RingConfig, q_pos, kv_pos, q_seg, kv_seg):
@@ -70,21 +101,26 @@ def _merge(out, lse, block_out, block_lse):
     return w_old * out + w_new * block_out.astype(jnp.float32), new
 
 
+def _zeros_f32(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(config, q, k, v, positions, segment_ids):
-    out, _ = _ring_forward(config, q, k, v, positions, segment_ids)
+def _ring(config, q, params, source, positions, segment_ids):
+    out, _ = _ring_forward(config, q, params, source, positions, segment_ids)
     return out
 
 
-def _ring_forward(config, q, k, v, positions, segment_ids):
+def _ring_forward(config, q, params, source, positions, segment_ids):
     b, s, h, _ = q.shape
     kw = dict(causal=config.causal, scale=config.scale)
 
     def attend(acc, shard):
         out, lse = acc
-        k_j, v_j, pos_j, seg_j = shard
+        src_j, pos_j, seg_j = shard
 
         def compute(acc):
+            k_j, v_j = config.expand(params, src_j)
             block_out, block_lse = flash_attention(
                 q,
                 k_j,
@@ -105,32 +141,34 @@ def _ring_forward(config, q, k, v, positions, segment_ids):
         incoming = _shift(shard, config.axis)  # issued before this hop's compute
         return (attend(acc, shard), incoming), None
 
+    _, v0 = jax.eval_shape(config.expand, params, source)
     acc0 = (
-        jnp.zeros((b, s, h, v.shape[-1]), jnp.float32),
+        jnp.zeros((b, s, h, v0.shape[-1]), jnp.float32),
         jnp.full((b, s, h), -jnp.inf, jnp.float32),
     )
     n = lax.axis_size(config.axis)
-    shard0 = (k, v, positions, segment_ids)
+    shard0 = (source, positions, segment_ids)
     (acc, last), _ = lax.scan(step, (acc0, shard0), None, length=n - 1)
     out, lse = attend(acc, last)
     return out.astype(q.dtype), lse
 
 
-def _ring_fwd(config, q, k, v, positions, segment_ids):
-    out, lse = _ring_forward(config, q, k, v, positions, segment_ids)
-    return out, (q, k, v, positions, segment_ids, out, lse)
+def _ring_fwd(config, q, params, source, positions, segment_ids):
+    out, lse = _ring_forward(config, q, params, source, positions, segment_ids)
+    return out, (q, params, source, positions, segment_ids, out, lse)
 
 
 def _ring_bwd(config, residuals, dout):
-    q, k, v, positions, segment_ids, out, lse = residuals
+    q, params, source, positions, segment_ids, out, lse = residuals
     delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
     kw = dict(causal=config.causal, scale=config.scale)
 
-    def grads(dq, shard, acc):
-        k_j, v_j, pos_j, seg_j = shard
+    def grads(dq, dparams, shard, acc):
+        src_j, pos_j, seg_j = shard
 
         def compute(operands):
-            dq, (dk, dv) = operands
+            dq, dparams, acc = operands
+            (k_j, v_j), expand_vjp = jax.vjp(config.expand, params, src_j)
             dq_j, dk_j, dv_j = flash_attention_backward(
                 q,
                 k_j,
@@ -144,25 +182,41 @@ def _ring_bwd(config, residuals, dout):
                 kv_segment_ids=seg_j,
                 **kw,
             )
-            return dq + dq_j, (dk + dk_j, dv + dv_j)
+            dparams_j, dsrc_j = expand_vjp((dk_j.astype(k_j.dtype), dv_j.astype(v_j.dtype)))
+            add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
+            return (
+                dq + dq_j,
+                jax.tree.map(add, dparams, dparams_j),
+                jax.tree.map(add, acc, dsrc_j),
+            )
 
         empty = _hop_is_empty(config, positions, pos_j, segment_ids, seg_j)
-        return lax.cond(empty, lambda x: x, compute, (dq, acc))
+        return lax.cond(empty, lambda x: x, compute, (dq, dparams, acc))
 
     def step(carry, _):
-        dq, shard, acc = carry
+        dq, dparams, shard, acc = carry
         incoming = _shift(shard, config.axis)
-        dq, acc = grads(dq, shard, acc)
-        return (dq, incoming, _shift(acc, config.axis)), None
+        dq, dparams, acc = grads(dq, dparams, shard, acc)
+        return (dq, dparams, incoming, _shift(acc, config.axis)), None
 
     n = lax.axis_size(config.axis)
-    acc0 = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dq0 = jnp.zeros(q.shape, jnp.float32)
-    carry0 = (dq0, (k, v, positions, segment_ids), acc0)
-    (dq, last, acc), _ = lax.scan(step, carry0, None, length=n - 1)
-    dq, acc = grads(dq, last, acc)
-    dk, dv = _shift(acc, config.axis)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    carry0 = (
+        jnp.zeros(q.shape, jnp.float32),
+        _zeros_f32(params),
+        (source, positions, segment_ids),
+        _zeros_f32(source),
+    )
+    (dq, dparams, last, acc), _ = lax.scan(step, carry0, None, length=n - 1)
+    dq, dparams, acc = grads(dq, dparams, last, acc)
+    dsource = _shift(acc, config.axis)
+    cast = lambda g, x: g.astype(x.dtype)  # noqa: E731
+    return (
+        dq.astype(q.dtype),
+        jax.tree.map(cast, dparams, params),
+        jax.tree.map(cast, dsource, source),
+        None,
+        None,
+    )
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

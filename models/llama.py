@@ -314,7 +314,13 @@ class Llama(eqx.Module):
         self._check_shapes(tokens.shape, "tokens", positions, segment_ids)
         if not isinstance(tokens, jax.core.Tracer):
             self.check_tokens(tokens)
-        return self.forward_embeddings(self.embed_tokens(tokens), positions, segment_ids)
+        if self.spec is None:
+            return self._forward(self.embed_tokens(tokens), positions, segment_ids)
+        # The lookup runs inside auto_axes too: a gather of replicated embeddings by tokens
+        # sharded over an Explicit mesh needs no output-sharding annotation there.
+        run = lambda model, t, p, s: model._forward(model.embed_tokens(t), p, s)  # noqa: E731
+        pspec = self.spec.activation_pspec()
+        return self.spec.auto_axes(run, pspec)(self, tokens, positions, segment_ids)
 
     def _check_shapes(self, batch_seq, what, positions, segment_ids) -> None:
         batch, seq = batch_seq

@@ -205,11 +205,9 @@ def test_against_oracle(case: Case):
 
 # ---- eagerly; inputs already sharded -----------------------------------------------------
 
-EAGER = [
-    Case("all_gather-2x4", "zigzag", "gqa", True, True, "explicit"),
+EAGER = [  # eager runs are slow (no compilation cache across ops): two are enough
     Case("ulysses-1x8", "striped", "mqa", True, True, "auto"),
-    Case("ring-2x4", "zigzag", "gqa", True, True, "auto"),
-    Case("usp-4x2", "striped", "mqa", False, True, "explicit"),
+    Case("ring-2x4", "zigzag", "gqa", True, True, "explicit"),
 ]
 
 

@@ -45,8 +45,15 @@ def _loss(model, tokens, pos, seg):
     return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
 
 
-@pytest.mark.parametrize("strategy,shape,names,ulysses", MESHES)
-@pytest.mark.parametrize("load_balance", ["none", "zigzag", "striped"])
+# Every strategy with zig-zag, and every layout on the ring (the attention table covers the
+# rest of the product; here the point is the model around attention).
+CASES = [(*m, "zigzag") for m in MESHES] + [
+    (*MESHES[1], "none"),
+    (*MESHES[2], "striped"),
+]
+
+
+@pytest.mark.parametrize("strategy,shape,names,ulysses,load_balance", CASES)
 def test_same_logits_and_grads_as_one_device(packed, strategy, shape, names, ulysses, load_balance):
     tokens, pos, seg = packed
     model = Llama(CONFIG, key=jax.random.PRNGKey(0))

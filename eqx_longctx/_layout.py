@@ -117,7 +117,7 @@ def _explicit_pspec(x):
     sharding = getattr(typeof(x), "sharding", None) if typeof is not None else None
     mesh = getattr(sharding, "mesh", None)
     types = getattr(mesh, "axis_types", ())
-    if not any(str(t).endswith("Explicit") for t in types):
+    if sharding is None or not any(str(t).endswith("Explicit") for t in types):
         return None
     return sharding.spec
 

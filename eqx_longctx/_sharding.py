@@ -3,7 +3,8 @@
 Every module that touches sharded data receives one explicitly; nothing reads a global mesh.
 """
 
-from typing import Literal, final
+from collections.abc import Callable
+from typing import Any, Literal, final
 
 import equinox as eqx
 import jax
@@ -199,7 +200,7 @@ class ShardingSpec(eqx.Module):
 
         return explain(self, **shape)
 
-    def auto_axes(self, fn, out_pspec: PartitionSpec):
+    def auto_axes(self, fn: Callable[..., Any], out_pspec: PartitionSpec) -> Callable[..., Any]:
         """Run `fn` with this mesh's axes Auto when the mesh is Explicit (else as is)."""
         if not self.is_explicit or _in_auto_context(self.mesh):
             return fn

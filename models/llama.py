@@ -20,6 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -88,7 +89,8 @@ class LlamaConfig:
                 )
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads != 0:
+        n_kv_heads = cast(int, self.n_kv_heads)
+        if n_kv_heads <= 0 or self.n_heads % n_kv_heads != 0:
             raise ValueError(
                 "LlamaConfig needs n_heads to be a multiple of n_kv_heads (GQA groups query "
                 f"heads over shared K/V heads); got n_heads={self.n_heads}, "
@@ -103,7 +105,8 @@ class LlamaConfig:
                     "them or pass head_dim explicitly."
                 )
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-        if self.head_dim <= 0 or self.head_dim % 2 != 0:
+        head_dim = cast(int, self.head_dim)
+        if head_dim <= 0 or head_dim % 2 != 0:
             raise ValueError(
                 f"LlamaConfig needs a positive even head_dim (RoPE rotates feature pairs); got "
                 f"head_dim={self.head_dim}."
@@ -219,7 +222,7 @@ class Llama(eqx.Module):
         Needs concrete values (call it outside `jit`); `__call__` runs it automatically
         whenever its tokens are concrete.
         """
-        if isinstance(tokens, jax.core.Tracer):
+        if isinstance(tokens, Tracer):
             raise ValueError(
                 "check_tokens needs concrete token ids, but got a tracer (called inside jit, "
                 "grad or vmap). Check the batch before entering the transformed function."
@@ -312,7 +315,7 @@ class Llama(eqx.Module):
         positions = jnp.asarray(positions)
         segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
         self._check_shapes(tokens.shape, "tokens", positions, segment_ids)
-        if not isinstance(tokens, jax.core.Tracer):
+        if not isinstance(tokens, Tracer):
             self.check_tokens(tokens)
         if self.spec is None:
             return self._forward(self.embed_tokens(tokens), positions, segment_ids)

@@ -8,7 +8,7 @@ the original token positions of the layout, so every layout works with every str
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -77,9 +77,10 @@ def attention(
         )
         return out
     strategy = check_spec_inputs(spec, q, k, segment_ids)
-    return _context_parallel(
+    out = _context_parallel(
         spec, strategy, q, (k, v), _kv_identity, (), segment_ids, causal=causal, scale=scale
     )
+    return cast(Array, out)
 
 
 def latent_attention(
@@ -134,9 +135,10 @@ def latent_attention(
         segment_ids = segment_ids.astype(jnp.int32)
     strategy = check_spec_inputs(spec, q, k_shape, segment_ids)
     expand = _Expand(static)
-    return _context_parallel(
+    out = _context_parallel(
         spec, strategy, q, latent, expand, params, segment_ids, causal=causal, scale=scale
     )
+    return cast(Array, out)
 
 
 class _Expand(eqx.Module):

@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 from .._types import (
+    Array,
     AttnOut,
     Key,
     KvPositions,
@@ -92,7 +93,7 @@ def flash_attention(
         q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k
     )
     config = blocks.config(causal, scale, q.shape[-1])
-    ob, lseb = _flash(
+    ob, lseb = _flash(  # pyright: ignore[reportGeneralTypeIssues]  (custom_vjp typing)
         config, blocks.split_q(q), blocks.split_kv(k), blocks.split_kv(v), *blocks.masks
     )
     return blocks.merge_q(ob).astype(q.dtype), blocks.merge_rows(lseb)
@@ -154,7 +155,8 @@ class _Blocks(NamedTuple):
     nq: int
     nk: int
     use_segments: bool
-    masks: tuple  # q_pos, kv_pos, q_seg, kv_seg in block-major layout [n, b, block]
+    # q_pos, kv_pos, q_seg, kv_seg in block-major layout [n, b, block]
+    masks: tuple[Array, Array, Array | None, Array | None]
 
     @staticmethod
     def make(q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k):

@@ -34,8 +34,7 @@ def reference_attention(
     q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
     b, s, hq, d = q.shape
     hk = k.shape[2]
-    if scale is None:
-        scale = 1.0 / np.sqrt(d)
+    scale = 1.0 / float(np.sqrt(d)) if scale is None else scale
     k = jnp.repeat(k, hq // hk, axis=2)
     v = jnp.repeat(v, hq // hk, axis=2)
     scores = jnp.einsum("bshd,bthd->bhst", q, k, precision="highest") * scale

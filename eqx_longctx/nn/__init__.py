@@ -4,7 +4,11 @@ Every layer keeps an explicit batch axis and takes the sharding spec explicitly.
 """
 
 from ._attention import SelfAttention as SelfAttention
+from ._mla import DecoupledRoPE as DecoupledRoPE
+from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
+from ._mla import YarnRopeScaling as YarnRopeScaling
 from ._mlp import SwiGLU as SwiGLU
+from ._moe import MoE as MoE
 from ._norm import RMSNorm as RMSNorm
 from ._rope import Llama3RopeScaling as Llama3RopeScaling
 from ._rope import RoPE as RoPE
@@ -15,10 +19,14 @@ from ._transformer import LayerStack as LayerStack
 __all__ = [
     "REMAT_POLICIES",
     "DecoderBlock",
+    "DecoupledRoPE",
     "LayerStack",
     "Llama3RopeScaling",
+    "MoE",
+    "MultiHeadLatentAttention",
     "RMSNorm",
     "RoPE",
     "SelfAttention",
     "SwiGLU",
+    "YarnRopeScaling",
 ]

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import attention
 from ._norm import RMSNorm
@@ -49,7 +50,7 @@ class SelfAttention(eqx.Module):
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
-    spec: object = eqx.field(static=True)
+    spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
         self,

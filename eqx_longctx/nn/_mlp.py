@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._sharding import ShardingSpec
 from .._types import Hidden
 
 
@@ -26,7 +27,7 @@ class SwiGLU(eqx.Module):
     w_gate: Float[Array, "embed hidden"]
     w_up: Float[Array, "embed hidden"]
     w_down: Float[Array, "hidden embed"]
-    spec: object = eqx.field(static=True)
+    spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import PRNGKeyArray
 
+from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ._attention import SelfAttention
 from ._mlp import SwiGLU
@@ -33,7 +34,7 @@ class DecoderBlock(eqx.Module):
     attn: SelfAttention
     mlp_norm: RMSNorm
     mlp: SwiGLU
-    spec: object = eqx.field(static=True)
+    spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
         self,

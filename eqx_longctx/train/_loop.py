@@ -118,7 +118,7 @@ class Trainer:
         self.parallel = Placement(config.devices, config.mesh, config.strategy, config.load_balance)
 
         # Validate the run directory before the (slow) model build.
-        self.run_dir = pathlib.Path(config.run_dir)
+        self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ValueError(
                 f"run_dir must be a directory; got run_dir={str(self.run_dir)!r}, which is a "

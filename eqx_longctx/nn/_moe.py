@@ -1,0 +1,323 @@
+"""Mixture-of-experts feed-forward block: shared experts plus top-k routed SwiGLU experts.
+
+Einsum letters: `b` batch, `s` sequence, `t` token (batch x sequence, flattened), `k` routed
+slot of a token (`top_k` of them), `e` embed, `x` expert, `f` expert hidden width, `n` row
+of the expert-sorted token copies (`tokens * top_k` of them), `g` expert group.
+
+Routing follows DeepSeek: softmax scores with greedy or group-limited greedy top-k
+(DeepSeek-V2), or sigmoid scores with a selection-only bias and group-limited top-k over the
+sum of each group's two best scores (DeepSeek-V3, "noaux_tc"). The routed computation never
+forms a `tokens x experts x embed` tensor: the `tokens * top_k` token copies are sorted by
+expert and every expert multiplies only its own rows (`jax.lax.ragged_dot`, or a scan over
+fixed-size row tiles that each belong to one expert).
+
+References: Dai et al. 2024, "DeepSeekMoE" (arXiv:2401.06066); DeepSeek-AI 2024,
+"DeepSeek-V2" (arXiv:2405.04434) and "DeepSeek-V3 Technical Report" (arXiv:2412.19437).
+"""
+
+from typing import final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._sharding import ShardingSpec
+from .._types import Hidden
+from ._mlp import SwiGLU
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+GROUPED_MATMULS = ("auto", "ragged_dot", "scan")
+
+
+@final
+class MoE(eqx.Module):
+    """`shared(x) + sum_k weight_k * expert_{index_k}(x)` over the top-k routed experts.
+
+    Every expert (and the shared block, `n_shared * hidden_dim` wide) is a bias-free SwiGLU.
+    Routing runs in float32:
+
+    - `"greedy"`: `scores = softmax(x @ router)`; the `top_k` best experts, weighted by
+      their scores.
+    - `"group_limited_greedy"`: the experts form `n_group` equal groups; each group is rated
+      by its best score, the `topk_group` best groups are kept (other scores set to 0),
+      then as `"greedy"`.
+    - `"noaux_tc"`: `scores = sigmoid(x @ router)`; selection uses `scores + score_bias`,
+      groups are rated by the sum of their two best biased scores (others set to -inf),
+      and the chosen experts are weighted by their unbiased scores.
+
+    Then the weights are divided by their sum if `norm_topk_prob`, and multiplied by
+    `routed_scaling_factor`. Without expert parallelism: with a sharding spec, each device
+    routes and computes its own tokens against replicated expert weights.
+    """
+
+    router: Float[Array, "embed experts"]
+    score_bias: Float[Array, " experts"] | None
+    w_gate: Float[Array, "experts embed hidden"]
+    w_up: Float[Array, "experts embed hidden"]
+    w_down: Float[Array, "experts hidden embed"]
+    shared: SwiGLU | None
+    top_k: int = eqx.field(static=True)
+    topk_method: str = eqx.field(static=True)
+    n_group: int = eqx.field(static=True)
+    topk_group: int = eqx.field(static=True)
+    norm_topk_prob: bool = eqx.field(static=True)
+    routed_scaling_factor: float = eqx.field(static=True)
+    grouped_matmul: str = eqx.field(static=True)
+    tile: int = eqx.field(static=True)
+    spec: ShardingSpec | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        key: PRNGKeyArray,
+        n_shared: int = 0,
+        topk_method: str = "greedy",
+        n_group: int = 1,
+        topk_group: int = 1,
+        norm_topk_prob: bool = False,
+        routed_scaling_factor: float = 1.0,
+        grouped_matmul: str = "auto",
+        tile: int = 128,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        dtype=jnp.float32,
+        spec=None,
+    ):
+        """**Arguments:**
+
+        - `dim`: model width (`embed`).
+        - `hidden_dim`: SwiGLU width of each expert.
+        - `n_experts`, `top_k`: routed experts, and how many each token uses.
+        - `key`: PRNG key for the normal initialisation.
+        - `n_shared`: shared experts, fused into one SwiGLU `n_shared * hidden_dim` wide
+          (0: none).
+        - `topk_method`, `n_group`, `topk_group`: the routing rule (see the class docstring).
+        - `norm_topk_prob`, `routed_scaling_factor`: post-processing of the routing weights.
+        - `grouped_matmul`: `"ragged_dot"` (`jax.lax.ragged_dot`: one grouped matmul, native
+          on TPU; other backends lower it through a dense `experts x rows` expansion),
+          `"scan"` (a scan over row tiles of `tile` rows, each belonging to one expert) or
+          `"auto"` (`"ragged_dot"` on TPU, else `"scan"`).
+        - `tile`: rows per tile of the `"scan"` path.
+        - `init_std`, `out_init_std`: standard deviations of the router and input
+          projections, and of the output projections (default `init_std`).
+        - `dtype`: parameter dtype.
+        - `spec`: the sharding spec, or `None` for one device.
+        """
+        for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("n_experts", n_experts)):
+            if value <= 0:
+                raise ValueError(f"MoE needs {name} > 0; got {name}={value}.")
+        out_init_std = init_std if out_init_std is None else out_init_std
+        k_router, k_gate, k_up, k_down, k_shared = jax.random.split(key, 5)
+        self.router = init_std * jax.random.normal(k_router, (dim, n_experts), dtype)
+        self.score_bias = jnp.zeros((n_experts,), dtype) if topk_method == "noaux_tc" else None
+        shape = (n_experts, dim, hidden_dim)
+        self.w_gate = init_std * jax.random.normal(k_gate, shape, dtype)
+        self.w_up = init_std * jax.random.normal(k_up, shape, dtype)
+        self.w_down = out_init_std * jax.random.normal(k_down, (n_experts, hidden_dim, dim), dtype)
+        self.shared = None
+        if n_shared:
+            self.shared = SwiGLU(
+                dim,
+                n_shared * hidden_dim,
+                key=k_shared,
+                init_std=init_std,
+                out_init_std=out_init_std,
+                dtype=dtype,
+                spec=spec,
+            )
+        self.top_k = top_k
+        self.topk_method = topk_method
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.norm_topk_prob = bool(norm_topk_prob)
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.grouped_matmul = grouped_matmul
+        self.tile = tile
+        self.spec = spec
+
+    def __check_init__(self):
+        n_experts = self.router.shape[-1]
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(
+                f"MoE topk_method must be one of {TOPK_METHODS}; got {self.topk_method!r}."
+            )
+        if self.grouped_matmul not in GROUPED_MATMULS:
+            raise ValueError(
+                f"MoE grouped_matmul must be one of {GROUPED_MATMULS}; got {self.grouped_matmul!r}."
+            )
+        if not 1 <= self.top_k <= n_experts:
+            raise ValueError(
+                f"MoE needs 1 <= top_k <= n_experts; got top_k={self.top_k}, n_experts={n_experts}."
+            )
+        if self.tile < 1:
+            raise ValueError(f"MoE needs tile >= 1 rows; got tile={self.tile}.")
+        if self.topk_method == "greedy":
+            return
+        if self.n_group < 1 or n_experts % self.n_group:
+            raise ValueError(
+                f"MoE topk_method={self.topk_method!r} splits the experts into n_group equal "
+                f"groups; got n_experts={n_experts}, n_group={self.n_group}. Choose n_group "
+                f"among the divisors of {n_experts}."
+            )
+        per_group = n_experts // self.n_group
+        if not 1 <= self.topk_group <= self.n_group or self.top_k > self.topk_group * per_group:
+            raise ValueError(
+                "MoE group-limited routing needs 1 <= topk_group <= n_group and top_k <= "
+                f"topk_group * experts per group; got top_k={self.top_k}, topk_group="
+                f"{self.topk_group}, n_group={self.n_group}, experts per group={per_group}."
+            )
+        if self.topk_method == "noaux_tc" and per_group < 2:
+            raise ValueError(
+                "MoE topk_method='noaux_tc' rates each group by its two best experts, so groups "
+                f"need >= 2 experts; got n_experts={n_experts}, n_group={self.n_group}."
+            )
+
+    @property
+    def n_experts(self) -> int:
+        return self.router.shape[-1]
+
+    def route(
+        self, x: Float[Array, "tokens embed"]
+    ) -> tuple[Int[Array, "tokens top_k"], Float[Array, "tokens top_k"]]:
+        """Choose the experts of each token.
+
+        **Arguments:**
+
+        - `x`: `[tokens, embed]` (normalised) activations.
+
+        **Returns:** `(indices, weights)`: int32 expert ids and float32 weights, `[tokens,
+        top_k]` each.
+        """
+        logits = jnp.einsum("te,ex->tx", x.astype(jnp.float32), self.router.astype(jnp.float32))
+        if self.topk_method == "noaux_tc":
+            assert self.score_bias is not None
+            scores = jax.nn.sigmoid(logits)
+            choice = scores + self.score_bias.astype(jnp.float32)
+        else:
+            scores = choice = jax.nn.softmax(logits, axis=-1)
+        if self.topk_method != "greedy":
+            grouped = choice.reshape(*choice.shape[:-1], self.n_group, -1)
+            if self.topk_method == "noaux_tc":
+                group_scores = lax.top_k(grouped, 2)[0].sum(-1)
+            else:
+                group_scores = grouped.max(-1)
+            _, best_groups = lax.top_k(group_scores, self.topk_group)
+            keep = jnp.any(jax.nn.one_hot(best_groups, self.n_group, dtype=bool), axis=-2)
+            fill = -jnp.inf if self.topk_method == "noaux_tc" else 0.0
+            choice = jnp.where(keep[..., None], grouped, fill).reshape(choice.shape)
+            if self.topk_method != "noaux_tc":
+                scores = choice  # group-limited greedy weights by the masked scores
+        _, indices = lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(scores, indices, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return indices.astype(jnp.int32), weights * self.routed_scaling_factor
+
+    def __call__(self, x: Hidden) -> Hidden:
+        """**Arguments:**
+
+        - `x`: `[batch, seq, embed]` (normalised) activations.
+
+        **Returns:** `[batch, seq, embed]` in the dtype of `x`.
+        """
+        if self.spec is None:
+            return self._local(x)
+        spec = self.spec
+        act = spec.activation_pspec()
+        params, static = eqx.partition(self, eqx.is_array)
+
+        def local(params, x):
+            return eqx.combine(params, static)._local(x)
+
+        # Routing is per token and the expert weights are replicated: each device computes
+        # its own tokens, with no communication.
+        mapped = jax.shard_map(
+            local,
+            mesh=spec.compute_mesh(),
+            in_specs=(PartitionSpec(), act),
+            out_specs=act,
+            check_vma=False,
+        )
+        return mapped(params, spec.place(x, act))
+
+    def _local(self, x):
+        b, s, e = x.shape
+        tokens = x.reshape(b * s, e)
+        indices, weights = self.route(tokens)
+        rows = indices.reshape(-1)  # row n = token n // top_k, slot n % top_k
+        order = jnp.argsort(rows, stable=True)
+        group_sizes = jnp.bincount(rows, length=self.n_experts).astype(jnp.int32)
+        sorted_x = tokens[order // self.top_k]
+        method = self.grouped_matmul
+        if method == "auto":
+            method = "ragged_dot" if jax.default_backend() == "tpu" else "scan"
+        w = (self.w_gate, self.w_up, self.w_down)
+        w = tuple(a.astype(x.dtype) for a in w)
+        if method == "ragged_dot":
+            sorted_y = _experts_ragged_dot(sorted_x, group_sizes, *w)
+        else:
+            sorted_y = _experts_tiled(sorted_x, group_sizes, rows[order], *w, tile=self.tile)
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        y = sorted_y[inverse].reshape(b * s, self.top_k, e)
+        out = jnp.einsum("tke,tk->te", y.astype(jnp.float32), weights).astype(x.dtype)
+        out = out.reshape(b, s, e)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+def _swiglu_rows(x, w_gate, w_up, w_down):
+    return jnp.dot(jax.nn.silu(jnp.dot(x, w_gate)) * jnp.dot(x, w_up), w_down)
+
+
+def _experts_ragged_dot(x, group_sizes, w_gate, w_up, w_down):
+    """`[rows, embed]` sorted by expert -> `[rows, embed]`, one ragged matmul per weight."""
+    gate = lax.ragged_dot(x, w_gate, group_sizes)
+    up = lax.ragged_dot(x, w_up, group_sizes)
+    return lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+
+
+def _experts_tiled(x, group_sizes, row_expert, w_gate, w_up, w_down, *, tile):
+    """The same as `_experts_ragged_dot`, as a scan over tiles of `tile` rows.
+
+    Each expert's rows are padded to a whole number of tiles, so every tile belongs to one
+    expert; the number of tiles has the static bound `ceil(rows / tile) + experts`, and
+    tiles past the used ones are skipped. Tiles are at most `rows // experts` rows, so the
+    padded copy of the rows is at most twice their size.
+    """
+    n_rows, e = x.shape
+    n_experts = group_sizes.shape[0]
+    tile = max(1, min(tile, n_rows // n_experts))
+    n_tiles = -(-n_rows // tile) + min(n_experts, n_rows)
+    padded = (group_sizes + tile - 1) // tile * tile
+    padded_ends = jnp.cumsum(padded)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    rank = jnp.arange(n_rows, dtype=jnp.int32) - starts[row_expert]
+    dest = padded_ends[row_expert] - padded[row_expert] + rank
+    tiles = jnp.zeros((n_tiles * tile, e), x.dtype).at[dest].set(x).reshape(n_tiles, tile, e)
+    tile_start = jnp.arange(n_tiles, dtype=padded_ends.dtype) * tile
+    tile_expert = jnp.minimum(
+        jnp.searchsorted(padded_ends, tile_start, side="right"), n_experts - 1
+    )
+    used = tile_start < padded_ends[-1]
+
+    def body(_, inputs):
+        rows, expert, is_used = inputs
+
+        def compute(rows):
+            weights = (
+                lax.dynamic_index_in_dim(w, expert, keepdims=False) for w in (w_gate, w_up, w_down)
+            )
+            return _swiglu_rows(rows, *weights)
+
+        return None, lax.cond(is_used, compute, jnp.zeros_like, rows)
+
+    _, out = lax.scan(body, None, (tiles, tile_expert, used))
+    return out.reshape(n_tiles * tile, e)[dest]

@@ -1,0 +1,876 @@
+"""DeepSeek-V2 / DeepSeek-V3 decoder-only mixture-of-experts language models, with presets.
+
+Einsum letters: `b` batch, `s` sequence, `e` embed, `v` vocabulary.
+
+Tokens -> embedding -> `first_k_dense` dense blocks, then `n_layers - first_k_dense` MoE
+blocks -> RMSNorm -> LM head -> float32 logits. Every block is pre-norm: `x + MLA(norm(x))`,
+then `x + FFN(norm(x))`, where MLA is multi-head latent attention (low-rank key/value latent,
+optional low-rank queries, decoupled RoPE with YaRN scaling) and FFN a SwiGLU (dense blocks)
+or shared + routed SwiGLU experts (MoE blocks). The dense and the MoE blocks are two stacks,
+each run with `lax.scan`.
+
+DeepSeek-V2 routes with softmax scores (greedy or group-limited greedy top-k); DeepSeek-V3
+with sigmoid scores, a selection-only bias and group-limited top-k ("noaux_tc").
+
+References: DeepSeek-AI 2024, "DeepSeek-V2: A Strong, Economical, and Efficient
+Mixture-of-Experts Language Model" (arXiv:2405.04434); DeepSeek-AI 2024, "DeepSeek-V3
+Technical Report" (arXiv:2412.19437).
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Literal, cast, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from eqx_longctx import ShardingSpec, layout_order
+from eqx_longctx._types import Hidden, Logits, Positions, SegmentIds, Tokens
+from eqx_longctx.nn import (
+    REMAT_POLICIES,
+    DecoupledRoPE,
+    LayerStack,
+    MoE,
+    MultiHeadLatentAttention,
+    RMSNorm,
+    SwiGLU,
+)
+from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
+from eqx_longctx.nn._moe import GROUPED_MATMULS, TOPK_METHODS
+
+from . import _hf
+
+_DTYPES = ("float32", "bfloat16", "float16")
+# DeepSeek's reference code and transformers build the q/kv latent norms with their default
+# epsilon, whatever `rms_norm_eps` says.
+LATENT_NORM_EPS = 1e-6
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class DeepSeekConfig:
+    """Hyperparameters of a DeepSeek-V2/V3 model (hashable, so it can be a static field).
+
+    **Arguments:**
+
+    - `vocab_size`, `dim`, `n_layers`, `n_heads`: vocabulary, width, depth, attention heads.
+    - `hidden_dim`: SwiGLU width of the dense blocks.
+    - `moe_hidden_dim`: SwiGLU width of each routed expert (the shared block is
+      `n_shared_experts * moe_hidden_dim` wide).
+    - `n_routed_experts`, `n_shared_experts`, `top_k`: routed experts, shared experts,
+      routed experts per token.
+    - `first_k_dense`: number of leading dense blocks (the rest are MoE blocks).
+    - `kv_lora_rank`, `q_lora_rank`: key/value latent width; query latent width or `None`
+      (direct query projection, as DeepSeek-V2-Lite).
+    - `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`: per-head widths of the
+      position-free and rotary query/key parts, and of the values.
+    - `topk_method`: `"greedy"`, `"group_limited_greedy"` (V2, softmax scores) or
+      `"noaux_tc"` (V3, sigmoid scores + selection bias); see `eqx_longctx.nn.MoE`.
+    - `n_group`, `topk_group`: expert groups, and how many a token may use.
+    - `norm_topk_prob`, `routed_scaling_factor`: post-processing of the routing weights.
+    - `norm_eps`: epsilon of the block and final RMSNorms.
+    - `rope_theta`, `rope_scaling`: RoPE base and optional YaRN scaling.
+    - `rope_interleave`: rotate neighbouring feature pairs (DeepSeek's layout).
+    - `max_seq_len`: longest sequence the model accepts.
+    - `tie_embeddings`: reuse the token embedding as the LM head.
+    - `grouped_matmul`: how experts run, `"auto"`, `"ragged_dot"` or `"scan"` (see `MoE`).
+    - `remat`: `"none"`, `"full"` or `"dots"` (see `eqx_longctx.nn.LayerStack`).
+    - `param_dtype`, `compute_dtype`: `"float32"`, `"bfloat16"` or `"float16"`; logits
+      are always float32, routing runs in float32.
+    - `init_std`: standard deviation of the normal initialisation; output projections use
+      `init_std / sqrt(2 * n_layers)`.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    hidden_dim: int
+    moe_hidden_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    top_k: int
+    first_k_dense: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float | int = 1.0
+    norm_eps: float = 1e-6
+    rope_theta: float | int = 10000.0
+    rope_scaling: YarnRopeScaling | None = None
+    rope_interleave: bool = True
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+    grouped_matmul: str = "auto"
+    remat: str = "none"
+    param_dtype: str | type | np.dtype = "float32"
+    compute_dtype: str | type | np.dtype = "float32"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        positive = (
+            "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "moe_hidden_dim",
+            "n_routed_experts", "top_k", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "max_seq_len",
+        )  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"DeepSeekConfig.{name} must be positive; got {name}={getattr(self, name)}."
+                )
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(
+                f"DeepSeekConfig.q_lora_rank must be positive or None; got {self.q_lora_rank}."
+            )
+        if self.n_shared_experts < 0 or not 0 <= self.first_k_dense <= self.n_layers:
+            raise ValueError(
+                "DeepSeekConfig needs n_shared_experts >= 0 and 0 <= first_k_dense <= "
+                f"n_layers; got n_shared_experts={self.n_shared_experts}, first_k_dense="
+                f"{self.first_k_dense}, n_layers={self.n_layers}."
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                "DeepSeekConfig needs an even qk_rope_head_dim (RoPE rotates feature pairs); "
+                f"got {self.qk_rope_head_dim}."
+            )
+        for name, allowed in (
+            ("topk_method", TOPK_METHODS),
+            ("grouped_matmul", GROUPED_MATMULS),
+            ("remat", REMAT_POLICIES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"DeepSeekConfig.{name} must be one of {allowed}; got "
+                    f"{name}={getattr(self, name)!r}."
+                )
+        for name in ("param_dtype", "compute_dtype"):
+            value = getattr(self, name)
+            try:
+                dtype_name = jnp.dtype(value).name
+            except TypeError:
+                dtype_name = repr(value)
+            if dtype_name not in _DTYPES:
+                raise ValueError(f"DeepSeekConfig.{name} must be one of {_DTYPES}; got {value!r}.")
+            object.__setattr__(self, name, dtype_name)
+        if not self.norm_eps > 0 or not self.rope_theta > 0 or not self.init_std > 0:
+            raise ValueError(
+                "DeepSeekConfig needs norm_eps, rope_theta and init_std > 0; got "
+                f"norm_eps={self.norm_eps}, rope_theta={self.rope_theta}, "
+                f"init_std={self.init_std}."
+            )
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.first_k_dense
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "DeepSeekConfig":
+        """A preset from `PRESETS` with some fields replaced (e.g. `n_layers=4`)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown DeepSeek preset {name!r}; choose one of {sorted(PRESETS)}.")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+@final
+class DeepSeekBlock(eqx.Module):
+    """`x + mla(norm(x))`, then `x + ffn(norm(x))`; the FFN is a SwiGLU or an MoE."""
+
+    attn_norm: RMSNorm
+    attn: MultiHeadLatentAttention
+    mlp_norm: RMSNorm
+    mlp: SwiGLU | MoE
+
+    def __init__(self, config: "DeepSeekConfig", *, moe: bool, key: PRNGKeyArray, spec=None):
+        """**Arguments:**
+
+        - `config`: the hyperparameters.
+        - `moe`: build the MoE feed-forward (else the dense SwiGLU).
+        - `key`: PRNG key.
+        - `spec`: the sharding spec, or `None` for one device.
+        """
+        c = config
+        dtype = jnp.dtype(c.param_dtype)
+        out_std = c.init_std / math.sqrt(2 * c.n_layers)
+        k_attn, k_mlp = jax.random.split(key)
+        rope = DecoupledRoPE(
+            c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, interleaved=c.rope_interleave
+        )
+        self.attn_norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
+        self.attn = MultiHeadLatentAttention(
+            c.dim,
+            c.n_heads,
+            kv_lora_rank=c.kv_lora_rank,
+            q_lora_rank=c.q_lora_rank,
+            qk_nope_head_dim=c.qk_nope_head_dim,
+            qk_rope_head_dim=c.qk_rope_head_dim,
+            v_head_dim=c.v_head_dim,
+            rope=rope,
+            key=k_attn,
+            norm_eps=LATENT_NORM_EPS,
+            init_std=c.init_std,
+            out_init_std=out_std,
+            dtype=dtype,
+            spec=spec,
+        )
+        self.mlp_norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
+        if moe:
+            self.mlp = MoE(
+                c.dim,
+                c.moe_hidden_dim,
+                c.n_routed_experts,
+                c.top_k,
+                key=k_mlp,
+                n_shared=c.n_shared_experts,
+                topk_method=c.topk_method,
+                n_group=c.n_group,
+                topk_group=c.topk_group,
+                norm_topk_prob=c.norm_topk_prob,
+                routed_scaling_factor=c.routed_scaling_factor,
+                grouped_matmul=c.grouped_matmul,
+                init_std=c.init_std,
+                out_init_std=out_std,
+                dtype=dtype,
+                spec=spec,
+            )
+        else:
+            self.mlp = SwiGLU(
+                c.dim,
+                c.hidden_dim,
+                key=k_mlp,
+                init_std=c.init_std,
+                out_init_std=out_std,
+                dtype=dtype,
+                spec=spec,
+            )
+
+    def __call__(
+        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+    ) -> Hidden:
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@final
+class DeepSeek(eqx.Module):
+    """The DeepSeek-V2/V3 decoder. Call it as `model(tokens, positions, segment_ids)`."""
+
+    embed: Float[Array, "vocab embed"]
+    dense_layers: LayerStack | None
+    moe_layers: LayerStack | None
+    norm: RMSNorm
+    lm_head: Float[Array, "embed vocab"] | None
+    config: DeepSeekConfig = eqx.field(static=True)
+    spec: ShardingSpec | None = eqx.field(static=True)
+
+    def __init__(self, config: DeepSeekConfig, *, key: PRNGKeyArray, spec=None):
+        """**Arguments:**
+
+        - `config`: the hyperparameters.
+        - `key`: PRNG key for the initialisation.
+        - `spec`: the sharding spec handed to every attention and MoE call; `None` = one
+          device.
+        """
+        c = config
+        dtype = jnp.dtype(c.param_dtype)
+        k_embed, k_dense, k_moe, k_head = jax.random.split(key, 4)
+        self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
+        self.dense_layers = self.moe_layers = None
+        if c.first_k_dense:
+            self.dense_layers = LayerStack(
+                lambda k: DeepSeekBlock(c, moe=False, key=k, spec=spec),
+                c.first_k_dense,
+                key=k_dense,
+                remat=c.remat,
+            )
+        if c.n_moe_layers:
+            self.moe_layers = LayerStack(
+                lambda k: DeepSeekBlock(c, moe=True, key=k, spec=spec),
+                c.n_moe_layers,
+                key=k_moe,
+                remat=c.remat,
+            )
+        self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
+        if c.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
+        self.config = config
+        self.spec = spec
+
+    def num_params(self) -> int:
+        """**Returns:** the number of parameters (works on `eqx.filter_eval_shape` output)."""
+        return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self))
+
+    def check_tokens(self, tokens) -> None:
+        """Raise `ValueError` if a concrete token id lies outside `[0, vocab_size)`.
+
+        Needs concrete values (call it outside `jit`); `__call__` runs it automatically
+        whenever its tokens are concrete.
+        """
+        if isinstance(tokens, Tracer):
+            raise ValueError(
+                "check_tokens needs concrete token ids, but got a tracer (called inside jit, "
+                "grad or vmap). Check the batch before entering the transformed function."
+            )
+        ids = np.asarray(tokens)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(
+                f"token ids must lie in [0, vocab_size={self.config.vocab_size}); got ids in "
+                f"[{ids.min()}, {ids.max()}]. Use a tokenizer that matches the model."
+            )
+
+    def embed_tokens(self, tokens: Tokens) -> Hidden:
+        """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype."""
+        return jnp.take(self.embed, tokens, axis=0).astype(self.config.compute_dtype)
+
+    def forward_embeddings(
+        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+    ) -> Logits:
+        """Run the decoder on input embeddings (what `__call__` does after the lookup).
+
+        **Arguments:**
+
+        - `x`: `[batch, seq, embed]` input embeddings.
+        - `positions`: `[batch, seq]` RoPE positions.
+        - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
+
+        **Returns:** `[batch, seq, vocab]` float32 logits.
+        """
+        _check_shapes(self.config, x.shape[:2], "x", positions, segment_ids)
+        if self.spec is None:
+            return self._forward(x, positions, segment_ids)
+        logits_pspec = self.spec.activation_pspec()
+        # The parameters go in as arguments, so that ones replicated over an Explicit mesh
+        # turn Auto along with the activations.
+        run = cast(Callable[..., Logits], self.spec.auto_axes(DeepSeek._forward, logits_pspec))
+        return run(self, x, positions, segment_ids)
+
+    def _forward(self, x, positions, segment_ids):
+        dtype = jnp.dtype(self.config.compute_dtype)
+        if self.spec is not None:
+            x = self.spec.place(x, self.spec.activation_pspec())
+            positions = self.spec.place(positions, self.spec.token_pspec())
+            if segment_ids is not None:
+                segment_ids = self.spec.place(segment_ids, self.spec.token_pspec())
+        x = x.astype(dtype)
+        for stack in (self.dense_layers, self.moe_layers):
+            if stack is not None:
+                x = stack(x, positions, segment_ids)
+        x = self.norm(x)
+        if self.lm_head is None:
+            return jnp.einsum(
+                "bse,ve->bsv", x, self.embed.astype(dtype), preferred_element_type=jnp.float32
+            )
+        return jnp.einsum(
+            "bse,ev->bsv", x, self.lm_head.astype(dtype), preferred_element_type=jnp.float32
+        )
+
+    def __call__(
+        self,
+        tokens: Array | np.ndarray,
+        positions: Array | np.ndarray | None = None,
+        segment_ids: Array | np.ndarray | None = None,
+    ) -> Logits:
+        """Validate the inputs (raising `ValueError`s, hence the loose annotations), then run.
+
+        **Arguments:**
+
+        - `tokens`: `[batch, seq]` token ids in `[0, vocab_size)`; `seq <= max_seq_len`.
+        - `positions`: `[batch, seq]` RoPE positions; default each token's original index
+          (the spec's layout order on a mesh).
+        - `segment_ids`: `[batch, seq]` packed-document ids, or `None` (one document per
+          row). Causal masking is by token index; attention never crosses segments.
+
+        **Returns:** `[batch, seq, vocab]` float32 logits.
+        """
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(
+                f"tokens must have rank 2, laid out [batch, seq]; got shape "
+                f"{tuple(tokens.shape)}. Add a batch axis with tokens[None] for one sequence."
+            )
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens must be integer ids; got dtype {tokens.dtype}. Cast with "
+                ".astype(jnp.int32)."
+            )
+        if positions is None:
+            batch, seq = tokens.shape
+            order = np.arange(seq) if self.spec is None else layout_order(self.spec, seq)
+            positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (batch, seq))
+        positions = jnp.asarray(positions)
+        segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+        _check_shapes(self.config, tokens.shape, "tokens", positions, segment_ids)
+        if not isinstance(tokens, Tracer):
+            self.check_tokens(tokens)
+        if self.spec is None:
+            return self._forward(self.embed_tokens(tokens), positions, segment_ids)
+        # The lookup runs inside auto_axes too: a gather of replicated embeddings by tokens
+        # sharded over an Explicit mesh needs no output-sharding annotation there.
+        run = cast(
+            Callable[..., Logits],
+            self.spec.auto_axes(DeepSeek._embed_and_forward, self.spec.activation_pspec()),
+        )
+        return run(self, tokens, positions, segment_ids)
+
+    def _embed_and_forward(self, tokens, positions, segment_ids):
+        return self._forward(self.embed_tokens(tokens), positions, segment_ids)
+
+
+def _check_shapes(config: DeepSeekConfig, batch_seq, what, positions, segment_ids) -> None:
+    batch, seq = batch_seq
+    if seq > config.max_seq_len:
+        raise ValueError(
+            f"sequence length must be <= max_seq_len={config.max_seq_len}; got {what} of shape "
+            f"{tuple(batch_seq)} (seq={seq}). Split the sequence or build the model with a "
+            "larger DeepSeekConfig(max_seq_len=...)."
+        )
+    for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
+        if ids is None:
+            continue
+        if tuple(ids.shape) != (batch, seq):
+            raise ValueError(
+                f"{name} must have the [batch, seq] shape of the {what}, {(batch, seq)}; got "
+                f"{tuple(ids.shape)}."
+            )
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(
+                f"{name} must be integers; got dtype {ids.dtype}. Cast with .astype(jnp.int32)."
+            )
+
+
+# DeepSeek's long-context YaRN setting (both V2 and V3 extend 4k pre-training to 160k).
+_YARN_V2 = YarnRopeScaling(40.0, 4096, 32.0, 1.0, mscale=0.707, mscale_all_dim=0.707)
+_YARN_V3 = YarnRopeScaling(40.0, 4096, 32.0, 1.0, mscale=1.0, mscale_all_dim=1.0)
+
+# fmt: off
+PRESETS: dict[str, DeepSeekConfig] = {
+    # Byte-level tokenizer (256 bytes + 3 specials); V3-style routing, small enough for a CPU.
+    "tiny": DeepSeekConfig(
+        vocab_size=259, dim=128, n_layers=3, n_heads=4, hidden_dim=256, moe_hidden_dim=64,
+        n_routed_experts=8, n_shared_experts=1, top_k=2, first_k_dense=1, kv_lora_rank=32,
+        q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        topk_method="noaux_tc", n_group=2, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, max_seq_len=2048,
+    ),
+    "deepseek-v2-lite": DeepSeekConfig(
+        vocab_size=102400, dim=2048, n_layers=27, n_heads=16, hidden_dim=10944,
+        moe_hidden_dim=1408, n_routed_experts=64, n_shared_experts=2, top_k=6, first_k_dense=1,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+        routed_scaling_factor=1.0, norm_eps=1e-6, rope_theta=10000.0, rope_scaling=_YARN_V2,
+        max_seq_len=163840,
+    ),
+    "deepseek-v3": DeepSeekConfig(
+        vocab_size=129280, dim=7168, n_layers=61, n_heads=128, hidden_dim=18432,
+        moe_hidden_dim=2048, n_routed_experts=256, n_shared_experts=1, top_k=8, first_k_dense=3,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True,
+        routed_scaling_factor=2.5, norm_eps=1e-6, rope_theta=10000.0, rope_scaling=_YARN_V3,
+        max_seq_len=163840,
+    ),
+}
+# fmt: on
+
+
+# ---- Hugging Face checkpoints ------------------------------------------------------------
+# transformers stores every projection as a torch Linear and the routed experts one tensor
+# per expert (`mlp.experts.{e}.gate_proj.weight`), as DeepSeek's own checkpoints do; both
+# DeepSeek RoPE layouts are applied in the model, so weights map by transposing and
+# reshaping only.
+
+_HF_ARCHITECTURES = {
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+_HF_REQUIRED = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "n_routed_experts", "n_shared_experts",
+    "num_experts_per_tok", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "norm_topk_prob",
+    "routed_scaling_factor",
+)  # fmt: skip
+_HF_COMMON = _HF_REQUIRED + (
+    "num_key_value_heads", "head_dim", "qk_head_dim", "hidden_act", "max_position_embeddings",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
+    "attention_bias", "attention_dropout", "pretraining_tp", "n_group", "topk_group",
+    "topk_method", "scoring_func", "moe_layer_freq",
+    # Training-time and bookkeeping keys of DeepSeek's configs: the forward pass ignores them.
+    "output_router_logits", "aux_loss_alpha", "seq_aux", "ep_size", "auto_map",
+)  # fmt: skip
+_HF_KEYS = {
+    "deepseek_v2": _HF_COMMON + ("mlp_bias",),
+    "deepseek_v3": _HF_COMMON + ("rope_interleave", "num_nextn_predict_layers"),
+}
+_HF_MAX_LEN = {"deepseek_v2": 2048, "deepseek_v3": 4096}  # transformers' defaults
+_HF_OVERRIDES = ("remat", "compute_dtype", "max_seq_len", "grouped_matmul")
+_YARN_KEYS = (
+    "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+    "mscale_all_dim", "attention_factor", "truncate",
+)  # fmt: skip
+
+
+def from_hf(
+    path,
+    *,
+    spec: ShardingSpec | None = None,
+    dtype: str | type | np.dtype | None = None,
+    **overrides,
+) -> DeepSeek:
+    """Load a Hugging Face DeepSeek-V2 or DeepSeek-V3 causal-LM checkpoint.
+
+    Reads `config.json` and the safetensors files without torch; every tensor is checked by
+    name and shape before any data is read, then placed one at a time. Every `config.json`
+    key is either used, checked to have the value the zoo implements, or known not to change
+    the forward pass (auxiliary-loss and parallelism settings); anything else is a
+    `ValueError`. The multi-token-prediction modules of DeepSeek-V3 checkpoints
+    (`num_nextn_predict_layers` extra layers after the last one) are not part of the
+    next-token logits and are skipped.
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory.
+    - `spec`: the sharding spec of the returned model (parameters replicated over
+      `spec.mesh`); `None` = one device.
+    - `dtype`: parameter dtype; default the checkpoint's (`dtype`/`torch_dtype`, else
+      float32).
+    - `**overrides`: `remat`, `compute_dtype` (default `dtype`), `max_seq_len` (default
+      `max_position_embeddings`) or `grouped_matmul` of the `DeepSeekConfig`.
+
+    **Returns:** the `DeepSeek` model; its `.config` is the equivalent `DeepSeekConfig`.
+    """
+    bad = sorted(set(overrides) - set(_HF_OVERRIDES))
+    if bad:
+        raise ValueError(
+            f"from_hf can override only {_HF_OVERRIDES}; got {bad}. The architecture comes "
+            "from config.json."
+        )
+    hf = _hf.read_config(path)
+    config = _config_from_hf(hf, dtype, overrides)
+    abstract = eqx.filter_eval_shape(DeepSeek, config, key=jax.random.key(0), spec=spec)
+    replicated = None if spec is None else spec.sharding(PartitionSpec())
+    n_mtp = hf.get("num_nextn_predict_layers") or 0
+    mtp_layers = "|".join(str(config.n_layers + i) for i in range(n_mtp))
+    ignore = [rf"model\.layers\.({mtp_layers})\..*"] if n_mtp else []
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_embeddings else None
+    with _hf.SafetensorsCheckpoint(path) as checkpoint:
+        return _hf.load_params(
+            abstract,
+            _hf_table(config),
+            checkpoint,
+            dtype=config.param_dtype,
+            sharding=lambda _path, _shape: replicated,
+            ignore=ignore,
+            tied=tied,
+        )
+
+
+def to_hf(model: DeepSeek, path, *, max_shard_size: int | None = None) -> None:
+    """Write `model` as a Hugging Face checkpoint (`config.json` + safetensors).
+
+    `topk_method="noaux_tc"` writes DeepSeek-V3 (`DeepseekV3ForCausalLM`), the softmax
+    routings DeepSeek-V2 (`DeepseekV2ForCausalLM`).
+
+    **Arguments:**
+
+    - `model`: the `DeepSeek` model (its parameters must be addressable from this process).
+    - `path`: output directory, created if needed.
+    - `max_shard_size`: bytes per safetensors file; `None` writes one `model.safetensors`.
+    """
+    _hf.save_params(
+        eqx.filter(model, eqx.is_array),
+        _hf_table(model.config),
+        path,
+        _config_to_hf(model.config),
+        max_shard_size=max_shard_size,
+    )
+
+
+def _hf_table(c: DeepSeekConfig) -> dict[str, _hf.HFTensor]:
+    """Zoo parameter path -> Hugging Face tensor."""
+    T = _hf.HFTensor
+    table = {"embed": T("model.embed_tokens.weight"), "norm.weight": T("model.norm.weight")}
+    if not c.tie_embeddings:
+        table["lm_head"] = T("lm_head.weight", "linear")
+    layer, stacks = "model.layers.{layer}.", []
+    if c.first_k_dense:
+        stacks.append(("dense_layers.layers.", False, ()))
+    if c.n_moe_layers:
+        stacks.append(("moe_layers.layers.", True, (("layer", c.first_k_dense),)))
+    for prefix, moe, offsets in stacks:
+
+        def add(
+            ours: str,
+            theirs: str,
+            kind: Literal["same", "flat", "linear"] = "same",
+            n_in: int = 1,
+            prefix: str = prefix,
+            offsets: tuple = offsets,
+        ):
+            table[prefix + ours] = T(layer + theirs, kind, n_in, offsets)
+
+        add("attn_norm.weight", "input_layernorm.weight")
+        add("mlp_norm.weight", "post_attention_layernorm.weight")
+        if c.q_lora_rank is None:
+            add("attn.wq", "self_attn.q_proj.weight", "linear")
+        else:
+            add("attn.wq_a", "self_attn.q_a_proj.weight", "linear")
+            add("attn.q_norm.weight", "self_attn.q_a_layernorm.weight")
+            add("attn.wq_b", "self_attn.q_b_proj.weight", "linear")
+        add("attn.wkv_a", "self_attn.kv_a_proj_with_mqa.weight", "linear")
+        add("attn.kv_norm.weight", "self_attn.kv_a_layernorm.weight")
+        add("attn.wkv_b", "self_attn.kv_b_proj.weight", "linear")
+        add("attn.wo", "self_attn.o_proj.weight", "linear", n_in=2)
+        ffn = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+        if not moe:
+            for ours, theirs in ffn:
+                add(f"mlp.{ours}", f"mlp.{theirs}.weight", "linear")
+            continue
+        add("mlp.router", "mlp.gate.weight", "linear")
+        if c.topk_method == "noaux_tc":
+            add("mlp.score_bias", "mlp.gate.e_score_correction_bias")
+        for ours, theirs in ffn:
+            add(f"mlp.{ours}", "mlp.experts.{expert}." + theirs + ".weight", "linear")
+            if c.n_shared_experts:
+                add(f"mlp.shared.{ours}", f"mlp.shared_experts.{theirs}.weight", "linear")
+    return table
+
+
+def _unsupported(key: str, value, why: str) -> ValueError:
+    return ValueError(f"config.json {key}={value!r} is not supported: {why}")
+
+
+def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
+    model_type = hf.get("model_type")
+    if model_type not in _HF_ARCHITECTURES:
+        raise ValueError(
+            f"models.deepseek.from_hf reads model_type {sorted(_HF_ARCHITECTURES)} "
+            f"(architectures {sorted(_HF_ARCHITECTURES.values())}); got "
+            f"model_type={model_type!r}. Use the zoo family of that model, if there is one."
+        )
+    arch = hf.get("architectures")
+    if arch is not None and list(arch) != [_HF_ARCHITECTURES[model_type]]:
+        raise ValueError(
+            f"models.deepseek.from_hf reads causal LMs, architectures "
+            f"[{_HF_ARCHITECTURES[model_type]!r}] for model_type={model_type!r}; got "
+            f"architectures={arch!r} (a base model or another head is not read)."
+        )
+    _hf.check_config_keys(hf, _HF_KEYS[model_type], f"models.deepseek ({model_type})")
+    missing = [k for k in _HF_REQUIRED if k not in hf]
+    if missing:
+        raise ValueError(
+            f"config.json lacks {missing}; the zoo does not guess them (transformers' defaults "
+            f"differ between DeepSeek versions). State them in config.json."
+        )
+    v3 = model_type == "deepseek_v3"
+    n_heads, nope, rope_dim = (
+        hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    )  # fmt: skip
+    # (key, value seen, values the zoo implements, why)
+    rules = [
+        ("hidden_act", hf.get("hidden_act", "silu"), ("silu", "swish"), "the FFNs are SwiGLU."),
+        ("mlp_bias", hf.get("mlp_bias", False), (False,), "the zoo's FFNs have no biases."),
+        ("attention_bias", hf.get("attention_bias", False), (False,),
+         "the zoo's MLA projections have no biases."),
+        ("attention_dropout", hf.get("attention_dropout") or 0.0, (0.0,),
+         "the zoo's attention has no dropout."),
+        ("num_key_value_heads", hf.get("num_key_value_heads"), (None, n_heads),
+         "MLA up-projects one key and value per attention head, so it must equal "
+         f"num_attention_heads={n_heads}."),
+        ("head_dim", hf.get("head_dim"), (None, rope_dim),
+         f"transformers sets it to qk_rope_head_dim={rope_dim}."),
+        ("qk_head_dim", hf.get("qk_head_dim"), (None, nope + rope_dim),
+         f"it is qk_nope_head_dim + qk_rope_head_dim = {nope + rope_dim}."),
+        ("moe_layer_freq", hf.get("moe_layer_freq"), (None, 1),
+         "every layer after first_k_dense_replace is an MoE layer."),
+        ("scoring_func", hf.get("scoring_func"), (None, "sigmoid" if v3 else "softmax"),
+         f"{model_type} routes with {'sigmoid' if v3 else 'softmax'} scores."),
+        ("topk_method", hf.get("topk_method"),
+         (None, "noaux_tc") if v3 else (None, "greedy", "group_limited_greedy"),
+         f"{model_type} implements {'noaux_tc' if v3 else 'greedy and group_limited_greedy'}."),
+        ("rope_interleave", hf.get("rope_interleave", True), (True, False), "it is a bool."),
+    ]  # fmt: skip
+    if not v3:
+        # transformers ignores norm_topk_prob for V2 while DeepSeek's code normalises (and
+        # then skips routed_scaling_factor): the two disagree, so only False is read.
+        rules.append(
+            ("norm_topk_prob", bool(hf["norm_topk_prob"]), (False,),
+             "transformers' DeepSeek-V2 ignores it but DeepSeek's reference code normalises "
+             "the routing weights; the two disagree, so only false is read."),
+        )  # fmt: skip
+    for key, value, allowed, why in rules:
+        if value not in allowed:
+            raise _unsupported(key, value, why)
+    topk_method = "noaux_tc" if v3 else hf.get("topk_method") or "greedy"
+    n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
+    if topk_method == "greedy":
+        n_group, topk_group = n_group or 1, topk_group or 1
+    elif not isinstance(n_group, int) or not isinstance(topk_group, int):
+        raise _unsupported(
+            "n_group/topk_group",
+            (n_group, topk_group),
+            f"topk_method={topk_method!r} needs both as integers.",
+        )
+    first_k = hf["first_k_dense_replace"] or 0
+    if first_k > hf["num_hidden_layers"]:
+        raise _unsupported(
+            "first_k_dense_replace",
+            first_k,
+            f"it must be <= num_hidden_layers={hf['num_hidden_layers']}.",
+        )
+    rope_theta, rope_scaling = _rope_from_hf(hf)
+    if dtype is None:
+        stored = hf.get("dtype") or hf.get("torch_dtype")
+        dtype = stored if stored in _DTYPES else "float32"
+    return DeepSeekConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        hidden_dim=hf["intermediate_size"],
+        moe_hidden_dim=hf["moe_intermediate_size"],
+        n_routed_experts=hf["n_routed_experts"],
+        n_shared_experts=hf["n_shared_experts"] or 0,
+        top_k=hf["num_experts_per_tok"],
+        first_k_dense=first_k,
+        kv_lora_rank=hf["kv_lora_rank"],
+        q_lora_rank=hf["q_lora_rank"],
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=hf["v_head_dim"],
+        topk_method=topk_method,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=bool(hf["norm_topk_prob"]),
+        routed_scaling_factor=hf["routed_scaling_factor"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+        max_seq_len=overrides.get(
+            "max_seq_len", hf.get("max_position_embeddings", _HF_MAX_LEN[model_type])
+        ),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        grouped_matmul=overrides.get("grouped_matmul", "auto"),
+        remat=overrides.get("remat", "none"),
+        param_dtype=dtype,
+        compute_dtype=overrides.get("compute_dtype", dtype),
+    )
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
+    """RoPE base and YaRN scaling from `rope_parameters` (transformers 5) or the older
+    `rope_theta` + `rope_scaling` (DeepSeek's own configs)."""
+    if hf.get("rope_parameters") is not None and hf.get("rope_scaling") is not None:
+        raise ValueError(
+            "config.json has both rope_parameters and rope_scaling; keep one (transformers 5 "
+            "writes rope_parameters, older versions rope_scaling)."
+        )
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None)
+    if theta is not None and hf.get("rope_theta") not in (None, theta):
+        raise ValueError(
+            f"config.json gives two RoPE bases: rope_theta={hf['rope_theta']} and "
+            f"rope_parameters.rope_theta={theta}; keep one."
+        )
+    theta = float(theta or hf.get("rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in ("default", "yarn"):
+        raise _unsupported(
+            "rope type",
+            rope_type,
+            "the zoo's DeepSeek implements 'default' (plain RoPE) and 'yarn' only.",
+        )
+    allowed = _YARN_KEYS if rope_type == "yarn" else ()
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise _unsupported(
+            f"{rope_type!r} RoPE parameters",
+            unknown,
+            f"the zoo reads {sorted(allowed)} besides rope_type and rope_theta.",
+        )
+    if rope_type == "default":
+        return theta, None
+    lacking = [k for k in ("factor", "original_max_position_embeddings") if params.get(k) is None]
+    if lacking:
+        raise _unsupported("'yarn' RoPE parameters", sorted(params), f"they lack {lacking}.")
+    return theta, YarnRopeScaling(**{k: v for k, v in params.items() if v is not None})
+
+
+def _config_to_hf(c: DeepSeekConfig) -> dict:
+    v3 = c.topk_method == "noaux_tc"
+    if not v3 and (c.norm_topk_prob or not c.rope_interleave):
+        raise ValueError(
+            f"to_hf writes topk_method={c.topk_method!r} as DeepSeek-V2, whose transformers "
+            "model neither normalises the routing weights nor rotates RoPE halves; got "
+            f"norm_topk_prob={c.norm_topk_prob}, rope_interleave={c.rope_interleave}."
+        )
+    model_type = "deepseek_v3" if v3 else "deepseek_v2"
+    scaling = None
+    if c.rope_scaling is not None:
+        fields = dataclasses.asdict(c.rope_scaling)
+        scaling = {"rope_type": "yarn", **{k: v for k, v in fields.items() if v is not None}}
+    hf = {
+        "architectures": [_HF_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.dim,
+        "intermediate_size": c.hidden_dim,
+        "moe_intermediate_size": c.moe_hidden_dim,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_heads,
+        "n_routed_experts": c.n_routed_experts,
+        "n_shared_experts": c.n_shared_experts,
+        "num_experts_per_tok": c.top_k,
+        "first_k_dense_replace": c.first_k_dense,
+        "kv_lora_rank": c.kv_lora_rank,
+        "q_lora_rank": c.q_lora_rank,
+        "qk_nope_head_dim": c.qk_nope_head_dim,
+        "qk_rope_head_dim": c.qk_rope_head_dim,
+        "v_head_dim": c.v_head_dim,
+        "n_group": c.n_group,
+        "topk_group": c.topk_group,
+        "norm_topk_prob": c.norm_topk_prob,
+        "routed_scaling_factor": c.routed_scaling_factor,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": c.param_dtype,
+    }
+    if v3:
+        hf.update(rope_interleave=c.rope_interleave, num_nextn_predict_layers=0)
+    else:
+        hf.update(topk_method=c.topk_method, mlp_bias=False)
+    return hf
+
+
+__all__ = [
+    "PRESETS",
+    "DeepSeek",
+    "DeepSeekBlock",
+    "DeepSeekConfig",
+    "YarnRopeScaling",
+    "from_hf",
+    "to_hf",
+]

@@ -11,6 +11,10 @@ Sections (all by default, pick with `--sections`):
   payload alone, no positions, no K/V head repeats, dK/dV in the input dtype).
 - `c`: causal work balance, max / mean of non-empty score elements over devices, for the
   token layouts none / zigzag / striped (from the layouts, at block granularity).
+- `e`: MLA at DeepSeek-V2-Lite attention shapes (16 heads, kv_lora_rank 512, RoPE key 64,
+  no-RoPE key 128, value 128): per-device memory and collective bytes per layer of
+  `latent_attention` (the latent and the shared RoPE key cross the wire, 576 numbers per
+  token) against the same attention fed per-head K/V (16 x (192 + 128) = 5120 per token).
 - `d`: wall time of each strategy on 8 fake devices against single-device
   `eqx_longctx.attention` (`spec=None`), forward and forward + backward; and the
   `ringattention` package when it is installed.
@@ -30,9 +34,11 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from eqx_longctx import ShardingSpec, attention  # noqa: E402
+from eqx_longctx import ShardingSpec, attention, latent_attention  # noqa: E402
 from eqx_longctx._hlo import collective_bytes  # noqa: E402
 from eqx_longctx.attention._plan import plan  # noqa: E402
 from eqx_longctx.plan import compiled_attention, compiled_memory  # noqa: E402
@@ -168,6 +174,84 @@ def balance_section(seq: int, shape: dict) -> None:
     _table(rows)
 
 
+class _UpProject(eqx.Module):
+    """DeepSeek's MLA up-projection: latent (c_kv, k_rope) -> per-head (k, v)."""
+
+    w: jax.Array  # [kv_lora_rank, heads, nope + v]
+    nope: int = eqx.field(static=True)
+
+    def __call__(self, latent):
+        c, k_rope = latent
+        kv = jnp.einsum("bsc,chn->bshn", c, self.w)
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        k_rope = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], k_rope.shape[-1]))
+        return jnp.concatenate([k_nope, k_rope], axis=-1), v
+
+
+def mla_section(seq: int) -> None:
+    heads, rank, rope, nope, dv = 16, 512, 64, 128, 128
+    print(
+        f"\n(e) MLA, DeepSeek-V2-Lite attention shapes (heads {heads}, kv_lora_rank {rank}, "
+        f"rope {rope}, nope {nope}, v {dv}), batch 1, seq {seq}, 8 devices, float32: latent "
+        "communication vs per-head K/V (both compiled, forward + backward)"
+    )
+    f32 = jnp.float32
+    rows = [["strategy", "K/V kind", "memory MiB", "comm fwd MiB", "comm f+b MiB", "f+b ratio"]]
+    for strategy in STRATEGIES:
+        spec = _spec(strategy, 8)
+        if spec is None:
+            continue
+        mesh = spec.mesh
+        heads_sh = NamedSharding(mesh, spec.heads_pspec())
+        tokens = NamedSharding(mesh, PartitionSpec(None, spec.sequence_axes, None))
+        q = jax.ShapeDtypeStruct((1, seq, heads, nope + rope), f32, sharding=heads_sh)
+        latent = (
+            jax.ShapeDtypeStruct((1, seq, rank), f32, sharding=tokens),
+            jax.ShapeDtypeStruct((1, seq, rope), f32, sharding=tokens),
+        )
+        w = jax.ShapeDtypeStruct(
+            (rank, heads, nope + dv), f32, sharding=NamedSharding(mesh, PartitionSpec())
+        )
+
+        def latent_loss(q, latent, w, spec=spec):
+            out = latent_attention(q, latent, _UpProject(w, nope), spec=spec)
+            return jnp.sum(out)
+
+        def dense_loss(q, latent, w, spec=spec):
+            k, v = _UpProject(w, nope)(latent)  # up-projected before: per-head K/V travel
+            return jnp.sum(attention(q, k, v, spec=spec))
+
+        results = {}
+        for kind, loss in (("latent", latent_loss), ("per-head", dense_loss)):
+            fwd = jax.jit(loss).lower(q, latent, w).compile()
+            train = (
+                jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, latent, w).compile()
+            )
+            results[kind] = (
+                compiled_memory(train),
+                sum(collective_bytes(fwd).values()),
+                sum(collective_bytes(train).values()),
+            )
+        for kind, (mem, cf, ct) in results.items():
+            ratio = ct / results["per-head"][2]
+            rows.append(
+                [
+                    strategy,
+                    kind,
+                    f"{mem / MIB:.1f}",
+                    f"{cf / MIB:.2f}",
+                    f"{ct / MIB:.2f}",
+                    f"{ratio:.3f}",
+                ]
+            )
+    _table(rows)
+    print(
+        "(all_gather and ring move the latent; ulysses and usp up-project locally first and "
+        "split heads as usual, so their bytes match per-head K/V up to the latent's own "
+        "gradient reduction)"
+    )
+
+
 def _timed(fn, *args, repeats: int) -> float:
     jax.block_until_ready(fn(*args))  # compile + warm-up
     best = float("inf")
@@ -219,7 +303,8 @@ def time_section(seq: int, heads: int, head_dim: int, repeats: int) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--sections", nargs="+", default=["a", "b", "c", "d"])
+    p.add_argument("--sections", nargs="+", default=["a", "b", "c", "e", "d"])
+    p.add_argument("--mla-seq", type=int, default=32768)
     p.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     p.add_argument("--per-device", type=int, default=8192, help="tokens per device in (a')")
     p.add_argument("--comm-seqs", type=int, nargs="+", default=[32768])
@@ -250,6 +335,8 @@ def main(argv=None) -> None:
         comm_section(compiled, args.comm_seqs, shape)
     if "c" in args.sections:
         balance_section(args.balance_seq, shape)
+    if "e" in args.sections:
+        mla_section(args.mla_seq)
     if "d" in args.sections:
         time_section(args.time_seq, args.time_heads, args.time_head_dim, args.repeats)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

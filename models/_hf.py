@@ -384,3 +384,34 @@ def save_params(
             json.dump(index, f, indent=2)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(dict(config), f, indent=2, sort_keys=True)
+
+
+def unsupported(key: str, value, why: str) -> ValueError:
+    """The error for a `config.json` value the zoo does not implement."""
+    return ValueError(f"config.json {key}={value!r} is not supported: {why}")
+
+
+def check_model_type(hf: dict, architectures: dict[str, str], family: str) -> str:
+    """Check `model_type` and `architectures` against the family's; return the model type.
+
+    **Arguments:**
+
+    - `hf`: the parsed `config.json`.
+    - `architectures`: model_type -> the causal-LM architecture name it must declare.
+    - `family`: e.g. `"models.llama"`, for the messages.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in architectures:
+        raise ValueError(
+            f"{family}.from_hf reads model_type {sorted(architectures)} "
+            f"(architectures {sorted(architectures.values())}); got "
+            f"model_type={model_type!r}. Use the zoo family of that model, if there is one."
+        )
+    arch = hf.get("architectures")
+    if arch is not None and list(arch) != [architectures[model_type]]:
+        raise ValueError(
+            f"{family}.from_hf reads causal LMs, architectures "
+            f"[{architectures[model_type]!r}] for model_type={model_type!r}; got "
+            f"architectures={arch!r} (a base model or another head is not read)."
+        )
+    return model_type

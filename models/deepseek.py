@@ -650,25 +650,8 @@ def _hf_table(c: DeepSeekConfig) -> dict[str, _hf.HFTensor]:
     return table
 
 
-def _unsupported(key: str, value, why: str) -> ValueError:
-    return ValueError(f"config.json {key}={value!r} is not supported: {why}")
-
-
 def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
-    model_type = hf.get("model_type")
-    if model_type not in _HF_ARCHITECTURES:
-        raise ValueError(
-            f"models.deepseek.from_hf reads model_type {sorted(_HF_ARCHITECTURES)} "
-            f"(architectures {sorted(_HF_ARCHITECTURES.values())}); got "
-            f"model_type={model_type!r}. Use the zoo family of that model, if there is one."
-        )
-    arch = hf.get("architectures")
-    if arch is not None and list(arch) != [_HF_ARCHITECTURES[model_type]]:
-        raise ValueError(
-            f"models.deepseek.from_hf reads causal LMs, architectures "
-            f"[{_HF_ARCHITECTURES[model_type]!r}] for model_type={model_type!r}; got "
-            f"architectures={arch!r} (a base model or another head is not read)."
-        )
+    model_type = _hf.check_model_type(hf, _HF_ARCHITECTURES, "models.deepseek")
     _hf.check_config_keys(hf, _HF_KEYS[model_type], f"models.deepseek ({model_type})")
     missing = [k for k in _HF_REQUIRED if k not in hf]
     if missing:
@@ -714,20 +697,20 @@ def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
         )  # fmt: skip
     for key, value, allowed, why in rules:
         if value not in allowed:
-            raise _unsupported(key, value, why)
+            raise _hf.unsupported(key, value, why)
     topk_method = "noaux_tc" if v3 else hf.get("topk_method") or "greedy"
     n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
     if topk_method == "greedy":
         n_group, topk_group = n_group or 1, topk_group or 1
     elif not isinstance(n_group, int) or not isinstance(topk_group, int):
-        raise _unsupported(
+        raise _hf.unsupported(
             "n_group/topk_group",
             (n_group, topk_group),
             f"topk_method={topk_method!r} needs both as integers.",
         )
     first_k = hf["first_k_dense_replace"] or 0
     if first_k > hf["num_hidden_layers"]:
-        raise _unsupported(
+        raise _hf.unsupported(
             "first_k_dense_replace",
             first_k,
             f"it must be <= num_hidden_layers={hf['num_hidden_layers']}.",
@@ -791,7 +774,7 @@ def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in ("default", "yarn"):
-        raise _unsupported(
+        raise _hf.unsupported(
             "rope type",
             rope_type,
             "the zoo's DeepSeek implements 'default' (plain RoPE) and 'yarn' only.",
@@ -799,7 +782,7 @@ def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
     allowed = _YARN_KEYS if rope_type == "yarn" else ()
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise _unsupported(
+        raise _hf.unsupported(
             f"{rope_type!r} RoPE parameters",
             unknown,
             f"the zoo reads {sorted(allowed)} besides rope_type and rope_theta.",
@@ -808,7 +791,7 @@ def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
         return theta, None
     lacking = [k for k in ("factor", "original_max_position_embeddings") if params.get(k) is None]
     if lacking:
-        raise _unsupported("'yarn' RoPE parameters", sorted(params), f"they lack {lacking}.")
+        raise _hf.unsupported("'yarn' RoPE parameters", sorted(params), f"they lack {lacking}.")
     return theta, YarnRopeScaling(**{k: v for k, v in params.items() if v is not None})
 
 

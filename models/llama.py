@@ -499,47 +499,30 @@ def _hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
     return table
 
 
-def _unsupported(key: str, value, why: str) -> ValueError:
-    return ValueError(f"config.json {key}={value!r} is not supported: {why}")
-
-
 def _config_from_hf(hf: dict, dtype, overrides: dict) -> LlamaConfig:
-    model_type = hf.get("model_type")
-    if model_type not in _HF_ARCHITECTURES:
-        raise ValueError(
-            f"models.llama.from_hf reads model_type {sorted(_HF_ARCHITECTURES)} "
-            f"(architectures {sorted(_HF_ARCHITECTURES.values())}); got "
-            f"model_type={model_type!r}. Use the zoo family of that model, if there is one."
-        )
-    arch = hf.get("architectures")
-    if arch is not None and list(arch) != [_HF_ARCHITECTURES[model_type]]:
-        raise ValueError(
-            f"models.llama.from_hf reads causal LMs, architectures "
-            f"[{_HF_ARCHITECTURES[model_type]!r}] for model_type={model_type!r}; got "
-            f"architectures={arch!r} (a base model or another head is not read)."
-        )
+    model_type = _hf.check_model_type(hf, _HF_ARCHITECTURES, "models.llama")
     _hf.check_config_keys(hf, _HF_KEYS[model_type], f"models.llama ({model_type})")
     missing = [k for k in _HF_REQUIRED if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {missing}; every {model_type} config states them.")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise _unsupported("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu).")
+        raise _hf.unsupported("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu).")
     if hf.get("mlp_bias", False):
-        raise _unsupported("mlp_bias", True, "the zoo's MLP has no biases.")
+        raise _hf.unsupported("mlp_bias", True, "the zoo's MLP has no biases.")
     if hf.get("attention_bias", False):
-        raise _unsupported(
+        raise _hf.unsupported(
             "attention_bias",
             True,
             f"{model_type} then adds biases to q/k/v and the output projection; the zoo has "
             "q/k/v biases only (as Qwen2).",
         )
     if hf.get("attention_dropout") not in (None, 0, 0.0):
-        raise _unsupported(
+        raise _hf.unsupported(
             "attention_dropout", hf["attention_dropout"], "the zoo's attention has no dropout."
         )
     layer_types = set(hf.get("layer_types") or ()) - {"full_attention"}
     if hf.get("use_sliding_window") or layer_types:
-        raise _unsupported(
+        raise _hf.unsupported(
             "use_sliding_window/layer_types",
             (hf.get("use_sliding_window"), sorted(layer_types)),
             "sliding-window attention is not implemented; every layer attends fully.",
@@ -592,13 +575,13 @@ def _rope_from_hf(hf: dict) -> tuple[float, Llama3RopeScaling | None]:
     params.pop("type", None)
     expected = {"default": (), "llama3": _LLAMA3_KEYS}.get(rope_type)
     if expected is None:
-        raise _unsupported(
+        raise _hf.unsupported(
             "rope type",
             rope_type,
             "the zoo implements 'default' (plain RoPE) and 'llama3' (Llama 3.1 scaling) only.",
         )
     if set(params) != set(expected):
-        raise _unsupported(
+        raise _hf.unsupported(
             f"{rope_type!r} RoPE parameters",
             sorted(params),
             f"expected exactly {sorted(expected)} besides rope_type and rope_theta.",

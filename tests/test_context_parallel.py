@@ -460,3 +460,32 @@ def test_heads_not_divisible_by_tensor_axis_raises():
         _attend(spec, q_heads=3, kv_heads=3)
     with pytest.raises(ValueError, match="divisible by 2; got q_heads=4, kv_heads=1"):
         _attend(spec, q_heads=4, kv_heads=1)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring"])
+def test_zigzag_chunk_aligned_tiles(strategy):
+    """Long enough rows switch the flash tiles to zig-zag's chunk length (here 128)."""
+    from eqx_longctx.attention._plan import block_size
+
+    mesh = jax.make_mesh((1, 8), ("data", "context"))
+    spec = ShardingSpec(mesh, strategy=strategy, load_balance="zigzag")
+    seq = 2048
+    assert block_size(spec, seq) == 128
+    ks = jax.random.split(jax.random.PRNGKey(3), 4)
+    q = jax.random.normal(ks[0], (1, seq, 8, 8))
+    k = jax.random.normal(ks[1], (1, seq, 2, 8))
+    v = jax.random.normal(ks[2], (1, seq, 2, 8))
+    seg = jnp.asarray(segment_ids_from_lengths([[300, 1000, 748]]))
+    lay = lambda x: to_layout(x, spec, axis=1)  # noqa: E731
+    f = lambda q, k, v: from_layout(  # noqa: E731
+        attention(lay(q), lay(k), lay(v), spec=spec, segment_ids=lay(seg)), spec, axis=1
+    )
+    out, grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)))(
+        q, k, v
+    )
+    ref, ref_grads = jax.value_and_grad(
+        lambda *a: jnp.sum(reference_attention(*a, segment_ids=seg) ** 2), argnums=(0, 1, 2)
+    )(q, k, v)
+    assert_close(out, ref, what="forward loss")
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(a, b, what=f"d{name}")

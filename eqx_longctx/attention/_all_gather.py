@@ -11,19 +11,49 @@ import jax
 from jax import lax
 
 from .._types import AxisName
-from ._local import flash_attention
+from ._local import DEFAULT_BLOCK_Q, flash_attention
 from ._ring import _kv_identity
 
 
-def all_gather_attention(q, k, v, positions, segment_ids, *, axis: AxisName, causal: bool, scale):
+def all_gather_attention(
+    q,
+    k,
+    v,
+    positions,
+    segment_ids,
+    *,
+    axis: AxisName,
+    causal: bool,
+    scale,
+    block: int = DEFAULT_BLOCK_Q,
+):
     """Attention for the local query shard against K/V gathered over `axis`."""
     return all_gather_latent_attention(
-        q, (k, v), _kv_identity, (), positions, segment_ids, axis=axis, causal=causal, scale=scale
+        q,
+        (k, v),
+        _kv_identity,
+        (),
+        positions,
+        segment_ids,
+        axis=axis,
+        causal=causal,
+        scale=scale,
+        block=block,
     )
 
 
 def all_gather_latent_attention(
-    q, source, expand, params, positions, segment_ids, *, axis: AxisName, causal: bool, scale
+    q,
+    source,
+    expand,
+    params,
+    positions,
+    segment_ids,
+    *,
+    axis: AxisName,
+    causal: bool,
+    scale,
+    block: int = DEFAULT_BLOCK_Q,
 ):
     """Gather a K/V *source* (K/V themselves, or MLA's latent) and expand it locally.
 
@@ -43,5 +73,7 @@ def all_gather_latent_attention(
         kv_segment_ids=kv_segments,
         causal=causal,
         scale=scale,
+        block_q=block,
+        block_k=block,
     )
     return out

@@ -35,7 +35,7 @@ import numpy as np
 
 from .._hlo import COLLECTIVES
 from .._sharding import ShardingSpec
-from ._local import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
+from ._local import DEFAULT_BLOCK_Q
 
 # Roofline constants of the target chip (TPU v5e-class; override per call). FLOP/s is ~half of
 # the 197 TFLOP/s bf16 peak, a realistic rate for attention; bytes/s is one ICI link in one
@@ -128,7 +128,7 @@ def plan(
     nb, nt = spec.axis_size(spec.batch_axis), spec.axis_size(spec.tensor_axis)
     p = _Problem(
         nb, nt, spec.context_parallel_size, batch, seq, q_heads, kv_heads, head_dim, dv, e,
-        bool(causal), bool(segment_ids),
+        bool(causal), bool(segment_ids), block_size(spec, seq),
     )  # fmt: skip
     common = _common_problem(spec, p)
     order = None if common else _positions(spec, seq)
@@ -173,6 +173,22 @@ def explain(spec: ShardingSpec, **shape) -> str:
 # ---- the model -----------------------------------------------------------------------------
 
 
+def block_size(spec: ShardingSpec, seq: int) -> int:
+    """Flash tile size for a spec: aligned with zig-zag's chunks (when they are at least
+    `MIN_ALIGNED_BLOCK` long), so that chunks the causal mask hides are skipped whole rather
+    than computed under a mask. Smaller tiles would cost more in loop overhead than they
+    save."""
+    if spec.load_balance != "zigzag":
+        return DEFAULT_BLOCK_Q
+    chunk = seq // (2 * spec.context_parallel_size)
+    if chunk < MIN_ALIGNED_BLOCK or chunk % DEFAULT_BLOCK_Q and chunk > DEFAULT_BLOCK_Q:
+        return DEFAULT_BLOCK_Q
+    return min(chunk, DEFAULT_BLOCK_Q)
+
+
+MIN_ALIGNED_BLOCK = 128
+
+
 class _Problem(NamedTuple):
     nb: int  # batch-axis size
     nt: int  # tensor-axis size
@@ -186,6 +202,7 @@ class _Problem(NamedTuple):
     e: int  # bytes per element of q, k, v
     causal: bool
     seg: bool
+    block: int  # flash tile size the dispatcher uses for this spec and length
 
     @property
     def b(self) -> int:  # local batch
@@ -302,14 +319,26 @@ def _comm(name, p: _Problem, nu: int, nr: int, r: int) -> tuple[dict, dict]:
     return {k: int(v) for k, v in fwd.items()}, train
 
 
-def _flash(b, sq, sk, hq, hk, d, dv, e, backward: bool, gathered: bool = False) -> int:
+def _flash(
+    b,
+    sq,
+    sk,
+    hq,
+    hk,
+    d,
+    dv,
+    e,
+    backward: bool,
+    gathered: bool = False,
+    block: int = DEFAULT_BLOCK_Q,
+) -> int:
     """Peak temporaries of one blockwise attention call (`_local.flash_attention`).
 
     The peak is the larger of two phases: the block loop (one block of scores, the tiled
     inputs, accumulators) and the copies around it. `gathered`: K/V arrive from a collective,
     and the received and the tiled copies are live together while they are re-tiled.
     """
-    bq, bk = min(DEFAULT_BLOCK_Q, sq), min(DEFAULT_BLOCK_K, sk)
+    bq, bk = min(block, sq), min(block, sk)
     sq, sk = -(-sq // bq) * bq, -(-sk // bk) * bk  # padded to whole blocks
     q_tiles, kv_tiles = b * sq * hq * d * e, b * sk * hk * (d + dv) * e
     score = b * hq * bq * bk  # elements of one block of scores
@@ -339,19 +368,19 @@ def _memory(name, p: _Problem, nu: int, nr: int, r: int) -> tuple[int, int]:
         sq, hq, hk = (
             (ln, p.hq_l, p.hk_l) if name == "all_gather" else (s, p.hq_l // nu, p.hk_l * r // nu)
         )
-        tf = _flash(b, sq, s, hq, hk, d, dv, e, False, gathered=True) + ids * s
+        tf = _flash(b, sq, s, hq, hk, d, dv, e, False, gathered=True, block=p.block) + ids * s
         out = b * sq * hq * dv * e  # the output, a residual of the backward
-        tt = _flash(b, sq, s, hq, hk, d, dv, e, True, gathered=True) + ids * s + out
+        tt = _flash(b, sq, s, hq, hk, d, dv, e, True, gathered=True, block=p.block) + ids * s + out
     else:  # ring, or usp: the ring over heads / nu and tokens s / nr
         hq, hk, lr = p.hq_l // nu, p.hk_l * r // nu, s // nr
         # K/V + ids of the hop computed and the hop arriving (none on a ring of one device)
         shard = (b * lr * hk * (d + dv) * e + ids * lr) * (nr > 1)
         acc = b * lr * hq * (dv + 1) * _F32  # merged output + logsumexp
-        tf = _flash(b, lr, lr, hq, hk, d, dv, e, False) + 2 * shard + acc
+        tf = _flash(b, lr, lr, hq, hk, d, dv, e, False, block=p.block) + 2 * shard + acc
         # backward: dq and travelling dK/dV (+ the shifted copy) in float32, residuals
         grads = b * lr * hq * d * _F32 + 2 * b * lr * hk * (d + dv) * _F32
         resid = b * lr * hq * (dv * e + 2 * _F32)
-        tt = _flash(b, lr, lr, hq, hk, d, dv, e, True) + 2 * shard + grads + resid
+        tt = _flash(b, lr, lr, hq, hk, d, dv, e, True, block=p.block) + 2 * shard + grads + resid
         if name == "usp":  # q after the all-to-all lives through the ring (k, v are its
             # first shard); the backward also keeps k, v as residuals
             moved = b * lr * hq * d * e + ids * lr
@@ -371,7 +400,7 @@ def _work(name, order, p: _Problem, nu: int, nr: int) -> np.ndarray:
     scale = p.b * p.hq_l
 
     def count(qpos, kpos):
-        bq, bk = min(DEFAULT_BLOCK_Q, qpos.size), min(DEFAULT_BLOCK_K, kpos.size)
+        bq, bk = min(p.block, qpos.size), min(p.block, kpos.size)
         qmax = _blocks(qpos, bq).max(1)
         kmin = _blocks(kpos, bk).min(1)
         if not p.causal:

@@ -25,7 +25,13 @@ import numpy as np
 from jax import lax
 
 from .._types import AxisName
-from ._local import _block_is_empty, _Config, flash_attention, flash_attention_backward
+from ._local import (
+    DEFAULT_BLOCK_Q,
+    _block_is_empty,
+    _Config,
+    flash_attention,
+    flash_attention_backward,
+)
 
 
 class _RingConfig(NamedTuple):
@@ -34,13 +40,25 @@ class _RingConfig(NamedTuple):
     scale: float
     # expand(params, source) -> (k, v): how a travelling K/V source becomes keys and values.
     expand: Callable
+    block: int  # flash tile size (the dispatcher aligns it with the layout's chunks)
 
 
 def _kv_identity(params, source):
     return source
 
 
-def ring_attention(q, k, v, positions, segment_ids, *, axis: AxisName, causal: bool, scale):
+def ring_attention(
+    q,
+    k,
+    v,
+    positions,
+    segment_ids,
+    *,
+    axis: AxisName,
+    causal: bool,
+    scale,
+    block: int = DEFAULT_BLOCK_Q,
+):
     """Local shard of ring attention over mesh axis `axis` (call inside `shard_map`).
 
     **Arguments:**
@@ -52,12 +70,31 @@ def ring_attention(q, k, v, positions, segment_ids, *, axis: AxisName, causal: b
     **Returns:** this shard's attention output, `q`'s dtype.
     """
     return ring_latent_attention(
-        q, (k, v), _kv_identity, (), positions, segment_ids, axis=axis, causal=causal, scale=scale
+        q,
+        (k, v),
+        _kv_identity,
+        (),
+        positions,
+        segment_ids,
+        axis=axis,
+        causal=causal,
+        scale=scale,
+        block=block,
     )
 
 
 def ring_latent_attention(
-    q, source, expand, params, positions, segment_ids, *, axis: AxisName, causal: bool, scale
+    q,
+    source,
+    expand,
+    params,
+    positions,
+    segment_ids,
+    *,
+    axis: AxisName,
+    causal: bool,
+    scale,
+    block: int = DEFAULT_BLOCK_Q,
 ):
     """Ring attention where what travels is a K/V *source* (e.g. MLA's compressed latent).
 
@@ -76,7 +113,9 @@ def ring_latent_attention(
     **Returns:** this shard's attention output, `q`'s dtype.
     """
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
-    config = _RingConfig(axis=axis, causal=bool(causal), scale=scale, expand=expand)
+    config = _RingConfig(
+        axis=axis, causal=bool(causal), scale=scale, expand=expand, block=int(block)
+    )
     return _ring(config, q, params, source, positions, segment_ids)
 
 
@@ -113,7 +152,7 @@ def _ring(config, q, params, source, positions, segment_ids):
 
 def _ring_forward(config, q, params, source, positions, segment_ids):
     b, s, h, _ = q.shape
-    kw = dict(causal=config.causal, scale=config.scale)
+    kw = dict(causal=config.causal, scale=config.scale, block_q=config.block, block_k=config.block)
 
     def attend(acc, shard):
         out, lse = acc
@@ -161,7 +200,7 @@ def _ring_fwd(config, q, params, source, positions, segment_ids):
 def _ring_bwd(config, residuals, dout):
     q, params, source, positions, segment_ids, out, lse = residuals
     delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
-    kw = dict(causal=config.causal, scale=config.scale)
+    kw = dict(causal=config.causal, scale=config.scale, block_q=config.block, block_k=config.block)
 
     def grads(dq, dparams, shard, acc):
         src_j, pos_j, seg_j = shard

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._types import AxisName
-from ._local import flash_attention
+from ._local import DEFAULT_BLOCK_Q, flash_attention
 
 
 def kv_repeats(kv_heads: int, degree: int) -> int:
@@ -26,7 +26,17 @@ def kv_repeats(kv_heads: int, degree: int) -> int:
 
 
 def ulysses_attention(
-    q, k, v, positions, segment_ids, *, axis: AxisName, causal: bool, scale, inner=None
+    q,
+    k,
+    v,
+    positions,
+    segment_ids,
+    *,
+    axis: AxisName,
+    causal: bool,
+    scale,
+    block: int = DEFAULT_BLOCK_Q,
+    inner=None,
 ):
     """Sequence-sharded in, sequence-sharded out; heads are sharded over `axis` inside.
 
@@ -53,6 +63,8 @@ def ulysses_attention(
             kv_segment_ids=segment_ids,
             causal=causal,
             scale=scale,
+            block_q=block,
+            block_k=block,
         )
     else:
         out = inner(q, k, v, positions, segment_ids)

@@ -13,10 +13,31 @@ from ._ulysses import ulysses_attention
 
 
 def usp_attention(
-    q, k, v, positions, segment_ids, *, ulysses_axis: str, ring_axis: str, causal: bool, scale
+    q,
+    k,
+    v,
+    positions,
+    segment_ids,
+    *,
+    ulysses_axis: str,
+    ring_axis: str,
+    causal: bool,
+    scale,
+    block: int,
 ):
     """Ulysses all-to-all over `ulysses_axis` around a ring over `ring_axis`."""
-    ring = functools.partial(ring_attention, axis=ring_axis, causal=causal, scale=scale)
+    ring = functools.partial(
+        ring_attention, axis=ring_axis, causal=causal, scale=scale, block=block
+    )
     return ulysses_attention(
-        q, k, v, positions, segment_ids, axis=ulysses_axis, causal=causal, scale=scale, inner=ring
+        q,
+        k,
+        v,
+        positions,
+        segment_ids,
+        axis=ulysses_axis,
+        causal=causal,
+        scale=scale,
+        block=block,
+        inner=ring,
     )

@@ -168,7 +168,7 @@ def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, *,
     source = jax.tree.map(spec.place, source, source_specs)
     positions = spec.place(positions, tokens)
     params_specs = jax.tree.map(lambda _: PartitionSpec(), params)
-    kw = dict(causal=causal, scale=scale, block=block_size(spec, s))
+    kw: dict[str, Any] = dict(causal=causal, scale=scale, block=block_size(spec, s))
     # Outside USP, a strategy runs over every sequence axis (two of them when "auto" had a
     # ulysses axis to choose with); collectives accept a tuple of mesh axes.
     axes = spec.sequence_axes

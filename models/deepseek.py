@@ -26,11 +26,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from eqx_longctx import ShardingSpec, layout_order
+from eqx_longctx import ShardingSpec
 from eqx_longctx._types import Hidden, Logits, Positions, SegmentIds, Tokens
 from eqx_longctx.nn import (
     REMAT_POLICIES,
@@ -40,6 +39,9 @@ from eqx_longctx.nn import (
     MultiHeadLatentAttention,
     RMSNorm,
     SwiGLU,
+    check_shapes,
+    check_token_ids,
+    prepare_inputs,
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
 from eqx_longctx.nn._moe import GROUPED_MATMULS, TOPK_METHODS
@@ -321,17 +323,7 @@ class DeepSeek(eqx.Module):
         Needs concrete values (call it outside `jit`); `__call__` runs it automatically
         whenever its tokens are concrete.
         """
-        if isinstance(tokens, Tracer):
-            raise ValueError(
-                "check_tokens needs concrete token ids, but got a tracer (called inside jit, "
-                "grad or vmap). Check the batch before entering the transformed function."
-            )
-        ids = np.asarray(tokens)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            raise ValueError(
-                f"token ids must lie in [0, vocab_size={self.config.vocab_size}); got ids in "
-                f"[{ids.min()}, {ids.max()}]. Use a tokenizer that matches the model."
-            )
+        check_token_ids(tokens, self.config.vocab_size, "DeepSeekConfig")
 
     def embed_tokens(self, tokens: Tokens) -> Hidden:
         """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype."""
@@ -350,7 +342,10 @@ class DeepSeek(eqx.Module):
 
         **Returns:** `[batch, seq, vocab]` float32 logits.
         """
-        _check_shapes(self.config, x.shape[:2], "x", positions, segment_ids)
+        check_shapes(
+            x.shape[:2], "x", positions, segment_ids,
+            max_seq_len=self.config.max_seq_len, config_name="DeepSeekConfig",
+        )  # fmt: skip
         if self.spec is None:
             return self._forward(x, positions, segment_ids)
         logits_pspec = self.spec.activation_pspec()
@@ -397,26 +392,15 @@ class DeepSeek(eqx.Module):
 
         **Returns:** `[batch, seq, vocab]` float32 logits.
         """
-        tokens = jnp.asarray(tokens)
-        if tokens.ndim != 2:
-            raise ValueError(
-                f"tokens must have rank 2, laid out [batch, seq]; got shape "
-                f"{tuple(tokens.shape)}. Add a batch axis with tokens[None] for one sequence."
-            )
-        if not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(
-                f"tokens must be integer ids; got dtype {tokens.dtype}. Cast with "
-                ".astype(jnp.int32)."
-            )
-        if positions is None:
-            batch, seq = tokens.shape
-            order = np.arange(seq) if self.spec is None else layout_order(self.spec, seq)
-            positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (batch, seq))
-        positions = jnp.asarray(positions)
-        segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-        _check_shapes(self.config, tokens.shape, "tokens", positions, segment_ids)
-        if not isinstance(tokens, Tracer):
-            self.check_tokens(tokens)
+        tokens, positions, segment_ids = prepare_inputs(
+            tokens,
+            positions,
+            segment_ids,
+            spec=self.spec,
+            vocab_size=self.config.vocab_size,
+            max_seq_len=self.config.max_seq_len,
+            config_name="DeepSeekConfig",
+        )
         if self.spec is None:
             return self._forward(self.embed_tokens(tokens), positions, segment_ids)
         # The lookup runs inside auto_axes too: a gather of replicated embeddings by tokens
@@ -429,28 +413,6 @@ class DeepSeek(eqx.Module):
 
     def _embed_and_forward(self, tokens, positions, segment_ids):
         return self._forward(self.embed_tokens(tokens), positions, segment_ids)
-
-
-def _check_shapes(config: DeepSeekConfig, batch_seq, what, positions, segment_ids) -> None:
-    batch, seq = batch_seq
-    if seq > config.max_seq_len:
-        raise ValueError(
-            f"sequence length must be <= max_seq_len={config.max_seq_len}; got {what} of shape "
-            f"{tuple(batch_seq)} (seq={seq}). Split the sequence or build the model with a "
-            "larger DeepSeekConfig(max_seq_len=...)."
-        )
-    for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
-        if ids is None:
-            continue
-        if tuple(ids.shape) != (batch, seq):
-            raise ValueError(
-                f"{name} must have the [batch, seq] shape of the {what}, {(batch, seq)}; got "
-                f"{tuple(ids.shape)}."
-            )
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(
-                f"{name} must be integers; got dtype {ids.dtype}. Cast with .astype(jnp.int32)."
-            )
 
 
 # DeepSeek's long-context YaRN setting (both V2 and V3 extend 4k pre-training to 160k).

@@ -20,13 +20,21 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqx_longctx import ShardingSpec, layout_order
+from eqx_longctx import ShardingSpec
 from eqx_longctx._types import Hidden, Logits, Positions, SegmentIds, Tokens
-from eqx_longctx.nn import REMAT_POLICIES, DecoderBlock, LayerStack, RMSNorm, RoPE
+from eqx_longctx.nn import (
+    REMAT_POLICIES,
+    DecoderBlock,
+    LayerStack,
+    RMSNorm,
+    RoPE,
+    check_shapes,
+    check_token_ids,
+    prepare_inputs,
+)
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
 
 from . import _hf
@@ -222,18 +230,7 @@ class Llama(eqx.Module):
         Needs concrete values (call it outside `jit`); `__call__` runs it automatically
         whenever its tokens are concrete.
         """
-        if isinstance(tokens, Tracer):
-            raise ValueError(
-                "check_tokens needs concrete token ids, but got a tracer (called inside jit, "
-                "grad or vmap). Check the batch before entering the transformed function."
-            )
-        ids = np.asarray(tokens)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            raise ValueError(
-                f"token ids must lie in [0, vocab_size={self.config.vocab_size}); got ids in "
-                f"[{ids.min()}, {ids.max()}]. Use a tokenizer that matches the model, or "
-                "build the model with LlamaConfig(vocab_size=...) large enough."
-            )
+        check_token_ids(tokens, self.config.vocab_size, "LlamaConfig")
 
     def embed_tokens(self, tokens: Tokens) -> Hidden:
         """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype."""
@@ -252,7 +249,10 @@ class Llama(eqx.Module):
 
         **Returns:** `[batch, seq, vocab]` float32 logits.
         """
-        self._check_shapes(x.shape[:2], "x", positions, segment_ids)
+        check_shapes(
+            x.shape[:2], "x", positions, segment_ids,
+            max_seq_len=self.config.max_seq_len, config_name="LlamaConfig",
+        )  # fmt: skip
         if self.spec is None:
             return self._forward(x, positions, segment_ids)
         logits_pspec = self.spec.activation_pspec()
@@ -295,28 +295,15 @@ class Llama(eqx.Module):
 
         **Returns:** `[batch, seq, vocab]` float32 logits.
         """
-        tokens = jnp.asarray(tokens)
-        if tokens.ndim != 2:
-            raise ValueError(
-                f"tokens must have rank 2, laid out [batch, seq]; got shape "
-                f"{tuple(tokens.shape)}. Add a batch axis with tokens[None] for one sequence."
-            )
-        if not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(
-                f"tokens must be integer ids; got dtype {tokens.dtype}. Cast with "
-                ".astype(jnp.int32)."
-            )
-        if positions is None:
-            # Tokens arrive in the spec's layout order: each one's RoPE position is its
-            # original index.
-            batch, seq = tokens.shape
-            order = np.arange(seq) if self.spec is None else layout_order(self.spec, seq)
-            positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (batch, seq))
-        positions = jnp.asarray(positions)
-        segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-        self._check_shapes(tokens.shape, "tokens", positions, segment_ids)
-        if not isinstance(tokens, Tracer):
-            self.check_tokens(tokens)
+        tokens, positions, segment_ids = prepare_inputs(
+            tokens,
+            positions,
+            segment_ids,
+            spec=self.spec,
+            vocab_size=self.config.vocab_size,
+            max_seq_len=self.config.max_seq_len,
+            config_name="LlamaConfig",
+        )
         if self.spec is None:
             return self._forward(self.embed_tokens(tokens), positions, segment_ids)
         # The lookup runs inside auto_axes too: a gather of replicated embeddings by tokens
@@ -324,27 +311,6 @@ class Llama(eqx.Module):
         run = lambda model, t, p, s: model._forward(model.embed_tokens(t), p, s)  # noqa: E731
         pspec = self.spec.activation_pspec()
         return self.spec.auto_axes(run, pspec)(self, tokens, positions, segment_ids)
-
-    def _check_shapes(self, batch_seq, what, positions, segment_ids) -> None:
-        batch, seq = batch_seq
-        if seq > self.config.max_seq_len:
-            raise ValueError(
-                f"sequence length must be <= max_seq_len={self.config.max_seq_len}; got "
-                f"{what} of shape {tuple(batch_seq)} (seq={seq}). Split the sequence or build "
-                "the model with a larger LlamaConfig(max_seq_len=...)."
-            )
-        for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
-            if ids is None:
-                continue
-            if tuple(ids.shape) != (batch, seq):
-                raise ValueError(
-                    f"{name} must have the [batch, seq] shape of the {what}, "
-                    f"{(batch, seq)}; got {tuple(ids.shape)}."
-                )
-            if not jnp.issubdtype(ids.dtype, jnp.integer):
-                raise ValueError(
-                    f"{name} must be integers; got dtype {ids.dtype}. Cast with .astype(jnp.int32)."
-                )
 
 
 # fmt: off

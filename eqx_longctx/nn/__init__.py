@@ -4,6 +4,9 @@ Every layer keeps an explicit batch axis and takes the sharding spec explicitly.
 """
 
 from ._attention import SelfAttention as SelfAttention
+from ._inputs import check_shapes as check_shapes
+from ._inputs import check_token_ids as check_token_ids
+from ._inputs import prepare_inputs as prepare_inputs
 from ._mla import DecoupledRoPE as DecoupledRoPE
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._mla import YarnRopeScaling as YarnRopeScaling
@@ -17,6 +20,9 @@ from ._transformer import DecoderBlock as DecoderBlock
 from ._transformer import LayerStack as LayerStack
 
 __all__ = [
+    "check_shapes",
+    "check_token_ids",
+    "prepare_inputs",
     "REMAT_POLICIES",
     "DecoderBlock",
     "DecoupledRoPE",

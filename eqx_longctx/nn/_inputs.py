@@ -1,0 +1,93 @@
+"""Validation and defaults for a decoder's `(tokens, positions, segment_ids)`, shared by
+every model family: clear `ValueError`s instead of XLA shape errors."""
+
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+
+from .._layout import layout_order
+from .._sharding import ShardingSpec
+
+
+def check_token_ids(tokens, vocab_size: int, config_name: str) -> None:
+    """Raise `ValueError` if a concrete token id lies outside `[0, vocab_size)`."""
+    if isinstance(tokens, Tracer):
+        raise ValueError(
+            "check_tokens needs concrete token ids, but got a tracer (called inside jit, "
+            "grad or vmap). Check the batch before entering the transformed function."
+        )
+    ids = np.asarray(tokens)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(
+            f"token ids must lie in [0, vocab_size={vocab_size}); got ids in "
+            f"[{ids.min()}, {ids.max()}]. Use a tokenizer that matches the model, or build the "
+            f"model with {config_name}(vocab_size=...) large enough."
+        )
+
+
+def check_shapes(
+    batch_seq, what: str, positions, segment_ids, *, max_seq_len: int, config_name: str
+) -> None:
+    """The sequence fits `max_seq_len`; positions and segment ids are `[batch, seq]` ints."""
+    batch, seq = batch_seq
+    if seq > max_seq_len:
+        raise ValueError(
+            f"sequence length must be <= max_seq_len={max_seq_len}; got {what} of shape "
+            f"{tuple(batch_seq)} (seq={seq}). Split the sequence or build the model with a "
+            f"larger {config_name}(max_seq_len=...)."
+        )
+    for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
+        if ids is None:
+            continue
+        if tuple(ids.shape) != (batch, seq):
+            raise ValueError(
+                f"{name} must have the [batch, seq] shape of the {what}, {(batch, seq)}; got "
+                f"{tuple(ids.shape)}."
+            )
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(
+                f"{name} must be integers; got dtype {ids.dtype}. Cast with .astype(jnp.int32)."
+            )
+
+
+def prepare_inputs(
+    tokens,
+    positions,
+    segment_ids,
+    *,
+    spec: ShardingSpec | None,
+    vocab_size: int,
+    max_seq_len: int,
+    config_name: str,
+):
+    """Check a decoder's inputs and fill in default positions.
+
+    Tokens arrive in the spec's layout order, so each token's default RoPE position is its
+    original index (`layout_order`); on one device, `0..seq-1`. Token ids are range-checked
+    when they are concrete.
+
+    **Returns:** `(tokens, positions, segment_ids)` as JAX arrays (`segment_ids` may be None).
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(
+            f"tokens must have rank 2, laid out [batch, seq]; got shape "
+            f"{tuple(tokens.shape)}. Add a batch axis with tokens[None] for one sequence."
+        )
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be integer ids; got dtype {tokens.dtype}. Cast with .astype(jnp.int32)."
+        )
+    if positions is None:
+        batch, seq = tokens.shape
+        order = np.arange(seq) if spec is None else layout_order(spec, seq)
+        positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (batch, seq))
+    positions = jnp.asarray(positions)
+    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    check_shapes(
+        tokens.shape, "tokens", positions, segment_ids,
+        max_seq_len=max_seq_len, config_name=config_name,
+    )  # fmt: skip
+    if not isinstance(tokens, Tracer):
+        check_token_ids(tokens, vocab_size, config_name)
+    return tokens, positions, segment_ids

@@ -235,6 +235,17 @@ def _block_mask(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     return None if mask is None else mask[:, None, None]
 
 
+def _block_mask_keys_major(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
+    """Visibility `[b, 1, bk, 1, bq]` of one query block against one key block, keys major."""
+    mask = None
+    if config.causal:
+        mask = q_pos[:, None, :] >= kv_pos[:, :, None]
+    if config.use_segments:
+        same = q_seg[:, None, :] == kv_seg[:, :, None]
+        mask = same if mask is None else mask & same
+    return None if mask is None else mask[:, None, :, None, :]
+
+
 def _block_is_empty(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     """True when no query of the block sees any key of the block, for every batch row."""
     empty = jnp.zeros(q_pos.shape[:1], bool)
@@ -325,50 +336,67 @@ def _flash_bwd(config, residuals, cotangents):
 
 
 def _backward_blocks(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta):
-    """Blockwise gradients (float32): outer loop over key blocks, inner over query blocks."""
+    """Blockwise gradients (float32): outer loop over key blocks, inner over query blocks.
+
+    Scores are formed keys-major (`[.., t, g, s]`), so every product contracts a minor
+    dimension with a major one and XLA needs no transposed copy of a score tile; the query
+    gradient is accumulated transposed (`[.., d, g, s]`) for the same reason and turned
+    around once at the end.
+    """
     nq = qb.shape[0]
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
 
-    def one_kv_block(dq, args):
+    def one_kv_block(dq_t, args):
         kj, vj, kpj, ksj = args
 
         def q_step(i, carry):
-            def compute(carry):
-                dk, dv, dq = carry
-                qsi = None if q_seg is None else q_seg[i]
-                mask = _block_mask(config, q_pos[i], kpj, qsi, ksj)
-                s = _scores(config, qb[i], kj, mask)
-                p = jnp.exp(s - lse_safe[i][..., None])
+            dk, dv, dq_t = carry
+            qsi = None if q_seg is None else q_seg[i]
+
+            def compute(dk, dv):
+                mask = _block_mask_keys_major(config, q_pos[i], kpj, qsi, ksj)
+                s_t = jnp.einsum("bktd,bkgsd->bktgs", kj, qb[i], preferred_element_type=jnp.float32)
+                p_t = jnp.exp(s_t * config.scale - lse_safe[i][:, :, None])
                 if mask is not None:
-                    p = jnp.where(mask, p, 0.0)
+                    p_t = jnp.where(mask, p_t, 0.0)
                 dv = dv + jnp.einsum(
-                    "bkgst,bkgsv->bktv",
-                    p.astype(vj.dtype),
+                    "bktgs,bkgsv->bktv",
+                    p_t.astype(vj.dtype),
                     dout[i],
                     preferred_element_type=jnp.float32,
                 )
-                dp = jnp.einsum(
-                    "bkgsv,bktv->bkgst", dout[i], vj, preferred_element_type=jnp.float32
+                dp_t = jnp.einsum(
+                    "bktv,bkgsv->bktgs", vj, dout[i], preferred_element_type=jnp.float32
                 )
-                ds = (p * (dp - delta[i][..., None]) * config.scale).astype(qb.dtype)
-                dq_i = jnp.einsum("bkgst,bktd->bkgsd", ds, kj, preferred_element_type=jnp.float32)
+                ds_t = p_t * (dp_t - delta[i][:, :, None]) * config.scale
                 dk = dk + jnp.einsum(
-                    "bkgst,bkgsd->bktd", ds, qb[i], preferred_element_type=jnp.float32
+                    "bktgs,bkgsd->bktd",
+                    ds_t.astype(qb.dtype),
+                    qb[i],
+                    preferred_element_type=jnp.float32,
                 )
-                return dk, dv, dq.at[i].add(dq_i)
+                # In float32: XLA:CPU has no unfused bf16 x bf16 -> f32 dot for this form.
+                dq_i = jnp.einsum("bktd,bktgs->bkdgs", kj.astype(jnp.float32), ds_t)
+                return dk, dv, dq_i
 
-            qsi = None if q_seg is None else q_seg[i]
+            def skip(dk, dv):
+                return dk, dv, jnp.zeros(dq_t.shape[1:], jnp.float32)
+
+            # dq stays out of the cond: a conditional copies its operands, and dq is the
+            # whole query gradient.
             empty = _block_is_empty(config, q_pos[i], kpj, qsi, ksj)
-            return lax.cond(empty, lambda c: c, compute, carry)
+            dk, dv, dq_i = lax.cond(empty, skip, compute, dk, dv)
+            return dk, dv, dq_t.at[i].add(dq_i)
 
-        init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32), dq)
-        dk, dv, dq = lax.fori_loop(0, nq, q_step, init)
-        return dq, (dk, dv)
+        init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32), dq_t)
+        dk, dv, dq_t = lax.fori_loop(0, nq, q_step, init)
+        return dq_t, (dk, dv)
 
     kv_seg_blocks = kv_seg if kv_seg is not None else jnp.zeros(kv_pos.shape, jnp.int32)
-    dq0 = jnp.zeros(qb.shape, jnp.float32)
-    dq, (dk, dv) = lax.scan(one_kv_block, dq0, (kb, vb, kv_pos, kv_seg_blocks))
-    return dq, dk, dv
+    n, b, hk, g, bq, d = qb.shape
+    dq_t = jnp.zeros((n, b, hk, d, g, bq), jnp.float32)
+    dq_t, (dk, dv) = lax.scan(one_kv_block, dq_t, (kb, vb, kv_pos, kv_seg_blocks))
+    return dq_t.transpose(0, 1, 2, 4, 5, 3), dk, dv
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -8,7 +8,7 @@ Sections (all by default, pick with `--sections`):
   should stay flat unless the strategy holds the whole sequence.
 - `b`: collective bytes received per device per layer, counted in the compiled HLO, against
   the cost model and against each strategy's theoretical minimum (the K/V or q/k/v/out
-  payload alone, no positions, no K/V head repeats, dK/dV in the input dtype).
+  payload alone in the input dtype, no positions; see `_minimum`).
 - `c`: causal work balance, max / mean of non-empty score elements over devices, for the
   token layouts none / zigzag / striped (from the layouts, at block granularity).
 - `e`: MLA at DeepSeek-V2-Lite attention shapes (16 heads, kv_lora_rank 512, RoPE key 64,
@@ -124,16 +124,28 @@ def memory_section(compiled: _Compiled, seqs: list, per_device: int) -> None:
 
 
 def _minimum(strategy: str, seq: int, shape: dict, backward: bool) -> float:
-    """Payload-only bytes per device: what the strategy must move at the least."""
+    """Payload-only bytes each device must receive per layer, at the least.
+
+    K/V, q and outputs in the input dtype; no positions or segment ids. Under Ulysses a
+    device must see, for the whole sequence, every K/V head one of its query heads reads:
+    with fewer K/V heads than the degree that is one whole head, not `kv_heads / degree`.
+    The backward moves the same payloads again (dout in; dq, dK, dV back) and, in a ring,
+    sends the K/V around again and the dK/dV accumulators home (`N-1` hops each).
+    """
     b, hq, hk, d = shape["batch"], shape["q_heads"], shape["kv_heads"], shape["head_dim"]
     dv, e = shape["v_head_dim"] or d, jnp.dtype(shape["dtype"]).itemsize
     nu, nr = {"all_gather": (1, 8), "ulysses": (8, 1), "ring": (1, 8), "usp": (2, 4)}[strategy]
     if strategy == "all_gather":
         fwd = b * seq * hk * (d + dv) * e * 7 / 8
         return 2 * fwd if backward else fwd
-    a2a = b * seq / nr / nu * (hq * d + hk * (d + dv) + hq * dv) * e * (nu - 1) / nu
-    ring = (nr - 1) * b * seq / nr * hk / nu * (d + dv) * e
-    # backward: dout in and dq/dk/dv out again; K/V around the ring again and dK/dV back
+    per_device_q = hq // nu  # query heads on one device after the all-to-all
+    group = hq // hk  # query heads per K/V head
+    kv_needed = max(  # K/V heads the busiest device's query heads read
+        len({h // group for h in range(i * per_device_q, (i + 1) * per_device_q)})
+        for i in range(nu)
+    )
+    a2a = b * seq / nr / nu * (hq * d + nu * kv_needed * (d + dv) + hq * dv) * e * (nu - 1) / nu
+    ring = (nr - 1) * b * seq / nr * kv_needed * (d + dv) * e
     return (2 * a2a + 3 * ring) if backward else (a2a + ring)
 
 
@@ -152,13 +164,12 @@ def comm_section(compiled: _Compiled, seqs: list, shape: dict) -> None:
                 ops = ", ".join(f"{k} {v / MIB:.2f}" for k, v in comm.items() if v > 64)
                 rows.append([
                     seq, s, "f+b" if backward else "fwd", f"{got / MIB:.2f}",
-                    f"{got / pred:.3f}", f"{got / _minimum(s, seq, shape, backward):.2f}", ops,
+                    f"{got / pred:.3f}", f"{got / _minimum(s, seq, shape, backward):.3f}", ops,
                 ])  # fmt: skip
     _table(rows)
     print(
         "(the all-reduce of a few bytes in f+b is the loss; above the minimum: int32 "
-        "positions, K/V heads repeated for Ulysses when kv_heads < degree, ring dK/dV in f32 "
-        "for N hops)"
+        "positions and segment ids)"
     )
 
 
@@ -252,24 +263,37 @@ def mla_section(seq: int) -> None:
     )
 
 
-def _timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _interleaved(calls: dict, repeats: int) -> dict:
+    """Best wall time of each `name: (fn, args)`, timed in `repeats` interleaved rounds.
+
+    Every call is compiled and run once first; then each round times every call once, so
+    slow phases of the shared machine (other processes, allocator state after a big
+    backward) fall on all of them alike instead of on whichever ran last.
+    """
+    for fn, args in calls.values():
         jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeats):
+        for name, (fn, args) in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
-def time_section(seq: int, heads: int, head_dim: int, repeats: int) -> None:
+def _loss(fn):
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1, 2)))
+
+
+def time_section(seq: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> None:
     print(
-        f"\n(d) wall time, batch 1, seq {seq}, heads {heads}, head_dim {head_dim}, causal, "
-        f"f32; best of {repeats}; x = / single device"
+        f"\n(d) wall time, batch 1, seq {seq}, heads {heads}/{kv_heads}, head_dim {head_dim}, "
+        f"causal, f32; best of {repeats} interleaved rounds; x = / single device"
     )
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(key, (1, seq, heads, head_dim)) for key in keys)
-    results = {}
+    q = jax.random.normal(keys[0], (1, seq, heads, head_dim))
+    k, v = (jax.random.normal(key, (1, seq, kv_heads, head_dim)) for key in keys[1:])
+    calls = {}
     for name in ("single device",) + STRATEGIES:
         spec = None if name == "single device" else _spec(name, 8)
         if spec is None:
@@ -280,26 +304,33 @@ def time_section(seq: int, heads: int, head_dim: int, repeats: int) -> None:
         def fwd(q, k, v, spec=spec):
             return attention(q, k, v, spec=spec)
 
-        def loss(q, k, v, spec=spec):
-            return jnp.sum(attention(q, k, v, spec=spec))
-
-        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-        results[name] = (
-            _timed(jax.jit(fwd), *args, repeats=repeats),
-            _timed(grad, *args, repeats=repeats),
-        )
-    base = results["single device"]
+        calls[(name, "fwd")] = (jax.jit(fwd), args)
+        calls[(name, "f+b")] = (_loss(fwd), args)
+    theirs = _ring_attention_package(q, k, v, calls)
+    best = _interleaved(calls, repeats)
+    names = ("single device",) + STRATEGIES
+    base = best[("single device", "fwd")], best[("single device", "f+b")]
     rows = [["", "fwd s", "x", "fwd+bwd s", "x"]]
-    for name, (f, t) in results.items():
+    for name in names:
+        f, t = best[(name, "fwd")], best[(name, "f+b")]
         rows.append([name, f"{f:.3f}", f"{f / base[0]:.2f}", f"{t:.3f}", f"{t / base[1]:.2f}"])
     _table(rows)
-    ring_attention_package(q, k, v, repeats, results["ring"])
+    if theirs is None:
+        return
+    t_fwd, t_bwd = best[("theirs", "fwd")], best[("theirs", "f+b")]
+    print(f"ringattention package (max |theirs - single device| = {theirs:.1e}):")
+    rows = [["", "fwd s", "ours/theirs", "fwd+bwd s", "ours/theirs"]]
+    rows.append(["theirs (contiguous)", f"{t_fwd:.3f}", "", f"{t_bwd:.3f}", ""])
+    for label, name in (("ours ring, contiguous", "ring none"), ("ours ring, zigzag", "ring")):
+        f, t = best[(name, "fwd")], best[(name, "f+b")]
+        rows.append([label, f"{f:.3f}", f"{f / t_fwd:.2f}", f"{t:.3f}", f"{t / t_bwd:.2f}"])
+    _table(rows)
 
 
-def ring_attention_package(q, k, v, repeats: int, ours: tuple) -> None:
-    """The Ring Attention authors' pure-JAX ring (`pip install ringattention flax`), same
-    shapes on the same 8 fake devices: contiguous layout (its causal mask assumes it), our
-    ring with zig-zag as timed above (and with contiguous, for the like-for-like ratio)."""
+def _ring_attention_package(q, k, v, calls: dict) -> float | None:
+    """Add the Ring Attention authors' pure-JAX ring (`pip install ringattention flax`) to
+    `calls`, on the same shapes and 8 fake devices, in the contiguous layout its causal mask
+    assumes, beside our ring in that layout. Returns its max error against one device."""
     import types
 
     import jax.extend
@@ -312,7 +343,7 @@ def ring_attention_package(q, k, v, repeats: int, ours: tuple) -> None:
         from ringattention import ringattention as their_ring
     except ImportError as e:
         print(f"ringattention is not installed ({e}): skipped (pip install ringattention flax).")
-        return
+        return None
     mesh = jax.make_mesh((8,), ("context",))
     chunk = min(512, q.shape[1] // 8)
     blockwise = dict(
@@ -331,44 +362,17 @@ def ring_attention_package(q, k, v, repeats: int, ours: tuple) -> None:
             local, mesh=mesh, in_specs=(pspec,) * 3, out_specs=pspec, check_vma=False
         )(q, k, v)
 
-    args = tuple(jax.device_put(x, NamedSharding(mesh, pspec)) for x in (q, k, v))
-    error = float(jnp.max(jnp.abs(jax.jit(theirs)(*args) - attention(q, k, v))))
     contiguous = ShardingSpec(mesh, strategy="ring", load_balance="none")
 
     def ours_none(q, k, v):
         return attention(q, k, v, spec=contiguous)
 
-    loss = lambda f: lambda *a: jnp.sum(f(*a))  # noqa: E731
-    t_fwd = _timed(jax.jit(theirs), *args, repeats=repeats)
-    t_bwd = _timed(
-        jax.jit(jax.value_and_grad(loss(theirs), argnums=(0, 1, 2))), *args, repeats=repeats
-    )
-    o_fwd = _timed(jax.jit(ours_none), *args, repeats=repeats)
-    o_bwd = _timed(
-        jax.jit(jax.value_and_grad(loss(ours_none), argnums=(0, 1, 2))), *args, repeats=repeats
-    )
-    print(f"ringattention package (max |theirs - single device| = {error:.1e}):")
-    rows = [["", "fwd s", "ours/theirs", "fwd+bwd s", "ours/theirs"]]
-    rows.append(["theirs (contiguous)", f"{t_fwd:.3f}", "", f"{t_bwd:.3f}", ""])
-    rows.append(
-        [
-            "ours ring, contiguous",
-            f"{o_fwd:.3f}",
-            f"{o_fwd / t_fwd:.2f}",
-            f"{o_bwd:.3f}",
-            f"{o_bwd / t_bwd:.2f}",
-        ]
-    )
-    rows.append(
-        [
-            "ours ring, zigzag",
-            f"{ours[0]:.3f}",
-            f"{ours[0] / t_fwd:.2f}",
-            f"{ours[1]:.3f}",
-            f"{ours[1] / t_bwd:.2f}",
-        ]
-    )
-    _table(rows)
+    args = tuple(jax.device_put(x, NamedSharding(mesh, pspec)) for x in (q, k, v))
+    calls[("theirs", "fwd")] = (jax.jit(theirs), args)
+    calls[("theirs", "f+b")] = (_loss(theirs), args)
+    calls[("ring none", "fwd")] = (jax.jit(ours_none), args)
+    calls[("ring none", "f+b")] = (_loss(ours_none), args)
+    return float(jnp.max(jnp.abs(jax.jit(theirs)(*args) - attention(q, k, v))))
 
 
 def main(argv=None) -> None:
@@ -384,8 +388,9 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--time-seq", type=int, default=8192)
     p.add_argument("--time-heads", type=int, default=8)
+    p.add_argument("--time-kv-heads", type=int, default=8)
     p.add_argument("--time-head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
 
     shape = dict(
@@ -408,7 +413,9 @@ def main(argv=None) -> None:
     if "e" in args.sections:
         mla_section(args.mla_seq)
     if "d" in args.sections:
-        time_section(args.time_seq, args.time_heads, args.time_head_dim, args.repeats)
+        time_section(
+            args.time_seq, args.time_heads, args.time_kv_heads, args.time_head_dim, args.repeats
+        )
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 

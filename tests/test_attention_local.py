@@ -9,6 +9,7 @@ import pytest
 from helpers import assert_close, random_segment_ids
 
 from eqx_longctx import attention, flash_attention, reference_attention
+from eqx_longctx.attention._local import TILE_BYTES, head_tile
 
 # (q_heads, kv_heads): MHA, GQA, MQA
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
@@ -35,7 +36,7 @@ def _inputs(heads, shape, dtype, seed=0):
     return q, k, v, seg, ct
 
 
-def _ours(causal, seg, block):
+def _ours(causal, seg, block, tile_bytes=TILE_BYTES):
     def f(q, k, v):
         out, _ = flash_attention(
             q,
@@ -46,6 +47,7 @@ def _ours(causal, seg, block):
             causal=causal,
             block_q=block,
             block_k=block,
+            tile_bytes=tile_bytes,
         )
         return out
 
@@ -71,6 +73,27 @@ def test_float32_against_oracle(heads, causal, segmented, shape):
     seg = seg if segmented else None
     f = jax.jit(_ours(causal, seg, shape[3]))
     _check(f, _oracle(causal, seg), q, k, v, ct, jnp.float32, "f32")
+
+
+# (q_heads, kv_heads, heads per score tile): one K/V head per tile, whole GQA groups, and
+# GQA groups split over tiles that share one K/V tile (their dK/dV are added).
+HEAD_TILES = [(4, 4, 1), (8, 2, 4), (8, 2, 2), (8, 1, 2), (6, 3, 1)]
+
+
+@pytest.mark.parametrize("hq,hk,heads_per_tile", HEAD_TILES)
+def test_head_tiles_against_oracle(hq, hk, heads_per_tile):
+    seq, d, dv, block = 80, 16, 8, 32
+    tile_bytes = 2 * heads_per_tile * block * block * 4  # batch 2
+    hk_tile, g_tile = head_tile(2, hk, hq // hk, block, block, tile_bytes)
+    assert hk_tile * g_tile == heads_per_tile
+    ks = jax.random.split(jax.random.PRNGKey(3), 5)
+    q = jax.random.normal(ks[0], (2, seq, hq, d))
+    k = jax.random.normal(ks[1], (2, seq, hk, d))
+    v = jax.random.normal(ks[2], (2, seq, hk, dv))
+    seg = random_segment_ids(ks[3], 2, seq)
+    ct = jax.random.normal(ks[4], (2, seq, hq, dv))
+    f = jax.jit(_ours(True, seg, block, tile_bytes))
+    _check(f, _oracle(True, seg), q, k, v, ct, jnp.float32, f"{heads_per_tile}-head tiles")
 
 
 @pytest.mark.parametrize("heads", list(HEADS))

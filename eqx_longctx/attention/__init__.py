@@ -21,7 +21,7 @@ from .._sharding import ShardingSpec
 from ._all_gather import all_gather_latent_attention
 from ._local import flash_attention as flash_attention
 from ._local import flash_attention_backward as flash_attention_backward
-from ._plan import block_size
+from ._plan import tiling
 from ._reference import reference_attention as reference_attention
 from ._ring import _kv_identity, ring_latent_attention
 from ._ulysses import ulysses_attention
@@ -168,7 +168,7 @@ def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, *,
     source = jax.tree.map(spec.place, source, source_specs)
     positions = spec.place(positions, tokens)
     params_specs = jax.tree.map(lambda _: PartitionSpec(), params)
-    kw: dict[str, Any] = dict(causal=causal, scale=scale, block=block_size(spec, s))
+    kw: dict[str, Any] = dict(causal=causal, scale=scale, tiling=tiling(spec, s))
     # Outside USP, a strategy runs over every sequence axis (two of them when "auto" had a
     # ulysses axis to choose with); collectives accept a tuple of mesh axes.
     axes = spec.sequence_axes

@@ -11,7 +11,7 @@ import jax
 from jax import lax
 
 from .._types import AxisName
-from ._local import DEFAULT_BLOCK_Q, flash_attention
+from ._local import DEFAULT_TILING, Tiling, flash_attention
 from ._ring import _kv_identity
 
 
@@ -25,7 +25,7 @@ def all_gather_attention(
     axis: AxisName,
     causal: bool,
     scale,
-    block: int = DEFAULT_BLOCK_Q,
+    tiling: Tiling = DEFAULT_TILING,
 ):
     """Attention for the local query shard against K/V gathered over `axis`."""
     return all_gather_latent_attention(
@@ -38,7 +38,7 @@ def all_gather_attention(
         axis=axis,
         causal=causal,
         scale=scale,
-        block=block,
+        tiling=tiling,
     )
 
 
@@ -53,7 +53,7 @@ def all_gather_latent_attention(
     axis: AxisName,
     causal: bool,
     scale,
-    block: int = DEFAULT_BLOCK_Q,
+    tiling: Tiling = DEFAULT_TILING,
 ):
     """Gather a K/V *source* (K/V themselves, or MLA's latent) and expand it locally.
 
@@ -73,7 +73,6 @@ def all_gather_latent_attention(
         kv_segment_ids=kv_segments,
         causal=causal,
         scale=scale,
-        block_q=block,
-        block_k=block,
+        **tiling.kwargs(),
     )
     return out

@@ -34,9 +34,27 @@ from .._types import (
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
+# Heads are tiled so that one block of float32 scores stays within this many bytes (8 heads
+# of a 512 x 512 block). Devices that share one cache hierarchy (fake CPU devices) get less:
+# see `_plan.tiling`.
+TILE_BYTES = 8 * 2**20
 # Padded query rows and padded keys get segment ids that match nothing real.
 _PAD_Q_SEGMENT = -2
 _PAD_KV_SEGMENT = -1
+
+
+class Tiling(NamedTuple):
+    """Tile sizes of the blockwise kernel: the query and key block length, and the bytes one
+    block of float32 scores may take (the heads of a block are tiled to fit)."""
+
+    block: int = DEFAULT_BLOCK_Q
+    tile_bytes: int = TILE_BYTES
+
+    def kwargs(self) -> dict:
+        return dict(block_q=self.block, block_k=self.block, tile_bytes=self.tile_bytes)
+
+
+DEFAULT_TILING = Tiling()
 
 
 class _Config(NamedTuple):
@@ -58,6 +76,7 @@ def flash_attention(
     scale: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    tile_bytes: int = TILE_BYTES,
 ) -> tuple[AttnOut, LogSumExp]:
     """Attention of `q` over `k`/`v` with masks computed from positions and segment ids.
 
@@ -78,6 +97,7 @@ def flash_attention(
       (both or neither).
     - `causal`, `scale`: as in `attention`.
     - `block_q`, `block_k`: tile sizes.
+    - `tile_bytes`: bytes one block of float32 scores may take; heads are tiled to fit.
 
     **Returns:** `(out, lse)`: out `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no
@@ -90,7 +110,15 @@ def flash_attention(
             f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
         )
     blocks = _Blocks.make(
-        q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k
+        q,
+        k,
+        q_positions,
+        kv_positions,
+        q_segment_ids,
+        kv_segment_ids,
+        block_q,
+        block_k,
+        tile_bytes,
     )
     config = blocks.config(causal, scale, q.shape[-1])
     ob, lseb = _flash(  # pyright: ignore[reportGeneralTypeIssues]  (custom_vjp typing)
@@ -115,6 +143,7 @@ def flash_attention_backward(
     scale: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    tile_bytes: int = TILE_BYTES,
 ):
     """Gradients of one query block against one key block, given the row statistics.
 
@@ -126,7 +155,15 @@ def flash_attention_backward(
     **Returns:** `(dq, dk, dv)` in float32.
     """
     blocks = _Blocks.make(
-        q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k
+        q,
+        k,
+        q_positions,
+        kv_positions,
+        q_segment_ids,
+        kv_segment_ids,
+        block_q,
+        block_k,
+        tile_bytes,
     )
     config = blocks.config(causal, scale, q.shape[-1])
     dqb, dkb, dvb = _backward_blocks(
@@ -143,7 +180,13 @@ def flash_attention_backward(
 
 
 class _Blocks(NamedTuple):
-    """Static tiling of one (query, key) problem and the padded block-major mask inputs."""
+    """Static tiling of one (query, key) problem and the padded block-major mask inputs.
+
+    Block-major layouts: queries `[c, n, b, k, g, block, d]` and keys/values
+    `[c', n, b, k, block, d]`, with `n` the block index, `k` the K/V heads and `g` the query
+    heads per K/V head of one head tile, `c'` the K/V head tiles and `c = c' x` the query-head
+    tiles per K/V head tile (a GQA group larger than a tile is split, sharing its K/V tile).
+    """
 
     b: int
     sq: int
@@ -154,12 +197,16 @@ class _Blocks(NamedTuple):
     bk: int
     nq: int
     nk: int
+    hk_tile: int  # K/V heads per head tile
+    g_tile: int  # query heads per K/V head per head tile
     use_segments: bool
     # q_pos, kv_pos, q_seg, kv_seg in block-major layout [n, b, block]
     masks: tuple[Array, Array, Array | None, Array | None]
 
     @staticmethod
-    def make(q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k):
+    def make(
+        q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k, tile_bytes
+    ):
         b, sq, hq, _ = q.shape
         sk, hk = k.shape[1], k.shape[2]
         bq, bk = min(block_q, sq), min(block_k, sk)
@@ -184,36 +231,67 @@ class _Blocks(NamedTuple):
             rows(q_segment_ids, pad_q, _PAD_Q_SEGMENT, nq, bq) if use_segments else None,
             rows(kv_segment_ids, pad_k, _PAD_KV_SEGMENT, nk, bk) if use_segments else None,
         )
-        return _Blocks(b, sq, sk, hk, hq // hk, bq, bk, nq, nk, use_segments, masks)
+        g = hq // hk
+        hk_tile, g_tile = head_tile(b, hk, g, bq, bk, tile_bytes)
+        return _Blocks(b, sq, sk, hk, g, bq, bk, nq, nk, hk_tile, g_tile, use_segments, masks)
 
     def config(self, causal: bool, scale: float | None, head_dim: int) -> "_Config":
         scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else float(scale)
         return _Config(causal=bool(causal), scale=scale, use_segments=self.use_segments)
 
     def split_q(self, x):
-        """`[b, s, h, d]` -> `[n, b, k, g, block, d]`: a GQA group shares one K/V head."""
+        """`[b, s, h, d]` -> `[c, n, b, k, g, block, d]`: a GQA group shares one K/V head."""
         x = _pad_seq(x, self.nq * self.bq - self.sq, 0)
-        x = x.reshape(self.b, self.nq, self.bq, self.hk, self.g, x.shape[-1])
-        return x.transpose(1, 0, 3, 4, 2, 5)
+        kt, gt = self.hk // self.hk_tile, self.g // self.g_tile
+        x = x.reshape(self.b, self.nq, self.bq, kt, self.hk_tile, gt, self.g_tile, x.shape[-1])
+        x = x.transpose(3, 5, 1, 0, 4, 6, 2, 7)
+        return x.reshape(kt * gt, *x.shape[2:])
 
     def split_kv(self, x):
+        """`[b, s, k, d]` -> `[c', n, b, k, block, d]`."""
         x = _pad_seq(x, self.nk * self.bk - self.sk, 0)
-        return x.reshape(self.b, self.nk, self.bk, self.hk, x.shape[-1]).transpose(1, 0, 3, 2, 4)
+        kt = self.hk // self.hk_tile
+        x = x.reshape(self.b, self.nk, self.bk, kt, self.hk_tile, x.shape[-1])
+        return x.transpose(3, 1, 0, 4, 2, 5)
 
     def split_rows(self, x):
-        """`[b, s, h]` row statistics -> `[n, b, k, g, block]`."""
+        """`[b, s, h]` row statistics -> `[c, n, b, k, g, block]`."""
         return self.split_q(x[..., None])[..., 0]
 
     def merge_q(self, x):
-        x = x.transpose(1, 0, 4, 2, 3, 5)
+        kt, gt = self.hk // self.hk_tile, self.g // self.g_tile
+        x = x.reshape(kt, gt, *x.shape[1:]).transpose(3, 2, 6, 0, 4, 1, 5, 7)
         return x.reshape(self.b, self.nq * self.bq, self.hk * self.g, x.shape[-1])[:, : self.sq]
 
     def merge_kv(self, x):
-        x = x.transpose(1, 0, 3, 2, 4)
+        x = x.transpose(2, 1, 4, 0, 3, 5)
         return x.reshape(self.b, self.nk * self.bk, self.hk, x.shape[-1])[:, : self.sk]
 
     def merge_rows(self, x):
         return self.merge_q(x[..., None])[..., 0]
+
+
+def head_tile(b: int, hk: int, g: int, bq: int, bk: int, tile_bytes: int) -> tuple[int, int]:
+    """(K/V heads, query heads per K/V head) of one head tile: as many heads as keep a block
+    of float32 scores (`b x heads x bq x bk`) within `tile_bytes`, at least one."""
+    fit = max(1, tile_bytes // (b * bq * bk * 4))
+    if fit >= g:
+        return max(t for t in range(1, hk + 1) if hk % t == 0 and t * g <= fit), g
+    return 1, max(t for t in range(1, g + 1) if g % t == 0 and t <= fit)
+
+
+def _map_head_tiles(fn, qb, kb, vb, *per_query):
+    """`fn(q_tile, k_tile, v_tile, *per_query_tiles)` over the head tiles, stacked."""
+    per_kv = qb.shape[0] // kb.shape[0]
+    if qb.shape[0] == 1:
+        out = fn(qb[0], kb[0], vb[0], *(x[0] for x in per_query))
+        return jax.tree.map(lambda x: x[None], out)
+
+    def one(args):
+        c, qc, *rest = args
+        return fn(qc, kb[c // per_kv], vb[c // per_kv], *rest)
+
+    return lax.map(one, (jnp.arange(qb.shape[0]), qb, *per_query))
 
 
 def _pad_seq(x, pad: int, value):
@@ -272,6 +350,14 @@ def _flash(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
 
 
 def _flash_fwd_impl(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
+    def tile(qc, kc, vc):
+        return _flash_fwd_tile(config, qc, kc, vc, q_pos, kv_pos, q_seg, kv_seg)
+
+    return _map_head_tiles(tile, qb, kb, vb)
+
+
+def _flash_fwd_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
+    """One head tile: `qb` `[n, b, k, g, block, d]`, `kb`/`vb` `[n, b, k, block, d]`."""
     nk = kb.shape[0]
     _, b, hk, g, bq, _ = qb.shape
     dv = vb.shape[-1]
@@ -326,9 +412,8 @@ def _flash_bwd(config, residuals, cotangents):
     qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
     dout, dlse = cotangents
     # d(loss)/d(score) = p * (dp - delta) with delta = rowsum(dout * out) - dlse.
-    delta = jnp.einsum(
-        "nbkgsv,nbkgsv->nbkgs", dout.astype(jnp.float32), out.astype(jnp.float32)
-    ) - dlse.astype(jnp.float32)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+    delta = delta - dlse.astype(jnp.float32)
     dq, dk, dv = _backward_blocks(
         config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout.astype(qb.dtype), lse, delta
     )
@@ -336,7 +421,20 @@ def _flash_bwd(config, residuals, cotangents):
 
 
 def _backward_blocks(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta):
-    """Blockwise gradients (float32): outer loop over key blocks, inner over query blocks.
+    """Blockwise gradients (float32) over the head tiles; query-head tiles that share a K/V
+    head tile add their dK/dV."""
+
+    def tile(qc, kc, vc, doc, lc, dc):
+        return _backward_tile(config, qc, kc, vc, q_pos, kv_pos, q_seg, kv_seg, doc, lc, dc)
+
+    dq, dk, dv = _map_head_tiles(tile, qb, kb, vb, dout, lse, delta)
+    per_kv = qb.shape[0] // kb.shape[0]
+    fold = lambda x: x.reshape(kb.shape[0], per_kv, *x.shape[1:]).sum(1)  # noqa: E731
+    return dq, fold(dk), fold(dv)
+
+
+def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta):
+    """One head tile's gradients: outer loop over key blocks, inner over query blocks.
 
     Scores are formed keys-major (`[.., t, g, s]`), so every product contracts a minor
     dimension with a major one and XLA needs no transposed copy of a score tile; the query

@@ -11,8 +11,10 @@ skipped with `lax.cond`, not computed and zeroed.
 
 The backward (`jax.custom_vjp`) runs the ring again: each device recomputes its block's
 probabilities from the saved global logsumexp, keeps its query gradient, and sends float32
-dK/dV accumulators around the ring with the K/V shard; after `N` hops they are home.
-Communication: `N-1` K/V hops forward; `N-1` K/V hops and `N` dK/dV hops backward.
+dK/dV accumulators around the ring with the K/V shard. The own shard's gradient stays home
+and the accumulator starts on the next device, so it is home after `N-1` hops.
+Communication: `N-1` K/V hops forward; `N-1` K/V hops and `N-1` dK/dV hops backward, the
+theoretical minimum of a ring.
 """
 
 import functools
@@ -26,7 +28,8 @@ from jax import lax
 
 from .._types import AxisName
 from ._local import (
-    DEFAULT_BLOCK_Q,
+    DEFAULT_TILING,
+    Tiling,
     _block_is_empty,
     _Config,
     flash_attention,
@@ -40,7 +43,7 @@ class _RingConfig(NamedTuple):
     scale: float
     # expand(params, source) -> (k, v): how a travelling K/V source becomes keys and values.
     expand: Callable
-    block: int  # flash tile size (the dispatcher aligns it with the layout's chunks)
+    tiling: Tiling  # flash tiles (the dispatcher aligns blocks with the layout's chunks)
 
 
 def _kv_identity(params, source):
@@ -57,7 +60,7 @@ def ring_attention(
     axis: AxisName,
     causal: bool,
     scale,
-    block: int = DEFAULT_BLOCK_Q,
+    tiling: Tiling = DEFAULT_TILING,
 ):
     """Local shard of ring attention over mesh axis `axis` (call inside `shard_map`).
 
@@ -79,7 +82,7 @@ def ring_attention(
         axis=axis,
         causal=causal,
         scale=scale,
-        block=block,
+        tiling=tiling,
     )
 
 
@@ -94,7 +97,7 @@ def ring_latent_attention(
     axis: AxisName,
     causal: bool,
     scale,
-    block: int = DEFAULT_BLOCK_Q,
+    tiling: Tiling = DEFAULT_TILING,
 ):
     """Ring attention where what travels is a K/V *source* (e.g. MLA's compressed latent).
 
@@ -113,9 +116,7 @@ def ring_latent_attention(
     **Returns:** this shard's attention output, `q`'s dtype.
     """
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
-    config = _RingConfig(
-        axis=axis, causal=bool(causal), scale=scale, expand=expand, block=int(block)
-    )
+    config = _RingConfig(axis=axis, causal=bool(causal), scale=scale, expand=expand, tiling=tiling)
     return _ring(config, q, params, source, positions, segment_ids)
 
 
@@ -152,7 +153,7 @@ def _ring(config, q, params, source, positions, segment_ids):
 
 def _ring_forward(config, q, params, source, positions, segment_ids):
     b, s, h, _ = q.shape
-    kw = dict(causal=config.causal, scale=config.scale, block_q=config.block, block_k=config.block)
+    kw = dict(causal=config.causal, scale=config.scale, **config.tiling.kwargs())
 
     def attend(acc, shard):
         out, lse = acc
@@ -200,7 +201,7 @@ def _ring_fwd(config, q, params, source, positions, segment_ids):
 def _ring_bwd(config, residuals, dout):
     q, params, source, positions, segment_ids, out, lse = residuals
     delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
-    kw = dict(causal=config.causal, scale=config.scale, block_q=config.block, block_k=config.block)
+    kw = dict(causal=config.causal, scale=config.scale, **config.tiling.kwargs())
 
     def grads(dq, dparams, shard, acc):
         src_j, pos_j, seg_j = shard
@@ -239,15 +240,20 @@ def _ring_bwd(config, residuals, dout):
         return (dq, dparams, incoming, _shift(acc, config.axis)), None
 
     n = lax.axis_size(config.axis)
-    carry0 = (
-        jnp.zeros(q.shape, jnp.float32),
-        _zeros_f32(params),
-        (source, positions, segment_ids),
-        _zeros_f32(source),
+    own = (source, positions, segment_ids)
+    if n > 1:
+        incoming = _shift(own, config.axis)  # in flight while the own shard is computed
+    # The own shard's dK/dV stay home; the travelling accumulator starts one device to the
+    # right, so it is home again after N-1 hops, not N.
+    dq, dparams, home = grads(
+        jnp.zeros(q.shape, jnp.float32), _zeros_f32(params), own, _zeros_f32(source)
     )
-    (dq, dparams, last, acc), _ = lax.scan(step, carry0, None, length=n - 1)
-    dq, dparams, acc = grads(dq, dparams, last, acc)
-    dsource = _shift(acc, config.axis)
+    dsource = home
+    if n > 1:
+        carry0 = (dq, dparams, incoming, _zeros_f32(source))
+        (dq, dparams, last, acc), _ = lax.scan(step, carry0, None, length=n - 2)
+        dq, dparams, acc = grads(dq, dparams, last, acc)
+        dsource = jax.tree.map(jnp.add, home, _shift(acc, config.axis))
     cast = lambda g, x: g.astype(x.dtype)  # noqa: E731
     return (
         dq.astype(q.dtype),

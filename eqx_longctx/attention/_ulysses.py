@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._types import AxisName
-from ._local import DEFAULT_BLOCK_Q, flash_attention
+from ._local import DEFAULT_TILING, Tiling, flash_attention
 
 
 def kv_repeats(kv_heads: int, degree: int) -> int:
@@ -35,7 +35,7 @@ def ulysses_attention(
     axis: AxisName,
     causal: bool,
     scale,
-    block: int = DEFAULT_BLOCK_Q,
+    tiling: Tiling = DEFAULT_TILING,
     inner=None,
 ):
     """Sequence-sharded in, sequence-sharded out; heads are sharded over `axis` inside.
@@ -63,8 +63,7 @@ def ulysses_attention(
             kv_segment_ids=segment_ids,
             causal=causal,
             scale=scale,
-            block_q=block,
-            block_k=block,
+            **tiling.kwargs(),
         )
     else:
         out = inner(q, k, v, positions, segment_ids)

@@ -8,6 +8,7 @@ parallel degree is the product of the two axis sizes.
 
 import functools
 
+from ._local import Tiling
 from ._ring import ring_attention
 from ._ulysses import ulysses_attention
 
@@ -23,11 +24,11 @@ def usp_attention(
     ring_axis: str,
     causal: bool,
     scale,
-    block: int,
+    tiling: Tiling,
 ):
     """Ulysses all-to-all over `ulysses_axis` around a ring over `ring_axis`."""
     ring = functools.partial(
-        ring_attention, axis=ring_axis, causal=causal, scale=scale, block=block
+        ring_attention, axis=ring_axis, causal=causal, scale=scale, tiling=tiling
     )
     return ulysses_attention(
         q,
@@ -38,6 +39,6 @@ def usp_attention(
         axis=ulysses_axis,
         causal=causal,
         scale=scale,
-        block=block,
+        tiling=tiling,
         inner=ring,
     )

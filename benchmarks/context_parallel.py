@@ -100,26 +100,31 @@ def memory_section(compiled: _Compiled, seqs: list, per_device: int) -> None:
         _table(rows)
     print(
         f"\n(a') seq and devices grown together ({per_device} tokens per device), fwd+bwd "
-        "MiB: compiled / model (x = compiled / the smallest mesh)"
+        "MiB: compiled / model (x1 = / one device; xc = / the smallest mesh that runs every "
+        "collective of the strategy: 2 devices, usp 4 = ulysses 2 x ring 2)"
     )
-    rows = [["devices", "seq"] + list(STRATEGIES)]
+    rows: list = [["devices", "seq"] + list(STRATEGIES)]
+    one = compiled("ring", 1, per_device, True)[0]  # every strategy is local attention
     first = {}
     for n in (1, 2, 4, 8):
-        row = [n, n * per_device]
+        row: list = [n, n * per_device]
         for s in STRATEGIES:
             got = compiled(s, n, n * per_device, True)
             if got is None:
                 row.append("-")
                 continue
             mem, _, cost = got
-            first.setdefault(s, mem)
-            row.append(f"{mem / MIB:.1f} / {cost.memory_train / MIB:.1f} ({mem / first[s]:.2f}x)")
+            if n >= (4 if s == "usp" else 2):
+                first.setdefault(s, mem)
+            xc = f", xc {mem / first[s]:.2f}" if s in first else ""
+            row.append(f"{mem / MIB:.1f} / {cost.memory_train / MIB:.1f} (x1 {mem / one:.2f}{xc})")
         rows.append(row)
     _table(rows)
     print(
-        "(1 -> 2 devices adds each strategy's own buffers, e.g. the ring's second K/V shard "
-        "and float32 accumulators; after that growth is the gathered sequence (all_gather) or "
-        "K/V heads repeated r = N / gcd(kv_heads, N) times (ulysses))"
+        "(one device runs no collective; the first context-parallel mesh adds each strategy's "
+        "own buffers once, e.g. the ring's K/V shard in flight and its float32 dK/dV "
+        "accumulators; after that growth is the gathered sequence (all_gather) or K/V heads "
+        "repeated r = N / gcd(kv_heads, N) times (ulysses))"
     )
 
 

@@ -109,17 +109,8 @@ def flash_attention(
             f"got q_segment_ids={'None' if q_segment_ids is None else 'array'} and "
             f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
         )
-    blocks = _Blocks.make(
-        q,
-        k,
-        q_positions,
-        kv_positions,
-        q_segment_ids,
-        kv_segment_ids,
-        block_q,
-        block_k,
-        tile_bytes,
-    )
+    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    blocks = _Blocks.make(q, k, *masks, block_q, block_k, tile_bytes)
     config = blocks.config(causal, scale, q.shape[-1])
     ob, lseb = _flash(  # pyright: ignore[reportGeneralTypeIssues]  (custom_vjp typing)
         config, blocks.split_q(q), blocks.split_kv(k), blocks.split_kv(v), *blocks.masks
@@ -154,29 +145,103 @@ def flash_attention_backward(
 
     **Returns:** `(dq, dk, dv)` in float32.
     """
-    blocks = _Blocks.make(
-        q,
-        k,
-        q_positions,
-        kv_positions,
-        q_segment_ids,
-        kv_segment_ids,
-        block_q,
-        block_k,
-        tile_bytes,
-    )
+    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    blocks = _Blocks.make(q, k, *masks, block_q, block_k, tile_bytes)
     config = blocks.config(causal, scale, q.shape[-1])
-    dqb, dkb, dvb = _backward_blocks(
+    qb = blocks.split_q(q)
+    dq_t, dkb, dvb = _backward_blocks(
         config,
-        blocks.split_q(q),
+        qb,
         blocks.split_kv(k),
         blocks.split_kv(v),
         *blocks.masks,
         blocks.split_q(dout.astype(q.dtype)),
         blocks.split_rows(lse),
         blocks.split_rows(delta),
+        _zeros_dq_transposed(qb),
     )
+    dqb = _dq_from_transposed(dq_t)
     return blocks.merge_q(dqb), blocks.merge_kv(dkb), blocks.merge_kv(dvb)
+
+
+class QueryTiles(NamedTuple):
+    """The query side of blockwise attention, tiled once and attended to many K/V blocks in
+    turn (the hops of a ring), so that queries, output and query gradient are not re-tiled
+    for every K/V block. `attend_tiles` and `attend_tiles_backward` compute what
+    `flash_attention` and `flash_attention_backward` do, in block-major layouts; use
+    `split_q`, `split_rows`, `merge_q`, `merge_rows` and `dq` to convert."""
+
+    q: jax.ShapeDtypeStruct
+    positions: Array
+    segment_ids: Array | None
+    causal: bool
+    scale: float | None
+    tiling: Tiling
+    blocks: "_Blocks"
+    qb: Array  # block-major queries
+
+    @staticmethod
+    def make(q, positions, segment_ids, kv, *, causal, scale, tiling: Tiling) -> "QueryTiles":
+        """`kv`: anything with the `.shape` of the K/V blocks to come."""
+        q_like = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        blocks = _Blocks.make(
+            q_like, kv, positions, positions, segment_ids, segment_ids, tiling.block,
+            tiling.block, tiling.tile_bytes,
+        )  # fmt: skip
+        return QueryTiles(
+            q_like, positions, segment_ids, causal, scale, tiling, blocks, blocks.split_q(q)
+        )
+
+    def hop(self, k, kv_positions, kv_segment_ids) -> tuple["_Blocks", _Config]:
+        t = self.tiling
+        blocks = _Blocks.make(
+            self.q, k, self.positions, kv_positions, self.segment_ids, kv_segment_ids, t.block,
+            t.block, t.tile_bytes,
+        )  # fmt: skip
+        return blocks, blocks.config(self.causal, self.scale, self.q.shape[-1])
+
+    def split_q(self, x):
+        return self.blocks.split_q(x)
+
+    def split_rows(self, x):
+        return self.blocks.split_rows(x)
+
+    def merge_q(self, x):
+        return self.blocks.merge_q(x)
+
+    def merge_rows(self, x):
+        return self.blocks.merge_rows(x)
+
+    def zeros_dq(self):
+        """The float32 query-gradient accumulator `attend_tiles_backward` adds to."""
+        return _zeros_dq_transposed(self.qb)
+
+    def dq(self, dq_t):
+        """`[batch, seq, q_heads, head_dim]` float32 query gradient from the accumulator."""
+        return self.merge_q(_dq_from_transposed(dq_t))
+
+
+def attend_tiles(qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
+    """`flash_attention` of the tiled queries against one K/V block: block-major
+    `(out, lse)` (`qt.merge_q`, `qt.merge_rows` give the usual layouts)."""
+    blocks, config = qt.hop(k, kv_positions, kv_segment_ids)
+    kb, vb = blocks.split_kv(k), blocks.split_kv(v)
+    return _flash_fwd_impl(config, qt.qb, kb, vb, *blocks.masks)
+
+
+def attend_tiles_backward(qt: QueryTiles, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq):
+    """`flash_attention_backward` of the tiled queries against one K/V block, with `dout`,
+    `lse`, `delta` block-major (`qt.split_q`, `qt.split_rows`); adds the query gradient to the
+    accumulator `dq` (`qt.zeros_dq`).
+
+    **Returns:** `(dq, dk, dv)`: the accumulator, and float32 `dk`, `dv` of this block.
+    """
+    blocks, config = qt.hop(k, kv_positions, kv_segment_ids)
+    kb, vb = blocks.split_kv(k), blocks.split_kv(v)
+    dq, dkb, dvb = _backward_blocks(
+        config, qt.qb, kb, vb, *blocks.masks, dout.astype(qt.qb.dtype), lse, delta, dq
+    )
+    return dq, blocks.merge_kv(dkb), blocks.merge_kv(dvb)
 
 
 class _Blocks(NamedTuple):
@@ -414,32 +479,58 @@ def _flash_bwd(config, residuals, cotangents):
     # d(loss)/d(score) = p * (dp - delta) with delta = rowsum(dout * out) - dlse.
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
     delta = delta - dlse.astype(jnp.float32)
-    dq, dk, dv = _backward_blocks(
-        config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout.astype(qb.dtype), lse, delta
+    dout = dout.astype(qb.dtype)
+    dq_t, dk, dv = _backward_blocks(
+        config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta, _zeros_dq_transposed(qb)
     )
-    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None, None, None, None
+    return (
+        _dq_from_transposed(dq_t).astype(qb.dtype),
+        dk.astype(kb.dtype),
+        dv.astype(vb.dtype),
+        None,
+        None,
+        None,
+        None,
+    )
 
 
-def _backward_blocks(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta):
-    """Blockwise gradients (float32) over the head tiles; query-head tiles that share a K/V
-    head tile add their dK/dV."""
+def _backward_blocks(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta, dq_t):
+    """Blockwise gradients (float32), one head tile after another. The query gradient is
+    added to `dq_t` (transposed, see `_backward_tile`) and dK/dV to the K/V head tile's
+    accumulator, both in place, so no gradient is ever stacked per tile.
 
-    def tile(qc, kc, vc, doc, lc, dc):
-        return _backward_tile(config, qc, kc, vc, q_pos, kv_pos, q_seg, kv_seg, doc, lc, dc)
-
-    dq, dk, dv = _map_head_tiles(tile, qb, kb, vb, dout, lse, delta)
+    **Returns:** `(dq_t, dk, dv)`, block-major.
+    """
     per_kv = qb.shape[0] // kb.shape[0]
-    fold = lambda x: x.reshape(kb.shape[0], per_kv, *x.shape[1:]).sum(1)  # noqa: E731
-    return dq, fold(dk), fold(dv)
+
+    def tile(c, dq_t):
+        kc = c // per_kv
+        dq_c, dk, dv = _backward_tile(
+            config, qb[c], kb[kc], vb[kc], q_pos, kv_pos, q_seg, kv_seg, dout[c], lse[c],
+            delta[c], dq_t[c],
+        )  # fmt: skip
+        return dq_c, dk, dv
+
+    if qb.shape[0] == 1:
+        return jax.tree.map(lambda x: x[None], tile(0, dq_t))
+
+    def step(c, carry):
+        dq_t, dk, dv = carry
+        dq_c, dk_c, dv_c = tile(c, dq_t)
+        kc = c // per_kv
+        return dq_t.at[c].set(dq_c), dk.at[kc].add(dk_c), dv.at[kc].add(dv_c)
+
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+    return lax.fori_loop(0, qb.shape[0], step, (dq_t, zeros(kb), zeros(vb)))
 
 
-def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta):
+def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta, dq_t):
     """One head tile's gradients: outer loop over key blocks, inner over query blocks.
 
     Scores are formed keys-major (`[.., t, g, s]`), so every product contracts a minor
     dimension with a major one and XLA needs no transposed copy of a score tile; the query
-    gradient is accumulated transposed (`[.., d, g, s]`) for the same reason and turned
-    around once at the end.
+    gradient is accumulated into `dq_t`, transposed (`[n, b, k, d, g, block]`) for the same
+    reason (`_dq_from_transposed` turns it around once, after every key block is done).
     """
     nq = qb.shape[0]
     lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)
@@ -491,10 +582,18 @@ def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, 
         return dq_t, (dk, dv)
 
     kv_seg_blocks = kv_seg if kv_seg is not None else jnp.zeros(kv_pos.shape, jnp.int32)
-    n, b, hk, g, bq, d = qb.shape
-    dq_t = jnp.zeros((n, b, hk, d, g, bq), jnp.float32)
     dq_t, (dk, dv) = lax.scan(one_kv_block, dq_t, (kb, vb, kv_pos, kv_seg_blocks))
-    return dq_t.transpose(0, 1, 2, 4, 5, 3), dk, dv
+    return dq_t, dk, dv
+
+
+def _zeros_dq_transposed(qb):
+    """Float32 zeros for the transposed query gradient of block-major queries `qb`."""
+    c, n, b, hk, g, bq, d = qb.shape
+    return jnp.zeros((c, n, b, hk, d, g, bq), jnp.float32)
+
+
+def _dq_from_transposed(dq_t):
+    return dq_t.transpose(0, 1, 2, 3, 5, 6, 4)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -27,6 +27,7 @@ On XLA:CPU, bfloat16 collectives run in float32, so counted bytes (and gathered 
 bfloat16 program are twice what the model (written for TPU/GPU) predicts.
 """
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -372,8 +373,7 @@ def _flash(
         return max(2 * score * _F32 + q_tiles + kv_tiles + out, retile)
     # loop: float32 p, dp and ds (and p, ds cast for their matmuls when the input is
     # narrower); dout tiles, lse, delta, and the float32 accumulators of dq and dk/dv
-    # query-head tiles that share a K/V head tile keep their own dK/dV until they are added
-    dq, dkv = b * sq * hq * d * _F32, b * sk * hk * (d + dv) * _F32 * (hq // hk // g_tile)
+    dq, dkv = b * sq * hq * d * _F32, b * sk * hk * (d + dv) * _F32
     casts = 2 * e if e < _F32 else 0
     loop = score * (3 * _F32 + casts) + q_tiles + kv_tiles + b * sq * hq * (dv * e + 2 * _F32)
     # after the loop the block-major dq, dk, dv are transposed back (two float32 copies)
@@ -384,6 +384,7 @@ def _flash(
 def _memory(name, p: _Problem, nu: int, nr: int, r: int) -> tuple[int, int]:
     """Per-device bytes (arguments + outputs + peak temporaries): forward, forward+backward."""
     b, s, e, d, dv = p.b, p.seq, p.e, p.d, p.dv
+    flash = functools.partial(_flash, block=p.block, tile_bytes=p.tile_bytes)
     ln = s // p.n  # local tokens
     args = b * ln * (p.hq_l * d + p.hk_l * (d + dv)) * e + b * ln * _INT * int(p.seg)
     out_f = b * ln * p.hq_l * dv * e
@@ -394,62 +395,20 @@ def _memory(name, p: _Problem, nu: int, nr: int, r: int) -> tuple[int, int]:
         sq, hq, hk = (
             (ln, p.hq_l, p.hk_l) if name == "all_gather" else (s, p.hq_l // nu, p.hk_l * r // nu)
         )
-        tf = (
-            _flash(
-                b,
-                sq,
-                s,
-                hq,
-                hk,
-                d,
-                dv,
-                e,
-                False,
-                gathered=True,
-                block=p.block,
-                tile_bytes=p.tile_bytes,
-            )
-            + ids * s
-        )
+        tf = flash(b, sq, s, hq, hk, d, dv, e, False, gathered=True) + ids * s
         out = b * sq * hq * dv * e  # the output, a residual of the backward
-        tt = (
-            _flash(
-                b,
-                sq,
-                s,
-                hq,
-                hk,
-                d,
-                dv,
-                e,
-                True,
-                gathered=True,
-                block=p.block,
-                tile_bytes=p.tile_bytes,
-            )
-            + ids * s
-            + out
-        )
+        tt = flash(b, sq, s, hq, hk, d, dv, e, True, gathered=True) + ids * s + out
     else:  # ring, or usp: the ring over heads / nu and tokens s / nr
         hq, hk, lr = p.hq_l // nu, p.hk_l * r // nu, s // nr
         # K/V + ids of the hop computed and the hop arriving (none on a ring of one device)
         shard = (b * lr * hk * (d + dv) * e + ids * lr) * (nr > 1)
         acc = b * lr * hq * (dv + 1) * _F32  # merged output + logsumexp
-        tf = (
-            _flash(b, lr, lr, hq, hk, d, dv, e, False, block=p.block, tile_bytes=p.tile_bytes)
-            + 2 * shard
-            + acc
-        )
+        tf = flash(b, lr, lr, hq, hk, d, dv, e, False) + 2 * shard + acc
         # backward: dq, the own shard's dK/dV and the travelling dK/dV (+ the shifted copy)
         # in float32, residuals
         grads = b * lr * hq * d * _F32 + (3 if nr > 1 else 1) * b * lr * hk * (d + dv) * _F32
         resid = b * lr * hq * (dv * e + 2 * _F32)
-        tt = (
-            _flash(b, lr, lr, hq, hk, d, dv, e, True, block=p.block, tile_bytes=p.tile_bytes)
-            + 2 * shard
-            + grads
-            + resid
-        )
+        tt = flash(b, lr, lr, hq, hk, d, dv, e, True) + 2 * shard + grads + resid
         if name == "usp":  # q after the all-to-all lives through the ring (k, v are its
             # first shard); the backward also keeps k, v as residuals
             moved = b * lr * hq * d * e + ids * lr

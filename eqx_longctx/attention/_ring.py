@@ -29,11 +29,12 @@ from jax import lax
 from .._types import AxisName
 from ._local import (
     DEFAULT_TILING,
+    QueryTiles,
     Tiling,
     _block_is_empty,
     _Config,
-    flash_attention,
-    flash_attention_backward,
+    attend_tiles,
+    attend_tiles_backward,
 )
 
 
@@ -151,9 +152,22 @@ def _ring(config, q, params, source, positions, segment_ids):
     return out
 
 
+def _query_tiles(config, q, params, source, positions, segment_ids):
+    k_shape, _ = jax.eval_shape(config.expand, params, source)
+    return QueryTiles.make(
+        q,
+        positions,
+        segment_ids,
+        k_shape,
+        causal=config.causal,
+        scale=config.scale,
+        tiling=config.tiling,
+    )
+
+
 def _ring_forward(config, q, params, source, positions, segment_ids):
-    b, s, h, _ = q.shape
-    kw = dict(causal=config.causal, scale=config.scale, **config.tiling.kwargs())
+    # Queries are tiled once; the merged output and logsumexp stay block-major until the end.
+    qt = _query_tiles(config, q, params, source, positions, segment_ids)
 
     def attend(acc, shard):
         out, lse = acc
@@ -161,16 +175,7 @@ def _ring_forward(config, q, params, source, positions, segment_ids):
 
         def compute(acc):
             k_j, v_j = config.expand(params, src_j)
-            block_out, block_lse = flash_attention(
-                q,
-                k_j,
-                v_j,
-                q_positions=positions,
-                kv_positions=pos_j,
-                q_segment_ids=segment_ids,
-                kv_segment_ids=seg_j,
-                **kw,
-            )
+            block_out, block_lse = attend_tiles(qt, k_j, v_j, pos_j, seg_j)
             return _merge(out, lse, block_out, block_lse)
 
         empty = _hop_is_empty(config, positions, pos_j, segment_ids, seg_j)
@@ -182,15 +187,16 @@ def _ring_forward(config, q, params, source, positions, segment_ids):
         return (attend(acc, shard), incoming), None
 
     _, v0 = jax.eval_shape(config.expand, params, source)
+    rows = qt.qb.shape[:-1]
     acc0 = (
-        jnp.zeros((b, s, h, v0.shape[-1]), jnp.float32),
-        jnp.full((b, s, h), -jnp.inf, jnp.float32),
+        jnp.zeros((*rows, v0.shape[-1]), jnp.float32),
+        jnp.full(rows, -jnp.inf, jnp.float32),
     )
     n = lax.axis_size(config.axis)
     shard0 = (source, positions, segment_ids)
     (acc, last), _ = lax.scan(step, (acc0, shard0), None, length=n - 1)
     out, lse = attend(acc, last)
-    return out.astype(q.dtype), lse
+    return qt.merge_q(out).astype(q.dtype), qt.merge_rows(lse)
 
 
 def _ring_fwd(config, q, params, source, positions, segment_ids):
@@ -201,7 +207,9 @@ def _ring_fwd(config, q, params, source, positions, segment_ids):
 def _ring_bwd(config, residuals, dout):
     q, params, source, positions, segment_ids, out, lse = residuals
     delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
-    kw = dict(causal=config.causal, scale=config.scale, **config.tiling.kwargs())
+    # The query side is tiled once; the query gradient accumulates block-major over the hops.
+    qt = _query_tiles(config, q, params, source, positions, segment_ids)
+    dout, lse, delta = qt.split_q(dout), qt.split_rows(lse), qt.split_rows(delta)
 
     def grads(dq, dparams, shard, acc):
         src_j, pos_j, seg_j = shard
@@ -209,23 +217,11 @@ def _ring_bwd(config, residuals, dout):
         def compute(operands):
             dq, dparams, acc = operands
             (k_j, v_j), expand_vjp = jax.vjp(config.expand, params, src_j)
-            dq_j, dk_j, dv_j = flash_attention_backward(
-                q,
-                k_j,
-                v_j,
-                dout,
-                lse,
-                delta,
-                q_positions=positions,
-                kv_positions=pos_j,
-                q_segment_ids=segment_ids,
-                kv_segment_ids=seg_j,
-                **kw,
-            )
+            dq, dk_j, dv_j = attend_tiles_backward(qt, k_j, v_j, pos_j, seg_j, dout, lse, delta, dq)
             dparams_j, dsrc_j = expand_vjp((dk_j.astype(k_j.dtype), dv_j.astype(v_j.dtype)))
             add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
             return (
-                dq + dq_j,
+                dq,
                 jax.tree.map(add, dparams, dparams_j),
                 jax.tree.map(add, acc, dsrc_j),
             )
@@ -245,9 +241,7 @@ def _ring_bwd(config, residuals, dout):
         incoming = _shift(own, config.axis)  # in flight while the own shard is computed
     # The own shard's dK/dV stay home; the travelling accumulator starts one device to the
     # right, so it is home again after N-1 hops, not N.
-    dq, dparams, home = grads(
-        jnp.zeros(q.shape, jnp.float32), _zeros_f32(params), own, _zeros_f32(source)
-    )
+    dq, dparams, home = grads(qt.zeros_dq(), _zeros_f32(params), own, _zeros_f32(source))
     dsource = home
     if n > 1:
         carry0 = (dq, dparams, incoming, _zeros_f32(source))
@@ -256,7 +250,7 @@ def _ring_bwd(config, residuals, dout):
         dsource = jax.tree.map(jnp.add, home, _shift(acc, config.axis))
     cast = lambda g, x: g.astype(x.dtype)  # noqa: E731
     return (
-        dq.astype(q.dtype),
+        qt.dq(dq).astype(q.dtype),
         jax.tree.map(cast, dparams, params),
         jax.tree.map(cast, dsource, source),
         None,

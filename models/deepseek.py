@@ -19,8 +19,7 @@ Technical Report" (arXiv:2412.19437).
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Literal, cast, final
+from typing import Literal, final
 
 import equinox as eqx
 import jax
@@ -30,18 +29,16 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
-from eqx_longctx._types import Hidden, Logits, Positions, SegmentIds, Tokens
+from eqx_longctx._types import Hidden, Positions, SegmentIds
 from eqx_longctx.nn import (
     REMAT_POLICIES,
+    AbstractDecoder,
     DecoupledRoPE,
     LayerStack,
     MoE,
     MultiHeadLatentAttention,
     RMSNorm,
     SwiGLU,
-    check_shapes,
-    check_token_ids,
-    prepare_inputs,
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
 from eqx_longctx.nn._moe import GROUPED_MATMULS, TOPK_METHODS
@@ -267,7 +264,7 @@ class DeepSeekBlock(eqx.Module):
 
 
 @final
-class DeepSeek(eqx.Module):
+class DeepSeek(AbstractDecoder):
     """The DeepSeek-V2/V3 decoder. Call it as `model(tokens, positions, segment_ids)`."""
 
     embed: Float[Array, "vocab embed"]
@@ -313,106 +310,11 @@ class DeepSeek(eqx.Module):
         self.config = config
         self.spec = spec
 
-    def num_params(self) -> int:
-        """**Returns:** the number of parameters (works on `eqx.filter_eval_shape` output)."""
-        return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self))
-
-    def check_tokens(self, tokens) -> None:
-        """Raise `ValueError` if a concrete token id lies outside `[0, vocab_size)`.
-
-        Needs concrete values (call it outside `jit`); `__call__` runs it automatically
-        whenever its tokens are concrete.
-        """
-        check_token_ids(tokens, self.config.vocab_size, "DeepSeekConfig")
-
-    def embed_tokens(self, tokens: Tokens) -> Hidden:
-        """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype."""
-        return jnp.take(self.embed, tokens, axis=0).astype(self.config.compute_dtype)
-
-    def forward_embeddings(
-        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
-    ) -> Logits:
-        """Run the decoder on input embeddings (what `__call__` does after the lookup).
-
-        **Arguments:**
-
-        - `x`: `[batch, seq, embed]` input embeddings.
-        - `positions`: `[batch, seq]` RoPE positions.
-        - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
-
-        **Returns:** `[batch, seq, vocab]` float32 logits.
-        """
-        check_shapes(
-            x.shape[:2], "x", positions, segment_ids,
-            max_seq_len=self.config.max_seq_len, config_name="DeepSeekConfig",
-        )  # fmt: skip
-        if self.spec is None:
-            return self._forward(x, positions, segment_ids)
-        logits_pspec = self.spec.activation_pspec()
-        # The parameters go in as arguments, so that ones replicated over an Explicit mesh
-        # turn Auto along with the activations.
-        run = cast(Callable[..., Logits], self.spec.auto_axes(DeepSeek._forward, logits_pspec))
-        return run(self, x, positions, segment_ids)
-
-    def _forward(self, x, positions, segment_ids):
-        dtype = jnp.dtype(self.config.compute_dtype)
-        if self.spec is not None:
-            x = self.spec.place(x, self.spec.activation_pspec())
-            positions = self.spec.place(positions, self.spec.token_pspec())
-            if segment_ids is not None:
-                segment_ids = self.spec.place(segment_ids, self.spec.token_pspec())
-        x = x.astype(dtype)
+    def run_layers(self, x, positions, segment_ids):
         for stack in (self.dense_layers, self.moe_layers):
             if stack is not None:
                 x = stack(x, positions, segment_ids)
-        x = self.norm(x)
-        if self.lm_head is None:
-            return jnp.einsum(
-                "bse,ve->bsv", x, self.embed.astype(dtype), preferred_element_type=jnp.float32
-            )
-        return jnp.einsum(
-            "bse,ev->bsv", x, self.lm_head.astype(dtype), preferred_element_type=jnp.float32
-        )
-
-    def __call__(
-        self,
-        tokens: Array | np.ndarray,
-        positions: Array | np.ndarray | None = None,
-        segment_ids: Array | np.ndarray | None = None,
-    ) -> Logits:
-        """Validate the inputs (raising `ValueError`s, hence the loose annotations), then run.
-
-        **Arguments:**
-
-        - `tokens`: `[batch, seq]` token ids in `[0, vocab_size)`; `seq <= max_seq_len`.
-        - `positions`: `[batch, seq]` RoPE positions; default each token's original index
-          (the spec's layout order on a mesh).
-        - `segment_ids`: `[batch, seq]` packed-document ids, or `None` (one document per
-          row). Causal masking is by token index; attention never crosses segments.
-
-        **Returns:** `[batch, seq, vocab]` float32 logits.
-        """
-        tokens, positions, segment_ids = prepare_inputs(
-            tokens,
-            positions,
-            segment_ids,
-            spec=self.spec,
-            vocab_size=self.config.vocab_size,
-            max_seq_len=self.config.max_seq_len,
-            config_name="DeepSeekConfig",
-        )
-        if self.spec is None:
-            return self._forward(self.embed_tokens(tokens), positions, segment_ids)
-        # The lookup runs inside auto_axes too: a gather of replicated embeddings by tokens
-        # sharded over an Explicit mesh needs no output-sharding annotation there.
-        run = cast(
-            Callable[..., Logits],
-            self.spec.auto_axes(DeepSeek._embed_and_forward, self.spec.activation_pspec()),
-        )
-        return run(self, tokens, positions, segment_ids)
-
-    def _embed_and_forward(self, tokens, positions, segment_ids):
-        return self._forward(self.embed_tokens(tokens), positions, segment_ids)
+        return x
 
 
 # DeepSeek's long-context YaRN setting (both V2 and V3 extend 4k pre-training to 160k).

@@ -21,19 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
-from eqx_longctx._types import Hidden, Logits, Positions, SegmentIds, Tokens
 from eqx_longctx.nn import (
     REMAT_POLICIES,
+    AbstractDecoder,
     DecoderBlock,
     LayerStack,
     RMSNorm,
     RoPE,
-    check_shapes,
-    check_token_ids,
-    prepare_inputs,
 )
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
 
@@ -162,7 +159,7 @@ class LlamaConfig:
 
 
 @final
-class Llama(eqx.Module):
+class Llama(AbstractDecoder):
     """The Llama decoder. Call it as `model(tokens, positions, segment_ids) -> logits`."""
 
     embed: Float[Array, "vocab embed"]
@@ -220,97 +217,8 @@ class Llama(eqx.Module):
         self.config = config
         self.spec = spec
 
-    def num_params(self) -> int:
-        """**Returns:** the number of parameters (works on `eqx.filter_eval_shape` output)."""
-        return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self))
-
-    def check_tokens(self, tokens: Int[Array | np.ndarray, "..."]) -> None:
-        """Raise `ValueError` if a concrete token id lies outside `[0, vocab_size)`.
-
-        Needs concrete values (call it outside `jit`); `__call__` runs it automatically
-        whenever its tokens are concrete.
-        """
-        check_token_ids(tokens, self.config.vocab_size, "LlamaConfig")
-
-    def embed_tokens(self, tokens: Tokens) -> Hidden:
-        """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype."""
-        return jnp.take(self.embed, tokens, axis=0).astype(self.config.compute_dtype)
-
-    def forward_embeddings(
-        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
-    ) -> Logits:
-        """Run the decoder on input embeddings (what `__call__` does after the lookup).
-
-        **Arguments:**
-
-        - `x`: `[batch, seq, embed]` input embeddings.
-        - `positions`: `[batch, seq]` RoPE positions.
-        - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
-
-        **Returns:** `[batch, seq, vocab]` float32 logits.
-        """
-        check_shapes(
-            x.shape[:2], "x", positions, segment_ids,
-            max_seq_len=self.config.max_seq_len, config_name="LlamaConfig",
-        )  # fmt: skip
-        if self.spec is None:
-            return self._forward(x, positions, segment_ids)
-        logits_pspec = self.spec.activation_pspec()
-        # The parameters go in as arguments, so that ones replicated over an Explicit mesh
-        # turn Auto along with the activations.
-        return self.spec.auto_axes(Llama._forward, logits_pspec)(self, x, positions, segment_ids)
-
-    def _forward(self, x, positions, segment_ids):
-        dtype = jnp.dtype(self.config.compute_dtype)
-        if self.spec is not None:
-            x = self.spec.place(x, self.spec.activation_pspec())
-            positions = self.spec.place(positions, self.spec.token_pspec())
-            if segment_ids is not None:
-                segment_ids = self.spec.place(segment_ids, self.spec.token_pspec())
-        x = self.layers(x.astype(dtype), positions, segment_ids)
-        x = self.norm(x)
-        if self.lm_head is None:
-            return jnp.einsum(
-                "bse,ve->bsv", x, self.embed.astype(dtype), preferred_element_type=jnp.float32
-            )
-        return jnp.einsum(
-            "bse,ev->bsv", x, self.lm_head.astype(dtype), preferred_element_type=jnp.float32
-        )
-
-    def __call__(
-        self,
-        tokens: Array | np.ndarray,
-        positions: Array | np.ndarray | None = None,
-        segment_ids: Array | np.ndarray | None = None,
-    ) -> Logits:
-        """Validate the inputs (raising `ValueError`s, hence the loose annotations), then run.
-
-        **Arguments:**
-
-        - `tokens`: `[batch, seq]` token ids in `[0, vocab_size)`; `seq <= max_seq_len`.
-        - `positions`: `[batch, seq]` RoPE positions; default `0..seq-1` in every row
-          (packed data passes positions that restart at 0 in each document).
-        - `segment_ids`: `[batch, seq]` packed-document ids, or `None` (one document per
-          row). Causal masking is by token index; attention never crosses segments.
-
-        **Returns:** `[batch, seq, vocab]` float32 logits.
-        """
-        tokens, positions, segment_ids = prepare_inputs(
-            tokens,
-            positions,
-            segment_ids,
-            spec=self.spec,
-            vocab_size=self.config.vocab_size,
-            max_seq_len=self.config.max_seq_len,
-            config_name="LlamaConfig",
-        )
-        if self.spec is None:
-            return self._forward(self.embed_tokens(tokens), positions, segment_ids)
-        # The lookup runs inside auto_axes too: a gather of replicated embeddings by tokens
-        # sharded over an Explicit mesh needs no output-sharding annotation there.
-        run = lambda model, t, p, s: model._forward(model.embed_tokens(t), p, s)  # noqa: E731
-        pspec = self.spec.activation_pspec()
-        return self.spec.auto_axes(run, pspec)(self, tokens, positions, segment_ids)
+    def run_layers(self, x, positions, segment_ids):
+        return self.layers(x, positions, segment_ids)
 
 
 # fmt: off

@@ -4,6 +4,7 @@ Every layer keeps an explicit batch axis and takes the sharding spec explicitly.
 """
 
 from ._attention import SelfAttention as SelfAttention
+from ._decoder import AbstractDecoder as AbstractDecoder
 from ._inputs import check_shapes as check_shapes
 from ._inputs import check_token_ids as check_token_ids
 from ._inputs import prepare_inputs as prepare_inputs
@@ -24,6 +25,7 @@ __all__ = [
     "check_token_ids",
     "prepare_inputs",
     "REMAT_POLICIES",
+    "AbstractDecoder",
     "DecoderBlock",
     "DecoupledRoPE",
     "LayerStack",

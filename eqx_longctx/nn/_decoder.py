@@ -1,0 +1,137 @@
+"""The decoder scaffolding every model family shares: token lookup, input checks, running
+the layers under the sharding spec, and the (tied or untied) output head.
+
+A family subclasses `AbstractDecoder`, declares its fields and implements `run_layers`; the
+public calls (`__call__`, `forward_embeddings`, `embed_tokens`, `check_tokens`,
+`num_params`) come from here.
+"""
+
+import abc
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from .._sharding import ShardingSpec
+from .._types import Hidden, Logits, Positions, SegmentIds, Tokens
+from ._inputs import check_shapes, check_token_ids, prepare_inputs
+from ._norm import RMSNorm
+
+
+class AbstractDecoder(eqx.Module):
+    """A decoder-only transformer: embeddings, a stack of blocks, a final norm, logits.
+
+    The config must have `vocab_size`, `max_seq_len` and `compute_dtype`.
+    """
+
+    embed: eqx.AbstractVar[Float[Array, "vocab embed"]]
+    norm: eqx.AbstractVar[RMSNorm]
+    lm_head: eqx.AbstractVar[Float[Array, "embed vocab"] | None]
+    config: eqx.AbstractVar[Any]
+    spec: eqx.AbstractVar[ShardingSpec | None]
+
+    @abc.abstractmethod
+    def run_layers(self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None) -> Hidden:
+        """The blocks, from embeddings to the last hidden state (before the final norm)."""
+
+    @property
+    def _config_name(self) -> str:
+        return type(self.config).__name__
+
+    def num_params(self) -> int:
+        """**Returns:** the number of parameters (works on `eqx.filter_eval_shape` output)."""
+        return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self))
+
+    def check_tokens(self, tokens: Int[Array | np.ndarray, "..."]) -> None:
+        """Raise `ValueError` if a concrete token id lies outside `[0, vocab_size)`.
+
+        Needs concrete values (call it outside `jit`); `__call__` runs it automatically
+        whenever its tokens are concrete.
+        """
+        check_token_ids(tokens, self.config.vocab_size, self._config_name)
+
+    def embed_tokens(self, tokens: Tokens) -> Hidden:
+        """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype."""
+        return jnp.take(self.embed, tokens, axis=0).astype(self.config.compute_dtype)
+
+    def forward_embeddings(
+        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+    ) -> Logits:
+        """Run the decoder on input embeddings (what `__call__` does after the lookup).
+
+        **Arguments:**
+
+        - `x`: `[batch, seq, embed]` input embeddings.
+        - `positions`: `[batch, seq]` RoPE positions.
+        - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
+
+        **Returns:** `[batch, seq, vocab]` float32 logits.
+        """
+        check_shapes(
+            x.shape[:2], "x", positions, segment_ids,
+            max_seq_len=self.config.max_seq_len, config_name=self._config_name,
+        )  # fmt: skip
+        if self.spec is None:
+            return self._forward(x, positions, segment_ids)
+        # The parameters go in as arguments, so that ones replicated over an Explicit mesh
+        # turn Auto along with the activations.
+        run = self.spec.auto_axes(type(self)._forward, self.spec.activation_pspec())
+        return run(self, x, positions, segment_ids)
+
+    def __call__(
+        self,
+        tokens: Array | np.ndarray,
+        positions: Array | np.ndarray | None = None,
+        segment_ids: Array | np.ndarray | None = None,
+    ) -> Logits:
+        """Validate the inputs (raising `ValueError`s, hence the loose annotations), then run.
+
+        **Arguments:**
+
+        - `tokens`: `[batch, seq]` token ids in `[0, vocab_size)`; `seq <= max_seq_len`.
+        - `positions`: `[batch, seq]` RoPE positions; default each token's original index
+          (the spec's layout order on a mesh). Packed data passes positions that restart
+          at 0 in each document.
+        - `segment_ids`: `[batch, seq]` packed-document ids, or `None` (one document per
+          row). Causal masking is by token index; attention never crosses segments.
+
+        **Returns:** `[batch, seq, vocab]` float32 logits.
+        """
+        tokens, positions, segment_ids = prepare_inputs(
+            tokens,
+            positions,
+            segment_ids,
+            spec=self.spec,
+            vocab_size=self.config.vocab_size,
+            max_seq_len=self.config.max_seq_len,
+            config_name=self._config_name,
+        )
+        if self.spec is None:
+            return self._embed_and_forward(tokens, positions, segment_ids)
+        # The lookup runs inside auto_axes too: a gather of replicated embeddings by tokens
+        # sharded over an Explicit mesh needs no output-sharding annotation there.
+        run = self.spec.auto_axes(type(self)._embed_and_forward, self.spec.activation_pspec())
+        return run(self, tokens, positions, segment_ids)
+
+    def _embed_and_forward(self, tokens, positions, segment_ids):
+        return self._forward(self.embed_tokens(tokens), positions, segment_ids)
+
+    def _forward(self, x, positions, segment_ids):
+        dtype = jnp.dtype(self.config.compute_dtype)
+        if self.spec is not None:
+            x = self.spec.place(x, self.spec.activation_pspec())
+            positions = self.spec.place(positions, self.spec.token_pspec())
+            if segment_ids is not None:
+                segment_ids = self.spec.place(segment_ids, self.spec.token_pspec())
+        x = self.norm(self.run_layers(x.astype(dtype), positions, segment_ids))
+        if self.lm_head is None:
+            return jnp.einsum(
+                "bse,ve->bsv", x, self.embed.astype(dtype), preferred_element_type=jnp.float32
+            )
+        return jnp.einsum(
+            "bse,ev->bsv", x, self.lm_head.astype(dtype), preferred_element_type=jnp.float32
+        )

@@ -159,6 +159,11 @@ def _group_size(op: str, line: str, n_devices: int) -> int:
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)  # iota form [groups,size]<=[...]
     if m:
         return int(m.group(2))
+    # mesh form (newer XLA): replica_groups=mesh['data'=2,'context'=4] {'context'}
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        return math.prod(sizes[axis] for axis in re.findall(r"'([^']+)'", m.group(2)))
     return n_devices  # empty replica_groups: every device
 
 

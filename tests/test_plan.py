@@ -161,6 +161,7 @@ ENTRY %main (a: f32[2,8]) -> bf16[2,8] {
   %ags = (f32[2,8]{1,0}, f32[8,8]{1,0}) all-gather-start(%a), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}
   %agd = f32[8,8]{1,0} all-gather-done(%ags)
   %ar = f32[2,8]{1,0} all-reduce(%a), replica_groups={}, to_apply=%add
+  %mrs = f32[1,8]{1,0} reduce-scatter(%a), channel_id=4, replica_groups=mesh['data'=2,'context'=4] {'context'}, dimensions={0}, to_apply=%add
   ROOT %rs = bf16[2,8]{1,0} reduce-scatter(%y), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
 }
 """  # noqa: E501
@@ -172,7 +173,8 @@ def test_collective_bytes_parses_tuples_loops_async_and_groups():
     assert got["collective-permute"] == 3 * 64  # inside a while body that runs 3 times
     assert got["all-gather"] == 256 * 3 // 4  # the -start's result, iota groups of 4
     assert got["all-reduce"] == 2 * 64 * 7 // 8  # empty groups: all 8 devices
-    assert got["reduce-scatter"] == 32 * 3  # bf16 shard, 3 peers' shards arrive
+    # a bf16 shard from 3 peers, and an f32 one over the 'context' axis (mesh form) of size 4
+    assert got["reduce-scatter"] == 32 * 3 + 32 * 3
     runs = {c.op: c.count for c in collectives(HLO)}
     assert runs["collective-permute"] == 3 and runs["all-to-all"] == 1
 

@@ -109,14 +109,21 @@ def loss_fn(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
 
     **Arguments:**
 
-    - `model`: called as `model(tokens, positions, segment_ids) -> logits [batch, seq, vocab]`.
+    - `model`: called as `model(tokens, positions, segment_ids) -> logits [batch, seq, vocab]`;
+      a model with a `spec` (a `ShardingSpec`) has its loss computed under that spec.
     - `batch`: a `Batch` with `tokens`, `targets`, `positions`, `segment_ids`, `loss_mask`.
 
     **Returns:** `(loss, num_tokens)`: the mean over tokens with `loss_mask > 0`, and their
     count (the loss is 0 when the count is 0).
     """
     logits = model(batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch.targets)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels
+    spec = getattr(model, "spec", None)
+    if spec is not None:
+        # On an Explicit mesh the gradient of optax's label lookup (a scatter into sharded
+        # logits) asks for an output sharding (JAX 0.12); with Auto axes XLA picks it.
+        cross_entropy = spec.auto_axes(cross_entropy, spec.token_pspec())
+    ce = cross_entropy(logits.astype(jnp.float32), batch.targets)
     mask = batch.loss_mask.astype(jnp.float32)
     num_tokens = jnp.sum(mask)
     return jnp.sum(ce * mask) / jnp.maximum(num_tokens, 1.0), num_tokens

@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_close, random_segment_ids
 
 from eqx_longctx import attention, flash_attention, reference_attention
-from eqx_longctx.attention._local import TILE_BYTES, head_tile
+from eqx_longctx.attention._tiles import TILE_BYTES, head_tile
 
 # (q_heads, kv_heads): MHA, GQA, MQA
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}

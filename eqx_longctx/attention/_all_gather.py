@@ -11,8 +11,9 @@ import jax
 from jax import lax
 
 from .._types import AxisName
-from ._local import DEFAULT_TILING, Tiling, flash_attention
+from ._local import flash_attention
 from ._ring import _kv_identity
+from ._tiles import DEFAULT_TILING, Tiling
 
 
 def all_gather_attention(

@@ -12,15 +12,12 @@ References: Dao et al. 2022, "FlashAttention" (arXiv:2205.14135); Dao 2023,
 """
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .._types import (
-    Array,
     AttnOut,
     Key,
     KvPositions,
@@ -31,36 +28,17 @@ from .._types import (
     SegmentIds,
     Value,
 )
-
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 512
-# Heads are tiled so that one block of float32 scores stays within this many bytes (8 heads
-# of a 512 x 512 block). Devices that share one cache hierarchy (fake CPU devices) get less:
-# see `_plan.tiling`.
-TILE_BYTES = 8 * 2**20
-# Padded query rows and padded keys get segment ids that match nothing real.
-_PAD_Q_SEGMENT = -2
-_PAD_KV_SEGMENT = -1
-
-
-class Tiling(NamedTuple):
-    """Tile sizes of the blockwise kernel: the query and key block length, and the bytes one
-    block of float32 scores may take (the heads of a block are tiled to fit)."""
-
-    block: int = DEFAULT_BLOCK_Q
-    tile_bytes: int = TILE_BYTES
-
-    def kwargs(self) -> dict:
-        return dict(block_q=self.block, block_k=self.block, tile_bytes=self.tile_bytes)
-
-
-DEFAULT_TILING = Tiling()
-
-
-class _Config(NamedTuple):
-    causal: bool
-    scale: float
-    use_segments: bool
+from ._tiles import (
+    DEFAULT_BLOCK_K,
+    DEFAULT_BLOCK_Q,
+    TILE_BYTES,
+    QueryTiles,
+    _Blocks,
+    _Config,
+    _dq_from_transposed,
+    _map_head_tiles,
+    _zeros_dq_transposed,
+)
 
 
 def flash_attention(
@@ -164,63 +142,6 @@ def flash_attention_backward(
     return blocks.merge_q(dqb), blocks.merge_kv(dkb), blocks.merge_kv(dvb)
 
 
-class QueryTiles(NamedTuple):
-    """The query side of blockwise attention, tiled once and attended to many K/V blocks in
-    turn (the hops of a ring), so that queries, output and query gradient are not re-tiled
-    for every K/V block. `attend_tiles` and `attend_tiles_backward` compute what
-    `flash_attention` and `flash_attention_backward` do, in block-major layouts; use
-    `split_q`, `split_rows`, `merge_q`, `merge_rows` and `dq` to convert."""
-
-    q: jax.ShapeDtypeStruct
-    positions: Array
-    segment_ids: Array | None
-    causal: bool
-    scale: float | None
-    tiling: Tiling
-    blocks: "_Blocks"
-    qb: Array  # block-major queries
-
-    @staticmethod
-    def make(q, positions, segment_ids, kv, *, causal, scale, tiling: Tiling) -> "QueryTiles":
-        """`kv`: anything with the `.shape` of the K/V blocks to come."""
-        q_like = jax.ShapeDtypeStruct(q.shape, q.dtype)
-        blocks = _Blocks.make(
-            q_like, kv, positions, positions, segment_ids, segment_ids, tiling.block,
-            tiling.block, tiling.tile_bytes,
-        )  # fmt: skip
-        return QueryTiles(
-            q_like, positions, segment_ids, causal, scale, tiling, blocks, blocks.split_q(q)
-        )
-
-    def hop(self, k, kv_positions, kv_segment_ids) -> tuple["_Blocks", _Config]:
-        t = self.tiling
-        blocks = _Blocks.make(
-            self.q, k, self.positions, kv_positions, self.segment_ids, kv_segment_ids, t.block,
-            t.block, t.tile_bytes,
-        )  # fmt: skip
-        return blocks, blocks.config(self.causal, self.scale, self.q.shape[-1])
-
-    def split_q(self, x):
-        return self.blocks.split_q(x)
-
-    def split_rows(self, x):
-        return self.blocks.split_rows(x)
-
-    def merge_q(self, x):
-        return self.blocks.merge_q(x)
-
-    def merge_rows(self, x):
-        return self.blocks.merge_rows(x)
-
-    def zeros_dq(self):
-        """The float32 query-gradient accumulator `attend_tiles_backward` adds to."""
-        return _zeros_dq_transposed(self.qb)
-
-    def dq(self, dq_t):
-        """`[batch, seq, q_heads, head_dim]` float32 query gradient from the accumulator."""
-        return self.merge_q(_dq_from_transposed(dq_t))
-
-
 def attend_tiles(qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
     """`flash_attention` of the tiled queries against one K/V block: block-major
     `(out, lse)` (`qt.merge_q`, `qt.merge_rows` give the usual layouts)."""
@@ -242,129 +163,6 @@ def attend_tiles_backward(qt: QueryTiles, k, v, kv_positions, kv_segment_ids, do
         config, qt.qb, kb, vb, *blocks.masks, dout.astype(qt.qb.dtype), lse, delta, dq
     )
     return dq, blocks.merge_kv(dkb), blocks.merge_kv(dvb)
-
-
-class _Blocks(NamedTuple):
-    """Static tiling of one (query, key) problem and the padded block-major mask inputs.
-
-    Block-major layouts: queries `[c, n, b, k, g, block, d]` and keys/values
-    `[c', n, b, k, block, d]`, with `n` the block index, `k` the K/V heads and `g` the query
-    heads per K/V head of one head tile, `c'` the K/V head tiles and `c = c' x` the query-head
-    tiles per K/V head tile (a GQA group larger than a tile is split, sharing its K/V tile).
-    """
-
-    b: int
-    sq: int
-    sk: int
-    hk: int
-    g: int
-    bq: int
-    bk: int
-    nq: int
-    nk: int
-    hk_tile: int  # K/V heads per head tile
-    g_tile: int  # query heads per K/V head per head tile
-    use_segments: bool
-    # q_pos, kv_pos, q_seg, kv_seg in block-major layout [n, b, block]
-    masks: tuple[Array, Array, Array | None, Array | None]
-
-    @staticmethod
-    def make(
-        q, k, q_positions, kv_positions, q_segment_ids, kv_segment_ids, block_q, block_k, tile_bytes
-    ):
-        b, sq, hq, _ = q.shape
-        sk, hk = k.shape[1], k.shape[2]
-        bq, bk = min(block_q, sq), min(block_k, sk)
-        nq, nk = -(-sq // bq), -(-sk // bk)
-        pad_q, pad_k = nq * bq - sq, nk * bk - sk
-        if q_positions is None:
-            q_positions = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (b, sq))
-        if kv_positions is None:
-            kv_positions = jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (b, sk))
-        use_segments = q_segment_ids is not None or pad_k > 0
-        if use_segments and q_segment_ids is None:
-            q_segment_ids = jnp.zeros((b, sq), jnp.int32)
-            kv_segment_ids = jnp.zeros((b, sk), jnp.int32)
-
-        def rows(x, pad, value, n, block):
-            x = _pad_seq(x.astype(jnp.int32), pad, value)
-            return x.reshape(b, n, block).transpose(1, 0, 2)
-
-        masks = (
-            rows(q_positions, pad_q, 0, nq, bq),
-            rows(kv_positions, pad_k, 0, nk, bk),
-            rows(q_segment_ids, pad_q, _PAD_Q_SEGMENT, nq, bq) if use_segments else None,
-            rows(kv_segment_ids, pad_k, _PAD_KV_SEGMENT, nk, bk) if use_segments else None,
-        )
-        g = hq // hk
-        hk_tile, g_tile = head_tile(b, hk, g, bq, bk, tile_bytes)
-        return _Blocks(b, sq, sk, hk, g, bq, bk, nq, nk, hk_tile, g_tile, use_segments, masks)
-
-    def config(self, causal: bool, scale: float | None, head_dim: int) -> "_Config":
-        scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else float(scale)
-        return _Config(causal=bool(causal), scale=scale, use_segments=self.use_segments)
-
-    def split_q(self, x):
-        """`[b, s, h, d]` -> `[c, n, b, k, g, block, d]`: a GQA group shares one K/V head."""
-        x = _pad_seq(x, self.nq * self.bq - self.sq, 0)
-        kt, gt = self.hk // self.hk_tile, self.g // self.g_tile
-        x = x.reshape(self.b, self.nq, self.bq, kt, self.hk_tile, gt, self.g_tile, x.shape[-1])
-        x = x.transpose(3, 5, 1, 0, 4, 6, 2, 7)
-        return x.reshape(kt * gt, *x.shape[2:])
-
-    def split_kv(self, x):
-        """`[b, s, k, d]` -> `[c', n, b, k, block, d]`."""
-        x = _pad_seq(x, self.nk * self.bk - self.sk, 0)
-        kt = self.hk // self.hk_tile
-        x = x.reshape(self.b, self.nk, self.bk, kt, self.hk_tile, x.shape[-1])
-        return x.transpose(3, 1, 0, 4, 2, 5)
-
-    def split_rows(self, x):
-        """`[b, s, h]` row statistics -> `[c, n, b, k, g, block]`."""
-        return self.split_q(x[..., None])[..., 0]
-
-    def merge_q(self, x):
-        kt, gt = self.hk // self.hk_tile, self.g // self.g_tile
-        x = x.reshape(kt, gt, *x.shape[1:]).transpose(3, 2, 6, 0, 4, 1, 5, 7)
-        return x.reshape(self.b, self.nq * self.bq, self.hk * self.g, x.shape[-1])[:, : self.sq]
-
-    def merge_kv(self, x):
-        x = x.transpose(2, 1, 4, 0, 3, 5)
-        return x.reshape(self.b, self.nk * self.bk, self.hk, x.shape[-1])[:, : self.sk]
-
-    def merge_rows(self, x):
-        return self.merge_q(x[..., None])[..., 0]
-
-
-def head_tile(b: int, hk: int, g: int, bq: int, bk: int, tile_bytes: int) -> tuple[int, int]:
-    """(K/V heads, query heads per K/V head) of one head tile: as many heads as keep a block
-    of float32 scores (`b x heads x bq x bk`) within `tile_bytes`, at least one."""
-    fit = max(1, tile_bytes // (b * bq * bk * 4))
-    if fit >= g:
-        return max(t for t in range(1, hk + 1) if hk % t == 0 and t * g <= fit), g
-    return 1, max(t for t in range(1, g + 1) if g % t == 0 and t <= fit)
-
-
-def _map_head_tiles(fn, qb, kb, vb, *per_query):
-    """`fn(q_tile, k_tile, v_tile, *per_query_tiles)` over the head tiles, stacked."""
-    per_kv = qb.shape[0] // kb.shape[0]
-    if qb.shape[0] == 1:
-        out = fn(qb[0], kb[0], vb[0], *(x[0] for x in per_query))
-        return jax.tree.map(lambda x: x[None], out)
-
-    def one(args):
-        c, qc, *rest = args
-        return fn(qc, kb[c // per_kv], vb[c // per_kv], *rest)
-
-    return lax.map(one, (jnp.arange(qb.shape[0]), qb, *per_query))
-
-
-def _pad_seq(x, pad: int, value):
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def _block_mask(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
@@ -584,16 +382,6 @@ def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, 
     kv_seg_blocks = kv_seg if kv_seg is not None else jnp.zeros(kv_pos.shape, jnp.int32)
     dq_t, (dk, dv) = lax.scan(one_kv_block, dq_t, (kb, vb, kv_pos, kv_seg_blocks))
     return dq_t, dk, dv
-
-
-def _zeros_dq_transposed(qb):
-    """Float32 zeros for the transposed query gradient of block-major queries `qb`."""
-    c, n, b, hk, g, bq, d = qb.shape
-    return jnp.zeros((c, n, b, hk, d, g, bq), jnp.float32)
-
-
-def _dq_from_transposed(dq_t):
-    return dq_t.transpose(0, 1, 2, 3, 5, 6, 4)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._hlo import COLLECTIVES
 from .._sharding import ShardingSpec
-from ._local import DEFAULT_BLOCK_Q, TILE_BYTES, Tiling, head_tile
+from ._tiles import DEFAULT_BLOCK_Q, TILE_BYTES, Tiling, head_tile
 
 # Roofline constants of the target chip (TPU v5e-class; override per call). FLOP/s is ~half of
 # the 197 TFLOP/s bf16 peak, a realistic rate for attention; bytes/s is one ICI link in one
@@ -446,7 +446,7 @@ def _work(name, order, p: _Problem, nu: int, nr: int) -> np.ndarray:
 
 
 def _blocks(pos: np.ndarray, block: int) -> np.ndarray:
-    pad = -pos.size % block  # padded slots get position 0, as in `_local._Blocks`
+    pad = -pos.size % block  # padded slots get position 0, as in `_tiles._Blocks`
     return np.concatenate([pos, np.zeros(pad, pos.dtype)]).reshape(-1, block)
 
 

@@ -27,15 +27,8 @@ import numpy as np
 from jax import lax
 
 from .._types import AxisName
-from ._local import (
-    DEFAULT_TILING,
-    QueryTiles,
-    Tiling,
-    _block_is_empty,
-    _Config,
-    attend_tiles,
-    attend_tiles_backward,
-)
+from ._local import _block_is_empty, attend_tiles, attend_tiles_backward
+from ._tiles import DEFAULT_TILING, QueryTiles, Tiling, _Config
 
 
 class _RingConfig(NamedTuple):

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._types import AxisName
-from ._local import DEFAULT_TILING, Tiling, flash_attention
+from ._local import flash_attention
+from ._tiles import DEFAULT_TILING, Tiling
 
 
 def kv_repeats(kv_heads: int, degree: int) -> int:

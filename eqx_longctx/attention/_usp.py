@@ -8,8 +8,8 @@ parallel degree is the product of the two axis sizes.
 
 import functools
 
-from ._local import Tiling
 from ._ring import ring_attention
+from ._tiles import Tiling
 from ._ulysses import ulysses_attention
 
 

@@ -145,22 +145,15 @@ def _ring(config, q, params, source, positions, segment_ids):
     return out
 
 
-def _query_tiles(config, q, params, source, positions, segment_ids):
-    k_shape, _ = jax.eval_shape(config.expand, params, source)
-    return QueryTiles.make(
-        q,
-        positions,
-        segment_ids,
-        k_shape,
-        causal=config.causal,
-        scale=config.scale,
-        tiling=config.tiling,
-    )
+def _query_tiles(config, q, positions, segment_ids, k_shape):
+    tiles = dict(causal=config.causal, scale=config.scale, tiling=config.tiling)
+    return QueryTiles.make(q, positions, segment_ids, k_shape, **tiles)
 
 
 def _ring_forward(config, q, params, source, positions, segment_ids):
     # Queries are tiled once; the merged output and logsumexp stay block-major until the end.
-    qt = _query_tiles(config, q, params, source, positions, segment_ids)
+    k0, v0 = jax.eval_shape(config.expand, params, source)
+    qt = _query_tiles(config, q, positions, segment_ids, k0)
 
     def attend(acc, shard):
         out, lse = acc
@@ -179,7 +172,6 @@ def _ring_forward(config, q, params, source, positions, segment_ids):
         incoming = _shift(shard, config.axis)  # issued before this hop's compute
         return (attend(acc, shard), incoming), None
 
-    _, v0 = jax.eval_shape(config.expand, params, source)
     rows = qt.qb.shape[:-1]
     acc0 = (
         jnp.zeros((*rows, v0.shape[-1]), jnp.float32),
@@ -201,8 +193,10 @@ def _ring_bwd(config, residuals, dout):
     q, params, source, positions, segment_ids, out, lse = residuals
     delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
     # The query side is tiled once; the query gradient accumulates block-major over the hops.
-    qt = _query_tiles(config, q, params, source, positions, segment_ids)
-    dout, lse, delta = qt.split_q(dout), qt.split_rows(lse), qt.split_rows(delta)
+    k0, _ = jax.eval_shape(config.expand, params, source)
+    qt = _query_tiles(config, q, positions, segment_ids, k0)
+    dout = qt.split_q(dout.astype(q.dtype))
+    lse, delta = qt.split_rows(lse), qt.split_rows(delta)
 
     def grads(dq, dparams, shard, acc):
         src_j, pos_j, seg_j = shard

@@ -203,18 +203,17 @@ def head_tile(b: int, hk: int, g: int, bq: int, bk: int, tile_bytes: int) -> tup
     return 1, max(t for t in range(1, g + 1) if g % t == 0 and t <= fit)
 
 
-def _map_head_tiles(fn, qb, kb, vb, *per_query):
-    """`fn(q_tile, k_tile, v_tile, *per_query_tiles)` over the head tiles, stacked."""
+def _map_head_tiles(fn, qb, kb, vb):
+    """`fn(q_tile, k_tile, v_tile)` over the head tiles, outputs stacked."""
     per_kv = qb.shape[0] // kb.shape[0]
     if qb.shape[0] == 1:
-        out = fn(qb[0], kb[0], vb[0], *(x[0] for x in per_query))
-        return jax.tree.map(lambda x: x[None], out)
+        return jax.tree.map(lambda x: x[None], fn(qb[0], kb[0], vb[0]))
 
     def one(args):
-        c, qc, *rest = args
-        return fn(qc, kb[c // per_kv], vb[c // per_kv], *rest)
+        c, qc = args
+        return fn(qc, kb[c // per_kv], vb[c // per_kv])
 
-    return lax.map(one, (jnp.arange(qb.shape[0]), qb, *per_query))
+    return lax.map(one, (jnp.arange(qb.shape[0]), qb))
 
 
 def _pad_seq(x, pad: int, value):

@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from eqx_longctx import ShardingSpec
 from eqx_longctx._types import Hidden, Positions, SegmentIds
 from eqx_longctx.nn import (
+    DTYPES,
     REMAT_POLICIES,
     AbstractDecoder,
     DecoupledRoPE,
@@ -39,13 +40,13 @@ from eqx_longctx.nn import (
     MultiHeadLatentAttention,
     RMSNorm,
     SwiGLU,
+    check_decoder_config,
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
 from eqx_longctx.nn._moe import GROUPED_MATMULS, TOPK_METHODS
 
 from . import _hf
 
-_DTYPES = ("float32", "bfloat16", "float16")
 # DeepSeek's reference code and transformers build the q/kv latent norms with their default
 # epsilon, whatever `rms_norm_eps` says.
 LATENT_NORM_EPS = 1e-6
@@ -154,22 +155,7 @@ class DeepSeekConfig:
                     f"DeepSeekConfig.{name} must be one of {allowed}; got "
                     f"{name}={getattr(self, name)!r}."
                 )
-        for name in ("param_dtype", "compute_dtype"):
-            value = getattr(self, name)
-            try:
-                dtype_name = jnp.dtype(value).name
-            except TypeError:
-                dtype_name = repr(value)
-            if dtype_name not in _DTYPES:
-                raise ValueError(f"DeepSeekConfig.{name} must be one of {_DTYPES}; got {value!r}.")
-            object.__setattr__(self, name, dtype_name)
-        if not self.norm_eps > 0 or not self.rope_theta > 0 or not self.init_std > 0:
-            raise ValueError(
-                "DeepSeekConfig needs norm_eps, rope_theta and init_std > 0; got "
-                f"norm_eps={self.norm_eps}, rope_theta={self.rope_theta}, "
-                f"init_std={self.init_std}."
-            )
-        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        check_decoder_config(self)
         object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
 
     @property
@@ -582,7 +568,7 @@ def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
     rope_theta, rope_scaling = _rope_from_hf(hf)
     if dtype is None:
         stored = hf.get("dtype") or hf.get("torch_dtype")
-        dtype = stored if stored in _DTYPES else "float32"
+        dtype = stored if stored in DTYPES else "float32"
     return DeepSeekConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],

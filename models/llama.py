@@ -25,18 +25,18 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
 from eqx_longctx.nn import (
+    DTYPES,
     REMAT_POLICIES,
     AbstractDecoder,
     DecoderBlock,
     LayerStack,
     RMSNorm,
     RoPE,
+    check_decoder_config,
 )
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
 
 from . import _hf
-
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _is_none(x) -> bool:
@@ -120,22 +120,7 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig.remat must be one of {REMAT_POLICIES}; got remat={self.remat!r}."
             )
-        for name in ("param_dtype", "compute_dtype"):
-            value = getattr(self, name)
-            try:
-                dtype_name = jnp.dtype(value).name
-            except TypeError:
-                dtype_name = repr(value)
-            if dtype_name not in _DTYPES:
-                raise ValueError(f"LlamaConfig.{name} must be one of {_DTYPES}; got {value!r}.")
-            object.__setattr__(self, name, dtype_name)
-        if not self.norm_eps > 0 or not self.rope_theta > 0 or not self.init_std > 0:
-            raise ValueError(
-                "LlamaConfig needs norm_eps, rope_theta and init_std > 0; got "
-                f"norm_eps={self.norm_eps}, rope_theta={self.rope_theta}, "
-                f"init_std={self.init_std}."
-            )
-        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        check_decoder_config(self)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "LlamaConfig":
@@ -404,7 +389,7 @@ def _config_from_hf(hf: dict, dtype, overrides: dict) -> LlamaConfig:
     rope_theta, rope_scaling = _rope_from_hf(hf)
     if dtype is None:
         stored = hf.get("dtype") or hf.get("torch_dtype")
-        dtype = stored if stored in _DTYPES else "float32"
+        dtype = stored if stored in DTYPES else "float32"
     n_heads = hf["num_attention_heads"]
     return LlamaConfig(
         vocab_size=hf["vocab_size"],

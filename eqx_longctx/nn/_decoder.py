@@ -21,6 +21,31 @@ from .._types import Hidden, Logits, Positions, SegmentIds, Tokens
 from ._inputs import check_shapes, check_token_ids, prepare_inputs
 from ._norm import RMSNorm
 
+DTYPES = ("float32", "bfloat16", "float16")  # parameter and compute dtypes a config accepts
+
+
+def check_decoder_config(config) -> None:
+    """Validate and normalise the fields every decoder config has (call from a frozen
+    dataclass's `__post_init__`): `param_dtype` and `compute_dtype` become dtype names from
+    `DTYPES`; `norm_eps`, `rope_theta` and `init_std` must be positive."""
+    cls = type(config).__name__
+    for name in ("param_dtype", "compute_dtype"):
+        value = getattr(config, name)
+        try:
+            dtype_name = jnp.dtype(value).name
+        except TypeError:
+            dtype_name = repr(value)
+        if dtype_name not in DTYPES:
+            raise ValueError(f"{cls}.{name} must be one of {DTYPES}; got {value!r}.")
+        object.__setattr__(config, name, dtype_name)
+    if not config.norm_eps > 0 or not config.rope_theta > 0 or not config.init_std > 0:
+        raise ValueError(
+            f"{cls} needs norm_eps, rope_theta and init_std > 0; got "
+            f"norm_eps={config.norm_eps}, rope_theta={config.rope_theta}, "
+            f"init_std={config.init_std}."
+        )
+    object.__setattr__(config, "rope_theta", float(config.rope_theta))
+
 
 class AbstractDecoder(eqx.Module):
     """A decoder-only transformer: embeddings, a stack of blocks, a final norm, logits.

@@ -148,6 +148,16 @@ class ShardingSpec(eqx.Module):
             n *= self.axis_size(axis)
         return n
 
+    def check_batch(self, batch: int, what: str = "the batch") -> None:
+        """Raise `ValueError` unless `batch` splits evenly over `batch_axis`."""
+        nb = self.axis_size(self.batch_axis)
+        if batch % nb:
+            raise ValueError(
+                f"batch_axis {self.batch_axis!r} has {nb} devices, so {what} must be divisible "
+                f"by {nb}; got batch={batch}. Use a batch of {-(-batch // nb) * nb}, move "
+                "devices from the batch axis to 'context', or use batch_axis=None."
+            )
+
     # ---- shardings ---------------------------------------------------------------------
 
     def token_pspec(self) -> PartitionSpec:

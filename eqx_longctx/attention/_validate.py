@@ -59,12 +59,7 @@ def check_spec_inputs(spec, q, k, segment_ids) -> str:
 
     b, s, hq, _ = q.shape
     hk = k.shape[2]
-    nb = spec.axis_size(spec.batch_axis)
-    if b % nb:
-        raise ValueError(
-            f"batch_axis {spec.batch_axis!r} has {nb} devices, so the batch must be divisible "
-            f"by {nb}; got batch={b}. Use a batch of {-(-b // nb) * nb}, or batch_axis=None."
-        )
+    spec.check_batch(b)
     check_sequence_length(spec, s)
     nt = spec.axis_size(spec.tensor_axis)
     if hq % nt or hk % nt:

@@ -14,6 +14,7 @@ layer: attention reads each token's original index from `layout_order`.
 """
 
 import functools
+from typing import no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ._checks import check_int
 from ._sharding import ShardingSpec
 
 
@@ -57,6 +59,7 @@ def layout_order(spec: ShardingSpec, seq: int) -> np.ndarray:
     return order.astype(np.int32)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def to_layout(x, spec: ShardingSpec, axis: int = 1):
     """Permute `x` along `axis` from natural token order into the spec's layout.
 
@@ -71,13 +74,34 @@ def to_layout(x, spec: ShardingSpec, axis: int = 1):
 
     **Returns:** `x` in layout order (same type, shape and dtype).
     """
+    x, axis = _check_layout_args("to_layout", x, spec, axis)
     return _permute(x, layout_order(spec, x.shape[axis]), axis, spec)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def from_layout(x, spec: ShardingSpec, axis: int = 1):
     """Inverse of `to_layout`: back to natural token order along `axis`."""
+    x, axis = _check_layout_args("from_layout", x, spec, axis)
     order = layout_order(spec, x.shape[axis])
     return _permute(x, np.argsort(order).astype(np.int32), axis, spec)
+
+
+def _check_layout_args(where: str, x, spec, axis):
+    """**Returns:** `(x, axis)`: `x` an array (lists become NumPy), `axis` non-negative."""
+    if not isinstance(spec, ShardingSpec):
+        raise TypeError(
+            f"{where} needs a ShardingSpec; got {type(spec).__name__}. Build one with "
+            "ShardingSpec(mesh, load_balance='zigzag')."
+        )
+    if not isinstance(x, np.ndarray | jax.Array):
+        x = np.asarray(x)
+    axis = check_int(axis, "axis", where=where)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(
+            f"{where}: axis={axis} is out of range for an array of rank {x.ndim} (shape "
+            f"{tuple(x.shape)}); pass the sequence axis, e.g. axis=1 for [batch, seq, ...]."
+        )
+    return x, axis % x.ndim
 
 
 def _permute(x, perm: np.ndarray, axis: int, spec: ShardingSpec):

@@ -4,7 +4,7 @@ Every module that touches sharded data receives one explicitly; nothing reads a 
 """
 
 from collections.abc import Callable
-from typing import Any, Literal, final
+from typing import Any, Literal, final, no_type_check
 
 import equinox as eqx
 import jax
@@ -51,6 +51,7 @@ class ShardingSpec(eqx.Module):
     ulysses_axis: str | None = eqx.field(static=True, default=None)
     tensor_axis: str | None = eqx.field(static=True, default=None)
 
+    @no_type_check  # validated eagerly, with errors that say what to fix
     def __init__(
         self,
         mesh: object,  # checked below, with an error that says how to build one
@@ -77,6 +78,26 @@ class ShardingSpec(eqx.Module):
         self.tensor_axis = tensor_axis
 
     def __check_init__(self):
+        for role in ("strategy", "load_balance", "context_axis"):
+            value = getattr(self, role)
+            if not isinstance(value, str):
+                fix = {
+                    "context_axis": "name the mesh axis the sequence is split over (for one "
+                    "device, call attention with spec=None instead)",
+                    "strategy": f"choose one of {STRATEGIES}",
+                    "load_balance": f"choose one of {LOAD_BALANCES}",
+                }[role]
+                raise TypeError(
+                    f"ShardingSpec: {role} must be a str; got {value!r} of type "
+                    f"{type(value).__name__}: {fix}."
+                )
+        for role in ("batch_axis", "ulysses_axis", "tensor_axis"):
+            value = getattr(self, role)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(
+                    f"ShardingSpec: {role} must be a mesh axis name (a str) or None; got "
+                    f"{value!r} of type {type(value).__name__}."
+                )
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"ShardingSpec: unknown strategy {self.strategy!r}; choose one of {STRATEGIES}."

@@ -8,13 +8,14 @@ the original token positions of the layout, so every layout works with every str
 """
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, cast, no_type_check
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float
 
 from .._layout import layout_order
 from .._sharding import ShardingSpec
@@ -26,19 +27,26 @@ from ._reference import reference_attention as reference_attention
 from ._ring import _kv_identity, ring_latent_attention
 from ._ulysses import ulysses_attention
 from ._usp import usp_attention
-from ._validate import check_attention_inputs, check_spec_inputs
+from ._validate import (
+    as_float_arrays,
+    as_ids,
+    check_attention_inputs,
+    check_options,
+    check_spec_inputs,
+)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def attention(
-    # Shapes are checked by `check_attention_inputs`, whose errors say what to fix; the
-    # docstring gives them.
-    q: Float[Array, "..."],
-    k: Float[Array, "..."],
-    v: Float[Array, "..."],
+    # Types and shapes are checked eagerly (`_validate.py`), with errors that say what to
+    # fix, hence the loose annotations; the docstring gives the shapes.
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
     *,
     spec: ShardingSpec | None = None,
     causal: bool = True,
-    segment_ids: Int[Array, "..."] | Float[Array, "..."] | None = None,
+    segment_ids: ArrayLike | None = None,
     scale: float | None = None,
 ) -> Float[Array, "batch seq q_heads v_head_dim"]:
     """Scaled dot-product attention over long sequences, on one device or context-parallel.
@@ -61,8 +69,19 @@ def attention(
       (packed documents stay isolated).
     - `scale`: score scale, default `1/sqrt(head_dim)`.
 
-    **Returns:** `[batch, seq, q_heads, v_head_dim]` in the dtype of `q` (layout order).
+    **Returns:** `[batch, seq, q_heads, v_head_dim]` (layout order) in the common dtype of
+    `q`, `k`, `v` (mixed float dtypes are promoted; NumPy arrays are accepted).
+
+    **Raises:** `TypeError` for non-float q/k/v or a `spec` that is not a `ShardingSpec`;
+    `ValueError` for shapes that do not fit together or do not split over the spec's mesh.
+
+    NaN and inf propagate as in naive softmax attention: a non-finite value in a query, or
+    in a key or value that the query sees, makes that query's output non-finite. Keys a
+    query does not see never affect it.
     """
+    check_options("attention", spec, causal, scale)
+    q, k, v = as_float_arrays("attention", q=q, k=k, v=v)
+    segment_ids = as_ids(segment_ids, "segment_ids")
     check_attention_inputs(q, k, v, segment_ids)
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
@@ -84,14 +103,15 @@ def attention(
     return cast(Array, out)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def latent_attention(
-    q: Float[Array, "..."],
+    q: ArrayLike,
     latent,
     up_project: Callable,
     *,
     spec: ShardingSpec | None = None,
     causal: bool = True,
-    segment_ids: Int[Array, "..."] | Float[Array, "..."] | None = None,
+    segment_ids: ArrayLike | None = None,
     scale: float | None = None,
 ) -> Float[Array, "batch seq q_heads v_head_dim"]:
     """Attention whose keys and values are up-projected from a compressed per-token latent.
@@ -114,8 +134,17 @@ def latent_attention(
 
     **Returns:** `[batch, seq, q_heads, v_head_dim]` in the dtype of `q` (layout order).
     """
+    check_options("latent_attention", spec, causal, scale)
+    if not callable(up_project):
+        raise TypeError(
+            f"latent_attention: up_project must be callable, up_project(latent) -> (k, v); got "
+            f"{type(up_project).__name__}."
+        )
+    (q,) = as_float_arrays("latent_attention", q=q)
+    latent = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), latent)
+    segment_ids = as_ids(segment_ids, "segment_ids")
     params, static = eqx.partition(up_project, eqx.is_array)
-    k_shape, v_shape = jax.eval_shape(up_project, latent)
+    k_shape, v_shape = _kv_shapes(up_project, latent)
     check_attention_inputs(q, k_shape, v_shape, segment_ids)
     if spec is None:
         k, v = up_project(latent)
@@ -140,6 +169,26 @@ def latent_attention(
         spec, strategy, q, latent, expand, params, segment_ids, causal=causal, scale=scale
     )
     return cast(Array, out)
+
+
+def _kv_shapes(up_project, latent):
+    """Shapes of `up_project(latent)`, which must be a pair `(k, v)` of float arrays."""
+    out = jax.eval_shape(up_project, latent)
+    is_pair = isinstance(out, tuple | list) and len(out) == 2
+    if not is_pair or not all(isinstance(x, jax.ShapeDtypeStruct) for x in out):
+        got = jax.tree.map(lambda x: getattr(x, "shape", x), out)
+        raise ValueError(
+            "latent_attention needs up_project(latent) to return a pair (k, v) of arrays, k "
+            "[batch, seq, kv_heads, head_dim] and v [batch, seq, kv_heads, v_head_dim]; got "
+            f"{type(out).__name__} {got}. Return `k, v`."
+        )
+    for name, x in zip(("k", "v"), out, strict=True):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"latent_attention needs up_project to return floating-point k and v; got "
+                f"{name} of dtype {x.dtype}."
+            )
+    return out
 
 
 class _Expand(eqx.Module):

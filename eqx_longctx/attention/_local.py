@@ -12,11 +12,13 @@ References: Dao et al. 2022, "FlashAttention" (arXiv:2205.14135); Dao 2023,
 """
 
 import functools
+from typing import no_type_check
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._checks import check_int
 from .._types import (
     AttnOut,
     Key,
@@ -39,8 +41,16 @@ from ._tiles import (
     _map_head_tiles,
     _zeros_dq_transposed,
 )
+from ._validate import (
+    as_float_arrays,
+    as_ids,
+    check_attention_inputs,
+    check_options,
+    check_token_array,
+)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def flash_attention(
     q: Query,
     k: Key,
@@ -81,19 +91,48 @@ def flash_attention(
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no
     key get `out = 0` and `lse = -inf`.
     """
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError(
-            "flash_attention needs q_segment_ids and kv_segment_ids together (or neither); "
-            f"got q_segment_ids={'None' if q_segment_ids is None else 'array'} and "
-            f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
-        )
-    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    q, k, v, masks = _check_flash_inputs(
+        q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal, scale,
+        block_q, block_k, tile_bytes,
+    )  # fmt: skip
     blocks = _Blocks.make(q, k, *masks, block_q, block_k, tile_bytes)
     config = blocks.config(causal, scale, q.shape[-1])
     ob, lseb = _flash(  # pyright: ignore[reportGeneralTypeIssues]  (custom_vjp typing)
         config, blocks.split_q(q), blocks.split_kv(k), blocks.split_kv(v), *blocks.masks
     )
     return blocks.merge_q(ob).astype(q.dtype), blocks.merge_rows(lseb)
+
+
+def _check_flash_inputs(
+    q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal, scale,
+    block_q, block_k, tile_bytes,
+):  # fmt: skip
+    """`flash_attention`'s eager checks; **returns** `(q, k, v, masks)` as JAX arrays."""
+    where = "flash_attention"
+    check_options(where, None, causal, scale)
+    for name, value in (("block_q", block_q), ("block_k", block_k), ("tile_bytes", tile_bytes)):
+        check_int(value, name, minimum=1, where=where)
+    q, k, v = as_float_arrays(where, q=q, k=k, v=v)
+    check_attention_inputs(q, k, v, None, self_attention=False)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(
+            "flash_attention needs q_segment_ids and kv_segment_ids together (or neither); "
+            f"got q_segment_ids={'None' if q_segment_ids is None else 'array'} and "
+            f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
+        )
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    masks = []
+    for name, x, seq in (
+        ("q_positions", q_positions, sq),
+        ("kv_positions", kv_positions, sk),
+        ("q_segment_ids", q_segment_ids, sq),
+        ("kv_segment_ids", kv_segment_ids, sk),
+    ):
+        x = as_ids(x, name)
+        if x is not None:
+            check_token_array(x, name, (b, seq))
+        masks.append(x)
+    return q, k, v, tuple(masks)
 
 
 def flash_attention_backward(
@@ -239,12 +278,7 @@ def _flash_fwd_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
                 p = jnp.exp(s - m_safe[..., None])
                 alpha = jnp.exp(m - m_safe)
                 row_sum = alpha * row_sum + p.sum(-1)
-                pv = jnp.einsum(
-                    "bkgst,bktv->bkgsv",
-                    p.astype(vb.dtype),
-                    vb[j],
-                    preferred_element_type=jnp.float32,
-                )
+                pv = lax.cond(v_finite[j], _pv, _pv_nonfinite, p.astype(vb.dtype), vb[j], mask)
                 return m_new, row_sum, alpha[..., None] * acc + pv
 
             ksj = None if kv_seg is None else kv_seg[j]
@@ -257,13 +291,32 @@ def _flash_fwd_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
             jnp.zeros((b, hk, g, bq, dv), jnp.float32),
         )
         m, row_sum, acc = lax.fori_loop(0, nk, kv_step, init)
-        seen = row_sum > 0
-        out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+        # `row_sum == 0` (not `> 0`): a NaN row sum must give a NaN row, not an empty one.
+        empty = row_sum == 0
+        denom = jnp.where(empty, 1.0, row_sum)
+        out = jnp.where(empty[..., None], 0.0, acc / denom[..., None])
+        lse = jnp.where(empty, -jnp.inf, m + jnp.log(denom))
         return out.astype(qb.dtype), lse
 
+    # Per key block: whether every value is finite (then the plain product runs).
+    v_finite = jnp.all(jnp.isfinite(vb), axis=tuple(range(1, vb.ndim)))
     q_seg_blocks = q_seg if q_seg is not None else jnp.zeros(q_pos.shape, jnp.int32)
     return lax.map(one_q_block, (qb, q_pos, q_seg_blocks))
+
+
+def _pv(p, vj, mask):
+    return jnp.einsum("bkgst,bktv->bkgsv", p, vj, preferred_element_type=jnp.float32)
+
+
+def _pv_nonfinite(p, vj, mask):
+    """`p @ v` for a key block holding NaN or inf values: a row gets NaN where it sees one
+    (as naive softmax would), and a value it does not see never reaches it (`0 * inf` in the
+    plain product would poison every row of the block)."""
+    ok = jnp.isfinite(vj)
+    pv = _pv(p, jnp.where(ok, vj, 0).astype(vj.dtype), mask)
+    seen = jnp.ones(p.shape, jnp.float32) if mask is None else jnp.broadcast_to(mask, p.shape)
+    hit = jnp.einsum("bkgst,bktv->bkgsv", seen.astype(jnp.float32), (~ok).astype(jnp.float32))
+    return jnp.where(hit > 0, jnp.nan, pv)
 
 
 def _flash_fwd(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):

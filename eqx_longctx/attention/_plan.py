@@ -29,11 +29,12 @@ bfloat16 program are twice what the model (written for TPU/GPU) predicts.
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, no_type_check
 
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import check_bool, check_int, check_number
 from .._hlo import COLLECTIVES
 from .._sharding import ShardingSpec
 from ._tiles import DEFAULT_BLOCK_Q, TILE_BYTES, Tiling, head_tile
@@ -89,6 +90,7 @@ class Plan(NamedTuple):
         return _table(self)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def plan(
     spec: ShardingSpec,
     *,
@@ -122,8 +124,27 @@ def plan(
 
     **Returns:** a `Plan`; `print(plan(...).explain())` shows the table.
     """
+    where = "plan"
+    if not isinstance(spec, ShardingSpec):
+        raise TypeError(f"{where} needs a ShardingSpec; got {type(spec).__name__}.")
+    shape = dict(batch=batch, seq=seq, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    for name, value in shape.items():
+        check_int(value, name, minimum=1, where=where)
+    if v_head_dim is not None:
+        check_int(v_head_dim, "v_head_dim", minimum=1, where=where)
+    for name, value in (("causal", causal), ("segment_ids", segment_ids), ("backward", backward)):
+        check_bool(value, name, where=where)
+    check_number(memory_budget_bytes, "memory_budget_bytes", positive=True, allow_none=True,
+                 where=where)  # fmt: skip
+    check_number(flops_per_s, "flops_per_s", positive=True, where=where)
+    check_number(bytes_per_s, "bytes_per_s", positive=True, where=where)
+    try:
+        e = int(np.dtype(dtype).itemsize)
+    except TypeError as err:
+        raise TypeError(
+            f"{where}: dtype must be a NumPy/JAX dtype or its name; got {dtype!r}."
+        ) from err
     dv = head_dim if v_head_dim is None else v_head_dim
-    e = int(np.dtype(dtype).itemsize)
     if memory_budget_bytes is None:
         memory_budget_bytes = _default_budget(spec)
     nb, nt = spec.axis_size(spec.batch_axis), spec.axis_size(spec.tensor_axis)
@@ -157,6 +178,7 @@ def plan(
     return Plan(strategy=chosen, reason=reason, costs=costs, problem=problem)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs) -> Plan:
     """`plan` for arrays (or `jax.ShapeDtypeStruct`s) `q`, `k`, `v` of global shape
     `[batch, seq, heads, head_dim]`; `v` defaults to `k`'s shape. Keywords go to `plan`."""
@@ -166,6 +188,7 @@ def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs)
     return plan(spec, dtype=q.dtype, **shape, **kwargs)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def explain(spec: ShardingSpec, **shape) -> str:
     """`plan(spec, **shape).explain()`: the cost table and the choice, as a string."""
     return plan(spec, **shape).explain()

@@ -2,23 +2,32 @@
 
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Int
 
-from .._types import AttnOut, Key, Query, SegmentIds, Value
+from .._types import AttnOut
+
+# NumPy arrays are welcome too (the oracle converts everything to float32 JAX arrays).
+_Query = Float[Array | np.ndarray, "batch seq q_heads head_dim"]
+_Key = Float[Array | np.ndarray, "batch kv_seq kv_heads head_dim"]
+_Value = Float[Array | np.ndarray, "batch kv_seq kv_heads v_head_dim"]
+_SegmentIds = Int[Array | np.ndarray, "batch seq"]
 
 
 def reference_attention(
-    q: Query,
-    k: Key,
-    v: Value,
+    q: _Query,
+    k: _Key,
+    v: _Value,
     *,
     causal: bool = True,
-    segment_ids: SegmentIds | None = None,
+    segment_ids: _SegmentIds | None = None,
     scale: float | None = None,
 ) -> AttnOut:
     """Softmax attention computed the obvious way, in float32.
 
     Shares no code with the blockwise implementation. Rows with no visible key (possible
-    only with segment ids) return zeros.
+    only with segment ids) return zeros. A row's output depends only on the keys it sees:
+    NaN or inf in its query, or in a key or value it sees, makes it non-finite; a non-finite
+    value it does not see leaves it alone (`0 * inf` of a masked value is not formed).
 
     **Arguments:**
 
@@ -50,4 +59,10 @@ def reference_attention(
     weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom == 0, 1.0, denom)
-    return jnp.einsum("bhst,bthd->bshd", probs, v, precision="highest")
+    finite_v = jnp.isfinite(v)
+    out = jnp.einsum("bhst,bthd->bshd", probs, jnp.where(finite_v, v, 0.0), precision="highest")
+    # A value entry a row sees but that is not finite: naive softmax would multiply it in
+    # (NaN or inf); a masked one must not reach the row (0 * inf would).
+    seen = jnp.broadcast_to(mask, scores.shape).astype(jnp.float32)
+    sees_bad = jnp.einsum("bhst,bthd->bshd", seen, (~finite_v).astype(jnp.float32)) > 0
+    return jnp.where(sees_bad, jnp.nan, out)

@@ -128,10 +128,11 @@ def _shift(tree, axis: AxisName):
 def _merge(out, lse, block_out, block_lse):
     """Combine two softmax partials over disjoint key sets (float32, -inf safe)."""
     new = jnp.logaddexp(lse, block_lse)
-    finite = jnp.isfinite(new)
-    safe = jnp.where(finite, new, 0.0)
-    w_old = jnp.where(finite, jnp.exp(lse - safe), 0.0)[..., None]
-    w_new = jnp.where(finite, jnp.exp(block_lse - safe), 0.0)[..., None]
+    # Only rows that have seen no key yet (-inf) are special; NaN and +inf propagate.
+    empty = new == -jnp.inf
+    safe = jnp.where(empty, 0.0, new)
+    w_old = jnp.where(empty, 0.0, jnp.exp(lse - safe))[..., None]
+    w_new = jnp.where(empty, 0.0, jnp.exp(block_lse - safe))[..., None]
     return w_old * out + w_new * block_out.astype(jnp.float32), new
 
 

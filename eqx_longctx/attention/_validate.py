@@ -1,7 +1,68 @@
-"""Eager input checks for attention: clear errors instead of XLA shape failures."""
+"""Eager input checks for attention: clear errors instead of XLA shape failures.
+
+One function per rule family, shared by `attention`, `latent_attention` and
+`flash_attention`; every check runs on shapes and dtypes only, before any tracing.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._checks import check_bool, check_number
+from .._sharding import ShardingSpec
 
 
-def check_attention_inputs(q, k, v, segment_ids) -> None:
+def as_float_arrays(where: str, **arrays):
+    """Turn array-likes (NumPy arrays, lists, JAX arrays) into JAX arrays of one float dtype.
+
+    Integer or boolean inputs are a `TypeError` (attention on them would silently truncate).
+    Mixed float dtypes are promoted to their common dtype (`jnp.result_type`), which is also
+    the dtype of the output.
+
+    **Returns:** the arrays, in the order given.
+    """
+    out = {}
+    for name, x in arrays.items():
+        if not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+            x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{where} needs floating-point {', '.join(arrays)}; got {name} of dtype "
+                f"{x.dtype}. Cast with .astype(jnp.float32) (or bfloat16): integer inputs "
+                "would be silently truncated."
+            )
+        out[name] = x
+    dtype = jnp.result_type(*(x.dtype for x in out.values()))
+    return [x if x.dtype == dtype or isinstance(x, jax.ShapeDtypeStruct) else x.astype(dtype)
+            for x in out.values()]  # fmt: skip
+
+
+def as_ids(x, name: str):
+    """`None`, or `x` as a JAX array of integer ids (NumPy accepted)."""
+    if x is None:
+        return None
+    if not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+        x = jnp.asarray(x)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(
+            f"{name} must be integers (one id per token); got dtype {x.dtype}. Cast with "
+            ".astype(jnp.int32)."
+        )
+    return x
+
+
+def check_options(where: str, spec, causal, scale) -> None:
+    """The keyword options every attention entry point shares."""
+    if spec is not None and not isinstance(spec, ShardingSpec):
+        raise TypeError(
+            f"{where}: spec must be an eqx_longctx.ShardingSpec or None; got {spec!r} of type "
+            f"{type(spec).__name__}. Build one with ShardingSpec(mesh, strategy='ring')."
+        )
+    check_bool(causal, "causal", where=where)
+    check_number(scale, "scale", allow_none=True, where=where)
+
+
+def check_attention_inputs(q, k, v, segment_ids, *, self_attention: bool = True) -> None:
     """Raise `ValueError` naming the rule, the values and the fix for malformed inputs."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
@@ -9,6 +70,14 @@ def check_attention_inputs(q, k, v, segment_ids) -> None:
             f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}. Add a batch axis "
             "(x[None]) or split heads (einops.rearrange(x, 'b s (h d) -> b s h d', h=...))."
         )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if 0 in x.shape:
+            dims = ("batch", "seq", "heads", "head_dim")
+            empty = [d for d, n in zip(dims, x.shape, strict=True) if n == 0]
+            raise ValueError(
+                f"attention needs non-empty dimensions; got {name} of shape {tuple(x.shape)} "
+                f"({', '.join(empty)} = 0). Drop the call for empty inputs."
+            )
     bq, sq, hq, dq = q.shape
     bk, sk, hk, dk = k.shape
     bv, sv, hv, _ = v.shape
@@ -24,33 +93,31 @@ def check_attention_inputs(q, k, v, segment_ids) -> None:
             f"q and k need the same head_dim (the dot product runs over it); got q head_dim={dq}"
             f" and k head_dim={dk}. Project both to one size (v may differ)."
         )
-    if hk == 0 or hq % hk != 0:
+    if hq % hk != 0:
         raise ValueError(
             f"q_heads must be a multiple of kv_heads (GQA groups query heads over shared K/V "
             f"heads); got q_heads={hq}, kv_heads={hk}. Choose kv_heads among the divisors of "
             f"{hq}."
         )
-    if sq != sk:
+    if self_attention and sq != sk:
         raise ValueError(
             f"self-attention needs q and k of the same sequence length; got q seq={sq}, k seq={sk}."
         )
     if segment_ids is not None:
-        if tuple(segment_ids.shape) != (bq, sq):
-            raise ValueError(
-                f"segment_ids must have shape [batch, seq] = {(bq, sq)}; got "
-                f"{tuple(segment_ids.shape)}."
-            )
-        if not _is_integer(segment_ids.dtype):
-            raise ValueError(
-                f"segment_ids must be integers (one id per packed document); got dtype "
-                f"{segment_ids.dtype}. Cast with .astype(jnp.int32)."
-            )
+        check_token_array(segment_ids, "segment_ids", (bq, sq))
 
 
-def _is_integer(dtype) -> bool:
-    import numpy as np
-
-    return np.issubdtype(dtype, np.integer)
+def check_token_array(x, name: str, shape: tuple[int, int]) -> None:
+    """A per-token `[batch, seq]` integer array (segment ids, positions)."""
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(
+            f"{name} must have shape [batch, seq] = {tuple(shape)}; got {tuple(x.shape)}."
+        )
+    if not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(
+            f"{name} must be integers (one id per packed document); got dtype {x.dtype}. "
+            "Cast with .astype(jnp.int32)."
+        )
 
 
 def check_spec_inputs(spec, q, k, segment_ids) -> str:

@@ -22,7 +22,7 @@ from .._sharding import ShardingSpec
 from ._all_gather import all_gather_latent_attention
 from ._local import flash_attention as flash_attention
 from ._local import flash_attention_backward as flash_attention_backward
-from ._plan import tiling
+from ._plan import ring_hops, tiling
 from ._reference import reference_attention as reference_attention
 from ._ring import _kv_identity, ring_latent_attention
 from ._ulysses import ulysses_attention
@@ -46,6 +46,7 @@ def attention(
     *,
     spec: ShardingSpec | None = None,
     causal: bool = True,
+    window: int | None = None,
     segment_ids: ArrayLike | None = None,
     scale: float | None = None,
 ) -> Float[Array, "batch seq q_heads v_head_dim"]:
@@ -65,6 +66,9 @@ def attention(
     - `spec`: a `ShardingSpec`, or `None` for one device. With a spec, all arrays are global
       arrays (sharded or not) in the spec's token layout (see `to_layout`).
     - `causal`: query `i` attends keys `j <= i` (by original token index).
+    - `window`: sliding-window size `W`, or `None`: query `i` then sees keys `j` with
+      `0 <= i - j < W` (Hugging Face's `sliding_window` rule; needs `causal=True`). Blocks
+      and ring hops wholly outside the window are skipped, so the cost is O(W) per query.
     - `segment_ids`: `[batch, seq]` ints; tokens attend only within their own segment
       (packed documents stay isolated).
     - `scale`: score scale, default `1/sqrt(head_dim)`.
@@ -79,7 +83,7 @@ def attention(
     in a key or value that the query sees, makes that query's output non-finite. Keys a
     query does not see never affect it.
     """
-    check_options("attention", spec, causal, scale)
+    window = check_options("attention", spec, causal, scale, window)
     q, k, v = as_float_arrays("attention", q=q, k=k, v=v)
     segment_ids = as_ids(segment_ids, "segment_ids")
     check_attention_inputs(q, k, v, segment_ids)
@@ -93,13 +97,15 @@ def attention(
             q_segment_ids=segment_ids,
             kv_segment_ids=segment_ids,
             causal=causal,
+            window=window,
             scale=scale,
         )
         return out
     strategy = check_spec_inputs(spec, q, k, segment_ids)
     out = _context_parallel(
-        spec, strategy, q, (k, v), _kv_identity, (), segment_ids, causal=causal, scale=scale
-    )
+        spec, strategy, q, (k, v), _kv_identity, (), segment_ids, causal=causal, window=window,
+        scale=scale,
+    )  # fmt: skip
     return cast(Array, out)
 
 
@@ -111,6 +117,7 @@ def latent_attention(
     *,
     spec: ShardingSpec | None = None,
     causal: bool = True,
+    window: int | None = None,
     segment_ids: ArrayLike | None = None,
     scale: float | None = None,
 ) -> Float[Array, "batch seq q_heads v_head_dim"]:
@@ -130,11 +137,11 @@ def latent_attention(
     - `up_project`: `up_project(latent) -> (k, v)` with `k` `[batch, seq, kv_heads,
       head_dim]` and `v` `[batch, seq, kv_heads, v_head_dim]`; an Equinox module (its arrays
       are differentiated, and replicated over the mesh) or a function.
-    - `spec`, `causal`, `segment_ids`, `scale`: as in `attention`.
+    - `spec`, `causal`, `window`, `segment_ids`, `scale`: as in `attention`.
 
     **Returns:** `[batch, seq, q_heads, v_head_dim]` in the dtype of `q` (layout order).
     """
-    check_options("latent_attention", spec, causal, scale)
+    window = check_options("latent_attention", spec, causal, scale, window)
     if not callable(up_project):
         raise TypeError(
             f"latent_attention: up_project must be callable, up_project(latent) -> (k, v); got "
@@ -148,7 +155,9 @@ def latent_attention(
     check_attention_inputs(q, k_shape, v_shape, segment_ids)
     if spec is None:
         k, v = up_project(latent)
-        return attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
+        return attention(
+            q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale
+        )
     if spec.tensor_axis is not None:
         raise ValueError(
             f"latent_attention replicates the up-projection, so it cannot shard heads over "
@@ -166,8 +175,9 @@ def latent_attention(
     strategy = check_spec_inputs(spec, q, k_shape, segment_ids)
     expand = _Expand(static)
     out = _context_parallel(
-        spec, strategy, q, latent, expand, params, segment_ids, causal=causal, scale=scale
-    )
+        spec, strategy, q, latent, expand, params, segment_ids, causal=causal, window=window,
+        scale=scale,
+    )  # fmt: skip
     return cast(Array, out)
 
 
@@ -200,7 +210,9 @@ class _Expand(eqx.Module):
         return eqx.combine(params, self.static)(source)
 
 
-def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, *, causal, scale):
+def _context_parallel(
+    spec, strategy, q, source, expand, params, segment_ids, *, causal, window, scale
+):
     """Run `strategy` under `shard_map`; `expand(params, source) -> (k, v)` builds K/V."""
     b, s = q.shape[:2]
     positions = jnp.broadcast_to(jnp.asarray(layout_order(spec, s)), (b, s))
@@ -217,7 +229,8 @@ def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, *,
     source = jax.tree.map(spec.place, source, source_specs)
     positions = spec.place(positions, tokens)
     params_specs = jax.tree.map(lambda _: PartitionSpec(), params)
-    kw: dict[str, Any] = dict(causal=causal, scale=scale, tiling=tiling(spec, s))
+    kw: dict[str, Any] = dict(causal=causal, scale=scale, tiling=tiling(spec, s), window=window)
+    hops = ring_hops(spec, s, causal, window) if strategy in ("ring", "usp") else None
     # Outside USP, a strategy runs over every sequence axis (two of them when "auto" had a
     # ulysses axis to choose with); collectives accept a tuple of mesh axes.
     axes = spec.sequence_axes
@@ -229,7 +242,7 @@ def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, *,
             return fn(q, source, expand, params, positions, segment_ids, axis=axis, **kw)
         if strategy == "ring":
             fn = ring_latent_attention
-            return fn(q, source, expand, params, positions, segment_ids, axis=axis, **kw)
+            return fn(q, source, expand, params, positions, segment_ids, axis=axis, hops=hops, **kw)
         k, v = expand(params, source)  # Ulysses splits heads of up-projected K/V
         if strategy == "ulysses":
             return ulysses_attention(q, k, v, positions, segment_ids, axis=axis, **kw)
@@ -241,6 +254,7 @@ def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, *,
             segment_ids,
             ulysses_axis=spec.ulysses_axis,
             ring_axis=spec.context_axis,
+            hops=hops,
             **kw,
         )
 

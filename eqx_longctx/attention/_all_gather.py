@@ -12,35 +12,7 @@ from jax import lax
 
 from .._types import AxisName
 from ._local import flash_attention
-from ._ring import _kv_identity
 from ._tiles import DEFAULT_TILING, Tiling
-
-
-def all_gather_attention(
-    q,
-    k,
-    v,
-    positions,
-    segment_ids,
-    *,
-    axis: AxisName,
-    causal: bool,
-    scale,
-    tiling: Tiling = DEFAULT_TILING,
-):
-    """Attention for the local query shard against K/V gathered over `axis`."""
-    return all_gather_latent_attention(
-        q,
-        (k, v),
-        _kv_identity,
-        (),
-        positions,
-        segment_ids,
-        axis=axis,
-        causal=causal,
-        scale=scale,
-        tiling=tiling,
-    )
 
 
 def all_gather_latent_attention(
@@ -55,6 +27,7 @@ def all_gather_latent_attention(
     causal: bool,
     scale,
     tiling: Tiling = DEFAULT_TILING,
+    window: int | None = None,
 ):
     """Gather a K/V *source* (K/V themselves, or MLA's latent) and expand it locally.
 
@@ -73,6 +46,7 @@ def all_gather_latent_attention(
         q_segment_ids=segment_ids,
         kv_segment_ids=kv_segments,
         causal=causal,
+        window=window,
         scale=scale,
         **tiling.kwargs(),
     )

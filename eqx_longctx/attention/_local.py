@@ -61,6 +61,7 @@ def flash_attention(
     q_segment_ids: SegmentIds | None = None,
     kv_segment_ids: KvSegmentIds | None = None,
     causal: bool = True,
+    window: int | None = None,
     scale: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
@@ -68,9 +69,10 @@ def flash_attention(
 ) -> tuple[AttnOut, LogSumExp]:
     """Attention of `q` over `k`/`v` with masks computed from positions and segment ids.
 
-    The causal rule is `q_position >= kv_position`; the segment rule is
-    `q_segment == kv_segment`. Positions are token indices in the original sequence, so the
-    same function serves any token layout and any ring step. Key blocks that no query of a
+    The causal rule is `q_position >= kv_position`, the window rule
+    `q_position - kv_position < window`, the segment rule `q_segment == kv_segment`.
+    Positions are token indices in the original sequence, so the same function serves any
+    token layout and any ring step. Key blocks that no query of a
     query block can see are skipped. Differentiable in `q`, `k`, `v` through a custom
     backward that recomputes scores blockwise (no `seq x seq` residuals); the cotangent of
     the logsumexp is honoured too, which lets callers merge partial results under autodiff.
@@ -83,7 +85,7 @@ def flash_attention(
       `0..seq-1` and `0..kv_seq-1`.
     - `q_segment_ids`, `kv_segment_ids`: `[batch, seq]` / `[batch, kv_seq]` ints, or `None`
       (both or neither).
-    - `causal`, `scale`: as in `attention`.
+    - `causal`, `window`, `scale`: as in `attention`.
     - `block_q`, `block_k`: tile sizes.
     - `tile_bytes`: bytes one block of float32 scores may take; heads are tiled to fit.
 
@@ -92,11 +94,11 @@ def flash_attention(
     key get `out = 0` and `lse = -inf`.
     """
     q, k, v, masks = _check_flash_inputs(
-        q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal, scale,
-        block_q, block_k, tile_bytes,
+        q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal, window,
+        scale, block_q, block_k, tile_bytes,
     )  # fmt: skip
     blocks = _Blocks.make(q, k, *masks, block_q, block_k, tile_bytes)
-    config = blocks.config(causal, scale, q.shape[-1])
+    config = blocks.config(causal, scale, q.shape[-1], window)
     ob, lseb = _flash(  # pyright: ignore[reportGeneralTypeIssues]  (custom_vjp typing)
         config, blocks.split_q(q), blocks.split_kv(k), blocks.split_kv(v), *blocks.masks
     )
@@ -104,12 +106,12 @@ def flash_attention(
 
 
 def _check_flash_inputs(
-    q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal, scale,
+    q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal, window, scale,
     block_q, block_k, tile_bytes,
 ):  # fmt: skip
     """`flash_attention`'s eager checks; **returns** `(q, k, v, masks)` as JAX arrays."""
     where = "flash_attention"
-    check_options(where, None, causal, scale)
+    check_options(where, None, causal, scale, window)
     for name, value in (("block_q", block_q), ("block_k", block_k), ("tile_bytes", tile_bytes)):
         check_int(value, name, minimum=1, where=where)
     q, k, v = as_float_arrays(where, q=q, k=k, v=v)
@@ -148,6 +150,7 @@ def flash_attention_backward(
     q_segment_ids: SegmentIds | None = None,
     kv_segment_ids: KvSegmentIds | None = None,
     causal: bool = True,
+    window: int | None = None,
     scale: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
@@ -164,7 +167,7 @@ def flash_attention_backward(
     """
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     blocks = _Blocks.make(q, k, *masks, block_q, block_k, tile_bytes)
-    config = blocks.config(causal, scale, q.shape[-1])
+    config = blocks.config(causal, scale, q.shape[-1], window)
     qb = blocks.split_q(q)
     dq_t, dkb, dvb = _backward_blocks(
         config,
@@ -209,6 +212,8 @@ def _block_mask(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     mask = None
     if config.causal:
         mask = q_pos[:, :, None] >= kv_pos[:, None, :]
+    if config.window is not None:
+        mask = mask & (q_pos[:, :, None] - kv_pos[:, None, :] < config.window)
     if config.use_segments:
         same = q_seg[:, :, None] == kv_seg[:, None, :]
         mask = same if mask is None else mask & same
@@ -220,6 +225,8 @@ def _block_mask_keys_major(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     mask = None
     if config.causal:
         mask = q_pos[:, None, :] >= kv_pos[:, :, None]
+    if config.window is not None:
+        mask = mask & (q_pos[:, None, :] - kv_pos[:, :, None] < config.window)
     if config.use_segments:
         same = q_seg[:, None, :] == kv_seg[:, :, None]
         mask = same if mask is None else mask & same
@@ -231,6 +238,8 @@ def _block_is_empty(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     empty = jnp.zeros(q_pos.shape[:1], bool)
     if config.causal:
         empty = empty | (q_pos.max(-1) < kv_pos.min(-1))
+    if config.window is not None:  # every key at least `window` before every query
+        empty = empty | (q_pos.min(-1) - kv_pos.max(-1) >= config.window)
     if config.use_segments:
         disjoint = (q_seg.max(-1) < kv_seg.min(-1)) | (q_seg.min(-1) > kv_seg.max(-1))
         empty = empty | disjoint

@@ -229,6 +229,34 @@ def tile_bytes(spec: ShardingSpec) -> int:
     return max(1, TILE_BYTES // max(1, len(shared)))
 
 
+def ring_hops(spec: ShardingSpec, seq: int, causal: bool, window: int | None) -> int | None:
+    """How many ring hops (the own shard first) can see anything, or None for all of them.
+
+    A hop is needed when some device's queries see some key of the shard it receives on
+    that hop (the same shard-level test the ring skips hops by). With a sliding window and
+    the contiguous layout, only the shards within the window travel: `ceil((W - 1) / L) + 1`
+    hops for shards of `L` tokens, so communication and compute are O(W), not O(seq).
+    """
+    if window is None or not causal:
+        return None
+    from .._layout import layout_order
+
+    order = layout_order(spec, seq)
+    nu, nr = spec.axis_size(spec.ulysses_axis), spec.axis_size(spec.context_axis)
+    if spec.strategy != "usp":  # a strategy other than USP rings over every sequence axis
+        nu, nr = 1, spec.context_parallel_size
+    shards = order.reshape(nu * nr, -1)
+    # Ring position c holds (after USP's all-to-all) the shards u * nr + c of every u.
+    held = [shards[[u * nr + c for u in range(nu)]].reshape(-1) for c in range(nr)]
+    lo, hi = [h.min() for h in held], [h.max() for h in held]
+    for hop in range(nr - 1, 0, -1):
+        for c in range(nr):
+            j = (c - hop) % nr
+            if hi[c] >= lo[j] and lo[c] - hi[j] < window:
+                return hop + 1
+    return 1
+
+
 def tiling(spec: ShardingSpec, seq: int) -> Tiling:
     """The flash tiles the dispatcher uses for `spec` at length `seq`."""
     return Tiling(block_size(spec, seq), tile_bytes(spec))

@@ -19,6 +19,7 @@ def reference_attention(
     v: _Value,
     *,
     causal: bool = True,
+    window: int | None = None,
     segment_ids: _SegmentIds | None = None,
     scale: float | None = None,
 ) -> AttnOut:
@@ -35,6 +36,7 @@ def reference_attention(
     - `k`: `[batch, seq, kv_heads, head_dim]`; `q_heads` must be a multiple of `kv_heads`.
     - `v`: `[batch, seq, kv_heads, v_head_dim]`.
     - `causal`: query `i` sees keys `j <= i`.
+    - `window`: with `causal`, query `i` sees keys `j` with `i - j < window` only.
     - `segment_ids`: `[batch, seq]` ints; query and key must share a segment.
     - `scale`: score scale, default `1/sqrt(head_dim)`.
 
@@ -51,6 +53,8 @@ def reference_attention(
     mask = jnp.ones((b, 1, s, t), bool)
     if causal:
         mask = mask & (jnp.arange(s)[:, None] >= jnp.arange(t)[None, :])
+    if window is not None:
+        mask = mask & (jnp.arange(s)[:, None] - jnp.arange(t)[None, :] < window)
     if segment_ids is not None:
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     scores = jnp.where(mask, scores, -jnp.inf)

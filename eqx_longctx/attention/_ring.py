@@ -34,10 +34,14 @@ from ._tiles import DEFAULT_TILING, QueryTiles, Tiling, _Config
 class _RingConfig(NamedTuple):
     axis: AxisName
     causal: bool
+    window: int | None
     scale: float
     # expand(params, source) -> (k, v): how a travelling K/V source becomes keys and values.
     expand: Callable
     tiling: Tiling  # flash tiles (the dispatcher aligns blocks with the layout's chunks)
+    # Hops that can see anything (the own shard first); fewer than the ring's length when a
+    # sliding window hides the shards further back (`_plan.ring_hops`). None: every hop.
+    hops: int | None = None
 
 
 def _kv_identity(params, source):
@@ -55,6 +59,8 @@ def ring_attention(
     causal: bool,
     scale,
     tiling: Tiling = DEFAULT_TILING,
+    window: int | None = None,
+    hops: int | None = None,
 ):
     """Local shard of ring attention over mesh axis `axis` (call inside `shard_map`).
 
@@ -77,6 +83,8 @@ def ring_attention(
         causal=causal,
         scale=scale,
         tiling=tiling,
+        window=window,
+        hops=hops,
     )
 
 
@@ -92,6 +100,8 @@ def ring_latent_attention(
     causal: bool,
     scale,
     tiling: Tiling = DEFAULT_TILING,
+    window: int | None = None,
+    hops: int | None = None,
 ):
     """Ring attention where what travels is a K/V *source* (e.g. MLA's compressed latent).
 
@@ -110,19 +120,24 @@ def ring_latent_attention(
     **Returns:** this shard's attention output, `q`'s dtype.
     """
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
-    config = _RingConfig(axis=axis, causal=bool(causal), scale=scale, expand=expand, tiling=tiling)
+    config = _RingConfig(axis, bool(causal), window, scale, expand, tiling, hops)
     return _ring(config, q, params, source, positions, segment_ids)
 
 
 def _hop_is_empty(config: _RingConfig, q_pos, kv_pos, q_seg, kv_seg):
-    block_config = _Config(config.causal, config.scale, q_seg is not None)
+    block_config = _Config(config.causal, config.scale, q_seg is not None, config.window)
     return _block_is_empty(block_config, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _shift(tree, axis: AxisName):
+def _shift(tree, axis: AxisName, by: int = 1):
     n = lax.axis_size(axis)
-    perm = [(i, (i + 1) % n) for i in range(n)]
+    perm = [(i, (i + by) % n) for i in range(n)]
     return jax.tree.map(lambda x: lax.ppermute(x, axis, perm), tree)
+
+
+def _hops(config: _RingConfig) -> int:
+    n = lax.axis_size(config.axis)
+    return n if config.hops is None else min(config.hops, n)
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -147,7 +162,9 @@ def _ring(config, q, params, source, positions, segment_ids):
 
 
 def _query_tiles(config, q, positions, segment_ids, k_shape):
-    tiles = dict(causal=config.causal, scale=config.scale, tiling=config.tiling)
+    tiles = dict(
+        causal=config.causal, scale=config.scale, tiling=config.tiling, window=config.window
+    )
     return QueryTiles.make(q, positions, segment_ids, k_shape, **tiles)
 
 
@@ -178,9 +195,8 @@ def _ring_forward(config, q, params, source, positions, segment_ids):
         jnp.zeros((*rows, v0.shape[-1]), jnp.float32),
         jnp.full(rows, -jnp.inf, jnp.float32),
     )
-    n = lax.axis_size(config.axis)
     shard0 = (source, positions, segment_ids)
-    (acc, last), _ = lax.scan(step, (acc0, shard0), None, length=n - 1)
+    (acc, last), _ = lax.scan(step, (acc0, shard0), None, length=_hops(config) - 1)
     out, lse = attend(acc, last)
     return qt.merge_q(out).astype(q.dtype), qt.merge_rows(lse)
 
@@ -223,19 +239,20 @@ def _ring_bwd(config, residuals, dout):
         dq, dparams, acc = grads(dq, dparams, shard, acc)
         return (dq, dparams, incoming, _shift(acc, config.axis)), None
 
-    n = lax.axis_size(config.axis)
+    hops = _hops(config)
     own = (source, positions, segment_ids)
-    if n > 1:
+    if hops > 1:
         incoming = _shift(own, config.axis)  # in flight while the own shard is computed
     # The own shard's dK/dV stay home; the travelling accumulator starts one device to the
-    # right, so it is home again after N-1 hops, not N.
+    # right, so on a full ring it is home again after N-1 hops, not N. A ring cut short by
+    # a window sends it home in one jump back.
     dq, dparams, home = grads(qt.zeros_dq(), _zeros_f32(params), own, _zeros_f32(source))
     dsource = home
-    if n > 1:
+    if hops > 1:
         carry0 = (dq, dparams, incoming, _zeros_f32(source))
-        (dq, dparams, last, acc), _ = lax.scan(step, carry0, None, length=n - 2)
+        (dq, dparams, last, acc), _ = lax.scan(step, carry0, None, length=hops - 2)
         dq, dparams, acc = grads(dq, dparams, last, acc)
-        dsource = jax.tree.map(jnp.add, home, _shift(acc, config.axis))
+        dsource = jax.tree.map(jnp.add, home, _shift(acc, config.axis, by=1 - hops))
     cast = lambda g, x: g.astype(x.dtype)  # noqa: E731
     return (
         qt.dq(dq).astype(q.dtype),

@@ -43,6 +43,7 @@ class _Config(NamedTuple):
     causal: bool
     scale: float
     use_segments: bool
+    window: int | None = None  # keys with q_pos - kv_pos >= window are hidden (causal only)
 
 
 class QueryTiles(NamedTuple):
@@ -60,9 +61,12 @@ class QueryTiles(NamedTuple):
     tiling: Tiling
     blocks: "_Blocks"
     qb: Array  # block-major queries
+    window: int | None = None
 
     @staticmethod
-    def make(q, positions, segment_ids, kv, *, causal, scale, tiling: Tiling) -> "QueryTiles":
+    def make(
+        q, positions, segment_ids, kv, *, causal, scale, tiling: Tiling, window=None
+    ) -> "QueryTiles":
         """`kv`: anything with the `.shape` of the K/V blocks to come."""
         q_like = jax.ShapeDtypeStruct(q.shape, q.dtype)
         blocks = _Blocks.make(
@@ -70,8 +74,9 @@ class QueryTiles(NamedTuple):
             tiling.block, tiling.tile_bytes,
         )  # fmt: skip
         return QueryTiles(
-            q_like, positions, segment_ids, causal, scale, tiling, blocks, blocks.split_q(q)
-        )
+            q_like, positions, segment_ids, causal, scale, tiling, blocks, blocks.split_q(q),
+            window,
+        )  # fmt: skip
 
     def hop(self, k, kv_positions, kv_segment_ids) -> tuple["_Blocks", _Config]:
         t = self.tiling
@@ -79,7 +84,7 @@ class QueryTiles(NamedTuple):
             self.q, k, self.positions, kv_positions, self.segment_ids, kv_segment_ids, t.block,
             t.block, t.tile_bytes,
         )  # fmt: skip
-        return blocks, blocks.config(self.causal, self.scale, self.q.shape[-1])
+        return blocks, blocks.config(self.causal, self.scale, self.q.shape[-1], self.window)
 
     def split_q(self, x):
         return self.blocks.split_q(x)
@@ -158,9 +163,12 @@ class _Blocks(NamedTuple):
         hk_tile, g_tile = head_tile(b, hk, g, bq, bk, tile_bytes)
         return _Blocks(b, sq, sk, hk, g, bq, bk, nq, nk, hk_tile, g_tile, use_segments, masks)
 
-    def config(self, causal: bool, scale: float | None, head_dim: int) -> "_Config":
+    def config(
+        self, causal: bool, scale: float | None, head_dim: int, window: int | None = None
+    ) -> "_Config":
         scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else float(scale)
-        return _Config(causal=bool(causal), scale=scale, use_segments=self.use_segments)
+        window = None if window is None else int(window)
+        return _Config(bool(causal), scale, self.use_segments, window)
 
     def split_q(self, x):
         """`[b, s, h, d]` -> `[c, n, b, k, g, block, d]`: a GQA group shares one K/V head."""

@@ -37,6 +37,7 @@ def ulysses_attention(
     causal: bool,
     scale,
     tiling: Tiling = DEFAULT_TILING,
+    window: int | None = None,
     inner=None,
 ):
     """Sequence-sharded in, sequence-sharded out; heads are sharded over `axis` inside.
@@ -63,6 +64,7 @@ def ulysses_attention(
             q_segment_ids=segment_ids,
             kv_segment_ids=segment_ids,
             causal=causal,
+            window=window,
             scale=scale,
             **tiling.kwargs(),
         )

@@ -25,10 +25,18 @@ def usp_attention(
     causal: bool,
     scale,
     tiling: Tiling,
+    window: int | None = None,
+    hops: int | None = None,
 ):
     """Ulysses all-to-all over `ulysses_axis` around a ring over `ring_axis`."""
     ring = functools.partial(
-        ring_attention, axis=ring_axis, causal=causal, scale=scale, tiling=tiling
+        ring_attention,
+        axis=ring_axis,
+        causal=causal,
+        scale=scale,
+        tiling=tiling,
+        window=window,
+        hops=hops,
     )
     return ulysses_attention(
         q,
@@ -40,5 +48,6 @@ def usp_attention(
         causal=causal,
         scale=scale,
         tiling=tiling,
+        window=window,
         inner=ring,
     )

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_bool, check_number
+from .._checks import check_bool, check_int, check_number
 from .._sharding import ShardingSpec
 
 
@@ -51,8 +51,8 @@ def as_ids(x, name: str):
     return x
 
 
-def check_options(where: str, spec, causal, scale) -> None:
-    """The keyword options every attention entry point shares."""
+def check_options(where: str, spec, causal, scale, window=None) -> int | None:
+    """The keyword options every attention entry point shares; **returns** the window."""
     if spec is not None and not isinstance(spec, ShardingSpec):
         raise TypeError(
             f"{where}: spec must be an eqx_longctx.ShardingSpec or None; got {spec!r} of type "
@@ -60,6 +60,21 @@ def check_options(where: str, spec, causal, scale) -> None:
         )
     check_bool(causal, "causal", where=where)
     check_number(scale, "scale", allow_none=True, where=where)
+    if window is None:
+        return None
+    window = check_int(window, "window", where=where)
+    if window <= 0:
+        raise ValueError(
+            f"{where}: window must be >= 1 (query i sees keys j with 0 <= i - j < window); got "
+            f"window={window}. Use window=None for full causal attention."
+        )
+    if not causal:
+        raise ValueError(
+            f"{where}: a sliding window needs causal=True (query i sees keys j with "
+            f"0 <= i - j < window); got window={window} with causal=False. Pass causal=True, "
+            "or window=None."
+        )
+    return window
 
 
 def check_attention_inputs(q, k, v, segment_ids, *, self_attention: bool = True) -> None:

@@ -23,11 +23,24 @@ def _override(text: str) -> tuple[str, str]:
     return key, value
 
 
+PROG = "eqx-longctx-train"
+
+
+class UsageError(Exception):
+    """A flag argparse could not parse (raised instead of printing usage and exiting)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # pyright: ignore[reportIncompatibleMethodOverride]
+        raise UsageError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """**Returns:** the argument parser of the training CLI."""
-    d = TrainConfig()
-    p = argparse.ArgumentParser(
-        prog="eqx-longctx-train",
+    """**Returns:** the argument parser of the training CLI (a parse error raises
+    `UsageError` rather than exiting)."""
+    d = TrainConfig(run_dir="unused")
+    p = _Parser(
+        prog=PROG,
         description="Train a Llama on a text corpus (default: the tiny preset on the Python "
         "standard library). Writes metrics.jsonl, loss.png and orbax checkpoints to --run-dir.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -132,18 +145,31 @@ def _set_cpu_devices(n: int) -> None:
         pass  # backends already exist (e.g. inside a notebook); the Trainer checks the count
 
 
+def error_line(error: BaseException | str) -> str:
+    """**Returns:** the CLI's one-line report of `error`: `eqx-longctx-train: error: ...`."""
+    return f"{PROG}: error: {' '.join(str(error).split())}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, train, print a summary.
+
+    Every invalid flag (unparsable, out of range, or inconsistent with the mesh) is reported
+    as one line on stderr, `eqx-longctx-train: error: <rule, values, fix>`, with no
+    traceback.
 
     **Arguments:**
 
     - `argv`: the flags (default `sys.argv[1:]`).
 
     **Returns:** the exit status: 0 when training completed, 1 when it stopped at a
-    non-finite loss, 2 on invalid settings (the `ValueError` message is printed), 130 on
-    Ctrl-C (background checkpoint writes are finished first).
+    non-finite loss, 2 on invalid flags (one line on stderr), 130 on Ctrl-C (background
+    checkpoint writes are finished first).
     """
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(error_line(f"{e} (see --help)"), file=sys.stderr)
+        return 2
     _set_cpu_devices(args.devices)
 
     from ._loop import Trainer
@@ -200,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             trainer.close()
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     print(result.summary(), flush=True)
     return 0 if result.status == "completed" else 1

@@ -95,6 +95,23 @@ class Trainer:
 
         self.config = config
         self.batch_hook = batch_hook
+        # Every check that needs no data comes first: bad flags fail before the corpus is
+        # read and the model built.
+        self.model_config = build_model_config(config, ByteTokenizer.vocab_size)
+        self.parallel = Placement(config.devices, config.mesh, config.strategy, config.load_balance)
+        self.parallel.check_run(config.batch_size, config.seq_len, self.model_config)
+        self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ValueError(
+                f"run_dir must be a directory; got run_dir={str(self.run_dir)!r}, which is a "
+                "file. Pass another --run-dir."
+            )
+        checkpoint_dir = check_checkpoint_dir(self.run_dir / "checkpoints")
+        if config.resume and not checkpoint_dir.is_dir():
+            raise ValueError(
+                f"resuming needs a saved checkpoint; {checkpoint_dir} does not exist. Train "
+                "without --resume first, or point --run-dir at the run that saved one."
+            )
         if datasets is None:
             kwargs: dict[str, Any] = {}
             if config.max_bytes is not None:
@@ -114,22 +131,7 @@ class Trainer:
                 f"{sorted(lengths)} and seq_len={config.seq_len}. Pack them with "
                 f"load_datasets(seq_len={config.seq_len}) or change seq_len."
             )
-        self.model_config = build_model_config(config, ByteTokenizer.vocab_size)
-        self.parallel = Placement(config.devices, config.mesh, config.strategy, config.load_balance)
 
-        # Validate the run directory before the (slow) model build.
-        self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise ValueError(
-                f"run_dir must be a directory; got run_dir={str(self.run_dir)!r}, which is a "
-                "file. Pass another --run-dir."
-            )
-        checkpoint_dir = check_checkpoint_dir(self.run_dir / "checkpoints")
-        if config.resume and not checkpoint_dir.is_dir():
-            raise ValueError(
-                f"resuming needs a saved checkpoint; {checkpoint_dir} does not exist. Train "
-                "without --resume first, or point --run-dir at the run that saved one."
-            )
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.plot_path = self.run_dir / "loss.png"
         self.checkpointer = Checkpointer(checkpoint_dir, max_to_keep=config.keep_checkpoints)

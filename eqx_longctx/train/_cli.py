@@ -86,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="validation batches after the last step (0: the whole split)",
     )
     p.add_argument("--log-every", type=int, default=d.log_every, help="metrics.jsonl stride")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run from its newest readable checkpoint; flags that change the run "
+        "(recorded in RUN_DIR/flags.json) are refused, placement flags and strides may change",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -153,17 +158,19 @@ def error_line(error: BaseException | str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, train, print a summary.
 
-    Every invalid flag (unparsable, out of range, or inconsistent with the mesh) is reported
-    as one line on stderr, `eqx-longctx-train: error: <rule, values, fix>`, with no
-    traceback.
+    Every invalid flag (unparsable, out of range, inconsistent with the mesh, or changing a
+    resumed run) and every checkpoint that cannot be resumed from is reported as one line on
+    stderr, `eqx-longctx-train: error: <rule, values, fix>`, with no traceback.
 
     **Arguments:**
 
     - `argv`: the flags (default `sys.argv[1:]`).
 
-    **Returns:** the exit status: 0 when training completed, 1 when it stopped at a
-    non-finite loss, 2 on invalid flags (one line on stderr), 130 on Ctrl-C (background
-    checkpoint writes are finished first).
+    **Returns:** the exit status: 0 when training completed, and also when `--resume` finds
+    the run already at or past `--steps` (it says there is nothing left to do and trains
+    nothing); 1 when it stopped at a non-finite loss; 2 on invalid flags or when no
+    checkpoint can be resumed from; 130 on Ctrl-C (background checkpoint writes are
+    finished first).
     """
     try:
         args = build_parser().parse_args(argv)
@@ -205,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.no_progress,
         )
         trainer = Trainer(config)
+        if trainer.nothing_to_do is not None:
+            trainer.close()
+            print(trainer.nothing_to_do, flush=True)
+            return 0
         print(
             f"training {config.preset} ({trainer.model.num_params():,} parameters) for "
             f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "

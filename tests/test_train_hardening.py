@@ -13,7 +13,13 @@ import pytest
 from test_train import SEQ, SMALL_MODEL, params_of, small_config
 
 from eqx_longctx.data import load_datasets
-from eqx_longctx.train import Checkpointer, TrainConfig, Trainer
+from eqx_longctx.train import (
+    Checkpointer,
+    TrainConfig,
+    Trainer,
+    make_optimizer,
+    make_schedule,
+)
 from eqx_longctx.train._cli import main
 from eqx_longctx.train._config import check_train_config
 from eqx_longctx.train._parallel import Placement
@@ -34,8 +40,16 @@ NAN, INF = float("nan"), float("inf")
             r"--seq-len \(tokens per row\) .* at least 1; got --seq-len 0",
         ),
         ({"batch_size": -2}, ValueError, r"--batch-size .* at least 1; got --batch-size -2"),
-        ({"steps": 0}, ValueError, r"--steps .* at least 1; got --steps 0\. Pass e\.g\. --steps"),
-        ({"warmup_steps": -1}, ValueError, r"--warmup-steps .* at least 0; got --warmup-steps -1"),
+        (
+            {"steps": 0},
+            ValueError,
+            r"total_steps \(--steps\) must be at least 1; got total_steps=0\. .*\(--steps 200\)",
+        ),
+        (
+            {"warmup_steps": -1},
+            ValueError,
+            r"warmup_steps \(--warmup-steps\) must be at least 0; got warmup_steps=-1",
+        ),
         ({"warmup_steps": 8}, ValueError, r"below --steps.*--warmup-steps 8 and --steps 8"),
         ({"checkpoint_every": 0}, ValueError, r"--checkpoint-every .* at least 1"),
         ({"eval_every": -1}, ValueError, r"--eval-every .* at least 1"),
@@ -47,21 +61,25 @@ NAN, INF = float("nan"), float("inf")
         ({"devices": 0}, ValueError, r"--devices .* at least 1; got --devices 0"),
         ({"seed": -1}, ValueError, r"--seed .* at least 0; got --seed -1"),
         ({"seed": 2**32}, ValueError, r"--seed must be below 2\*\*32 .*got --seed 4294967296"),
-        ({"lr": NAN}, ValueError, r"--lr must be finite and > 0; got --lr nan\. Pass e\.g\. --lr"),
-        ({"lr": INF}, ValueError, r"--lr must be finite and > 0; got --lr inf"),
-        ({"lr": 0.0}, ValueError, r"--lr must be finite and > 0; got --lr 0\.0"),
+        (
+            {"lr": NAN},
+            ValueError,
+            r"lr \(--lr\) must be finite and > 0; got lr=nan\. Pass e\.g\. lr=3e-3 \(--lr 3e-3\)",
+        ),
+        ({"lr": INF}, ValueError, r"lr \(--lr\) must be finite and > 0; got lr=inf"),
+        ({"lr": 0.0}, ValueError, r"lr \(--lr\) must be finite and > 0; got lr=0\.0"),
         (
             {"weight_decay": -0.1},
             ValueError,
-            r"--weight-decay must be finite and >= 0; got .* -0\.1",
+            r"weight_decay \(--weight-decay\) must be finite and >= 0; got weight_decay=-0\.1",
         ),
-        ({"weight_decay": NAN}, ValueError, r"--weight-decay must be finite and >= 0; got .* nan"),
+        ({"weight_decay": NAN}, ValueError, r"\(--weight-decay\) must be .*; got weight_decay=nan"),
         (
             {"clip_norm": 0.0},
             ValueError,
-            r"--clip-norm must be finite and > 0 .*got --clip-norm 0.0",
+            r"clip_norm \(--clip-norm\) must be finite and > 0 .*got clip_norm=0\.0",
         ),
-        ({"clip_norm": INF}, ValueError, r"--clip-norm must be finite"),
+        ({"clip_norm": INF}, ValueError, r"clip_norm \(--clip-norm\) must be finite"),
         ({"val_fraction": 1.0}, ValueError, r"val_fraction must be .* between 0 and 1"),
         ({"strategy": "rings"}, ValueError, r"--strategy must be one of .*got --strategy 'rings'"),
         ({"load_balance": "zag"}, ValueError, r"--load-balance must be one of .* 'zag'"),
@@ -124,6 +142,18 @@ def test_config_type_rule(tmp_path, field, value, match):
     object.__setattr__(config, field, value)
     with pytest.raises(TypeError, match=match):
         check_train_config(config)
+
+
+def test_optimizer_functions_share_the_rules():
+    """`make_schedule` / `make_optimizer` run the same checks as the flags (NaN included)."""
+    with pytest.raises(ValueError, match=r"lr \(--lr\) must be finite and > 0; got lr=nan"):
+        make_schedule(NAN, 2, 8)
+    with pytest.raises(ValueError, match=r"total_steps \(--steps\) must be at least 1"):
+        make_schedule(1e-3, 0, 0)
+    with pytest.raises(ValueError, match=r"clip_norm \(--clip-norm\) must be finite and > 0"):
+        make_optimizer(1e-3, 2, 8, clip_norm=INF)
+    with pytest.raises(ValueError, match=r"weight_decay \(--weight-decay\) must be finite"):
+        make_optimizer(1e-3, 2, 8, weight_decay=-1.0)
 
 
 def test_config_accepts_edges(tmp_path):
@@ -201,7 +231,7 @@ def test_flag_groups_cover_every_field():
             ["--mesh", "context=4,context=2", "--devices", "8"],
             "--mesh names each axis at most once",
         ),
-        (["--lr", "nan"], r"--lr must be finite and > 0; got --lr nan"),
+        (["--lr", "nan"], r"lr \(--lr\) must be finite and > 0; got lr=nan"),
         (["--steps", "abc"], r"argument --steps: invalid int value: 'abc' \(see --help\)"),
         (["--strategy", "rings"], r"argument --strategy: invalid choice: 'rings'"),
         (["--override", "n_layers"], r"--override takes FIELD=VALUE"),

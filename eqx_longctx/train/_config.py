@@ -192,12 +192,12 @@ def flag_name(field: str) -> str:
 _FLAGS = {"model_overrides": "--override", "progress": "--no-progress"}
 _LIBRARY_ONLY = ("keep_checkpoints", "val_fraction")
 
-# Integer fields: (smallest allowed value, what the number counts).
+# Integer fields: (smallest allowed value or None, what the number counts).
 _INTS = {
     "seq_len": (1, "tokens per row"),
     "batch_size": (1, "rows per step"),
-    "steps": (1, "optimizer steps"),
-    "warmup_steps": (0, "steps of learning-rate warmup"),
+    "steps": (None, "optimizer steps"),  # ranges: check_optimizer_settings
+    "warmup_steps": (None, "steps of learning-rate warmup"),
     "checkpoint_every": (1, "steps between checkpoints"),
     "eval_every": (1, "steps between evaluations"),
     "log_every": (1, "steps between metrics lines"),
@@ -210,10 +210,11 @@ _INTS = {
 }
 _OPTIONAL = ("max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "remat")
 # Float fields: (rule, test, example).
+# Float fields: (rule, test, example); None: the range is check_optimizer_settings's.
 _FLOATS = {
-    "lr": ("finite and > 0", lambda x: x > 0, "3e-3"),
-    "weight_decay": ("finite and >= 0", lambda x: x >= 0, "0.1"),
-    "clip_norm": ("finite and > 0 (a global gradient norm)", lambda x: x > 0, "1.0"),
+    "lr": (None, None, "3e-3"),
+    "weight_decay": (None, None, "0.1"),
+    "clip_norm": (None, None, "1.0"),
     "val_fraction": ("finite and strictly between 0 and 1", lambda x: 0 < x < 1, "0.05"),
 }
 _STRS = ("preset", "data", "run_dir", "mesh")
@@ -229,8 +230,10 @@ def check_train_config(config: "TrainConfig") -> None:
     """Check every field of `config` before anything runs: types, ranges, choices, the mesh.
 
     Raises `TypeError` for a value of the wrong type and `ValueError` for one out of range,
-    each naming the flag, the value and the fix. Batch and sequence-length divisibility by
-    the mesh is checked by `Placement.check_run` with the `ShardingSpec`'s own rules.
+    each naming the flag, the value and the fix. Each rule has one home: the optimizer's
+    ranges are `check_optimizer_settings`'s (which `make_optimizer` runs too), the mesh
+    syntax is [`parse_mesh`][]'s, and batch, sequence-length and head divisibility by the
+    mesh are the `ShardingSpec`'s, run by `Placement.check_run`.
 
     **Arguments:**
 
@@ -238,6 +241,8 @@ def check_train_config(config: "TrainConfig") -> None:
     """
     from eqx_longctx._sharding import LOAD_BALANCES, STRATEGIES
     from eqx_longctx.nn import REMAT_POLICIES
+
+    from ._step import check_optimizer_settings
 
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     for name, (low, what) in _INTS.items():
@@ -249,7 +254,7 @@ def check_train_config(config: "TrainConfig") -> None:
                 f"{flag} ({what}) must be an integer; got {type(value).__name__} {value!r}. "
                 f"Pass e.g. {flag} {defaults[name]}."
             )
-        if value < low:
+        if low is not None and value < low:
             raise ValueError(
                 f"{flag} ({what}) must be at least {low}; got {flag} {value}. Pass e.g. "
                 f"{flag} {defaults[name]}."
@@ -268,7 +273,7 @@ def check_train_config(config: "TrainConfig") -> None:
                 f"{flag} must be a number; got {type(value).__name__} {value!r}. Pass e.g. "
                 f"{flag} {example}."
             )
-        if not (math.isfinite(value) and ok(value)):
+        if ok is not None and not (math.isfinite(value) and ok(value)):
             raise ValueError(
                 f"{flag} must be {rule}; got {flag} {value}. Pass e.g. {flag} {example}."
             )
@@ -305,6 +310,14 @@ def check_train_config(config: "TrainConfig") -> None:
                 f"{flag} must be one of {allowed}; got {flag} {value!r}. Pass e.g. {flag} "
                 f"{allowed[0]}."
             )
+    check_optimizer_settings(
+        lr=config.lr,
+        total_steps=config.steps,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        clip_norm=config.clip_norm,
+    )
+    # make_schedule would clip a longer warmup; from the CLI that is a mistake to report.
     if config.warmup_steps and config.warmup_steps >= config.steps:
         raise ValueError(
             "--warmup-steps must be below --steps (the learning rate warms up, then decays "

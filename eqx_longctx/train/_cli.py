@@ -58,8 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per step")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=d.warmup_steps,
+        help="linear warmup, then cosine decay to lr/10 at --steps (must be below --steps)",
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=d.weight_decay, help="AdamW decay of matrices"
+    )
     p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="global gradient norm")
     p.add_argument(
         "--data", default=d.data, help="text file or folder (default: the Python standard library)"

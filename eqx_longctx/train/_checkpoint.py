@@ -3,23 +3,33 @@
 A checkpoint directory holds only orbax step folders (`<step>/state`, `<step>/meta`).
 Anything else there means the path is not ours: we refuse to write into or resume from it
 rather than clobber someone's files.
+
+A step folder that cannot be read back (a truncated data file, deleted metadata, a missing
+`state/`) is not fatal while an older one is intact: `restore_newest_readable` skips it and
+says why, and `set_aside` moves it to `<directory>-unreadable/` so the step can be saved
+again.
 """
 
+import dataclasses
 import json
 import pathlib
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import orbax.checkpoint as ocp
 
+RESHARDABLE_MODEL_FIELDS = ("remat",)
 _TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
 
 
 def _is_step_dir(path: pathlib.Path) -> bool:
-    return path.is_dir() and path.name.isdigit() and (path / "state").is_dir()
+    # A numbered folder is a step, damaged or not: resume reports it rather than refusing
+    # the whole directory as someone else's.
+    return path.is_dir() and path.name.isdigit()
 
 
 def check_checkpoint_dir(directory: str | pathlib.Path) -> pathlib.Path:
@@ -44,7 +54,7 @@ def check_checkpoint_dir(directory: str | pathlib.Path) -> pathlib.Path:
         if foreign:
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
             raise ValueError(
-                "a checkpoint directory must hold only orbax step folders (<step>/state); "
+                "a checkpoint directory must hold only orbax step folders (<step>/); "
                 f"{path} also holds {len(foreign)} other entries: {shown}. Refusing to write "
                 "there or resume from it: choose another --run-dir or move those files away."
             )
@@ -150,6 +160,76 @@ class Checkpointer:
         state = restored["state"]
         return eqx.combine(state["params"], static), state["opt_state"], dict(restored["meta"])
 
+    def restore_newest_readable(
+        self, model, opt_state, check: Callable[[dict[str, Any], str], None] | None = None
+    ) -> "Restored":
+        """Restore the newest checkpoint that reads back whole, skipping damaged ones.
+
+        A checkpoint is unreadable when its JSON record or any array fails to load (a
+        truncated data file, deleted metadata, a missing folder). Nothing is moved or
+        deleted here: see [`set_aside`][].
+
+        **Arguments:**
+
+        - `model`, `opt_state`: restore targets, as for [`restore`][].
+        - `check`: called as `check(meta, where)` on each readable record before its arrays
+          are read; its `ValueError` (e.g. another model config) ends the search.
+
+        **Returns:** a [`Restored`][]; raises `ValueError` naming every step and why it could
+        not be read when none can.
+        """
+        self._require_step(None)
+        failures: list[tuple[int, str]] = []
+        for step in reversed(self.steps()):
+            where = str(self.directory / str(step))
+            try:
+                meta = {"step": step, **self.read_meta(step)}
+            except Exception as e:  # orbax and tensorstore raise many types
+                failures.append((step, unreadable_reason(e)))
+                continue
+            if check is not None:
+                try:
+                    check(meta, where)
+                except ValueError as e:
+                    if not failures:
+                        raise
+                    listed = "; ".join(f"step {s}: {why}" for s, why in failures)
+                    raise ValueError(f"{e} (Newer checkpoints cannot be read: {listed}.)") from None
+            try:
+                restored = self.restore(model, opt_state, step)
+            except Exception as e:
+                failures.append((step, unreadable_reason(e)))
+                continue
+            return Restored(*restored, step=step, unreadable=failures)
+        listed = "; ".join(f"step {s}: {why}" for s, why in failures)
+        raise ValueError(
+            f"resuming needs a readable checkpoint, and none in {self.directory} can be read "
+            f"({listed}). Start a new --run-dir, or pass --overwrite instead of --resume to "
+            "discard this run."
+        )
+
+    def set_aside(self, step: int) -> pathlib.Path:
+        """Move the folder of `step` (an unreadable checkpoint) out of the checkpoint
+        directory, so training can save that step again.
+
+        **Arguments:**
+
+        - `step`: a saved step.
+
+        **Returns:** where it went: `<directory>-unreadable/<step>` (a suffix `-1`, `-2`, ...
+        if that exists).
+        """
+        self.wait()
+        target = self.directory.with_name(self.directory.name + "-unreadable") / str(step)
+        n = 0
+        while target.exists():
+            n += 1
+            target = target.with_name(f"{step}-{n}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(self.directory / str(step), target)
+        self._manager.reload()
+        return target
+
     def wait(self) -> None:
         """Block until any background save has finished."""
         self._manager.wait_until_finished()
@@ -182,6 +262,42 @@ class Checkpointer:
         return step
 
 
+@dataclasses.dataclass
+class Restored:
+    """What [`Checkpointer.restore_newest_readable`][] found.
+
+    - `model`, `opt_state`, `meta`: as [`Checkpointer.restore`][] returns them.
+    - `step`: the step restored.
+    - `unreadable`: `(step, reason)` of each newer checkpoint that could not be read.
+    """
+
+    model: Any
+    opt_state: Any
+    meta: dict[str, Any]
+    step: int
+    unreadable: list[tuple[int, str]]
+
+
+def unreadable_reason(error: BaseException, limit: int = 240) -> str:
+    """One line on why a checkpoint failed to load: the innermost cause's type and the
+    first line of its message (tensorstore's long spec dump cut off).
+
+    **Arguments:**
+
+    - `error`: what orbax raised.
+    - `limit`: most characters of message kept.
+
+    **Returns:** e.g. `"ValueError: OUT_OF_RANGE: Error reading "params.w/0.0" ..."`.
+    """
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    text = str(text).strip().split("\n")[0].split(" [tensorstore_spec")[0]
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}"
+
+
 def check_meta_matches(meta: dict[str, Any], model_config: dict[str, Any], where: str) -> None:
     """Check that a checkpoint was written for the same model config.
 
@@ -195,6 +311,9 @@ def check_meta_matches(meta: dict[str, Any], model_config: dict[str, Any], where
     """
     saved = meta.get("model_config")
     wanted = _to_json(model_config)
+    if isinstance(saved, dict):  # remat recomputes the same values: free to change
+        saved = {k: v for k, v in saved.items() if k not in RESHARDABLE_MODEL_FIELDS}
+        wanted = {k: v for k, v in wanted.items() if k not in RESHARDABLE_MODEL_FIELDS}
     if saved == wanted:
         return
     if not isinstance(saved, dict):

@@ -23,11 +23,24 @@ def _override(text: str) -> tuple[str, str]:
     return key, value
 
 
+PROG = "eqx-longctx-train"
+
+
+class UsageError(Exception):
+    """A flag argparse could not parse (raised instead of printing usage and exiting)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # pyright: ignore[reportIncompatibleMethodOverride]
+        raise UsageError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """**Returns:** the argument parser of the training CLI."""
-    d = TrainConfig()
-    p = argparse.ArgumentParser(
-        prog="eqx-longctx-train",
+    """**Returns:** the argument parser of the training CLI (a parse error raises
+    `UsageError` rather than exiting)."""
+    d = TrainConfig(run_dir="unused")
+    p = _Parser(
+        prog=PROG,
         description="Train a Llama on a text corpus (default: the tiny preset on the Python "
         "standard library). Writes metrics.jsonl, loss.png and orbax checkpoints to --run-dir.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -45,8 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per step")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=d.warmup_steps,
+        help="linear warmup, then cosine decay to lr/10 at --steps (must be below --steps)",
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=d.weight_decay, help="AdamW decay of matrices"
+    )
     p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="global gradient norm")
     p.add_argument(
         "--data", default=d.data, help="text file or folder (default: the Python standard library)"
@@ -73,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="validation batches after the last step (0: the whole split)",
     )
     p.add_argument("--log-every", type=int, default=d.log_every, help="metrics.jsonl stride")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run from its newest readable checkpoint; flags that change the run "
+        "(recorded in RUN_DIR/flags.json) are refused, placement flags and strides may change",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -132,18 +157,33 @@ def _set_cpu_devices(n: int) -> None:
         pass  # backends already exist (e.g. inside a notebook); the Trainer checks the count
 
 
+def error_line(error: BaseException | str) -> str:
+    """**Returns:** the CLI's one-line report of `error`: `eqx-longctx-train: error: ...`."""
+    return f"{PROG}: error: {' '.join(str(error).split())}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, train, print a summary.
+
+    Every invalid flag (unparsable, out of range, inconsistent with the mesh, or changing a
+    resumed run) and every checkpoint that cannot be resumed from is reported as one line on
+    stderr, `eqx-longctx-train: error: <rule, values, fix>`, with no traceback.
 
     **Arguments:**
 
     - `argv`: the flags (default `sys.argv[1:]`).
 
-    **Returns:** the exit status: 0 when training completed, 1 when it stopped at a
-    non-finite loss, 2 on invalid settings (the `ValueError` message is printed), 130 on
-    Ctrl-C (background checkpoint writes are finished first).
+    **Returns:** the exit status: 0 when training completed, and also when `--resume` finds
+    the run already at or past `--steps` (it says there is nothing left to do and trains
+    nothing); 1 when it stopped at a non-finite loss; 2 on invalid flags or when no
+    checkpoint can be resumed from; 130 on Ctrl-C (background checkpoint writes are
+    finished first).
     """
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(error_line(f"{e} (see --help)"), file=sys.stderr)
+        return 2
     _set_cpu_devices(args.devices)
 
     from ._loop import Trainer
@@ -179,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.no_progress,
         )
         trainer = Trainer(config)
+        if trainer.nothing_to_do is not None:
+            trainer.close()
+            print(trainer.nothing_to_do, flush=True)
+            return 0
         print(
             f"training {config.preset} ({trainer.model.num_params():,} parameters) for "
             f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
@@ -200,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             trainer.close()
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     print(result.summary(), flush=True)
     return 0 if result.status == "completed" else 1

@@ -1,30 +1,79 @@
 """What a training run is: every knob in one frozen dataclass, validated on construction."""
 
 import dataclasses
+import math
+import os
 import pathlib
 import time
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 NONFINITE_MODES = ("stop", "skip")
 MESH_AXES = ("data", "ulysses", "context", "tensor")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """`"data=2,context=4"` -> `{"data": 2, "context": 4}` (axes in the order given)."""
+    """`"data=2,context=4"` -> `{"data": 2, "context": 4}` (axes in the order given).
+
+    **Arguments:**
+
+    - `text`: comma-separated `AXIS=SIZE` parts; axes from `MESH_AXES`, each at most once,
+      sizes positive integers, `context` required.
+
+    **Returns:** the axis sizes; raises `ValueError` naming the bad part and the fix.
+    """
+    if not isinstance(text, str):
+        raise TypeError(
+            f"--mesh must be a string such as 'data=2,context=4'; got {type(text).__name__} "
+            f"{text!r}. Pass the axis sizes as AXIS=SIZE parts joined by commas."
+        )
     shape: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, size = part.partition("=")
-        if not sep or not size.strip().isdigit() or name.strip() not in MESH_AXES:
+        name, sep, size = (s.strip() for s in part.partition("="))
+        if not sep or name not in MESH_AXES:
             raise ValueError(
-                f"mesh must look like 'data=2,context=4' with axes from {MESH_AXES}; got "
-                f"{text!r} (bad part {part!r})."
+                f"--mesh takes AXIS=SIZE parts with axes from {MESH_AXES}; got --mesh {text!r} "
+                f"(bad part {part!r}). Pass e.g. --mesh data=2,context=4."
             )
-        shape[name.strip()] = int(size)
+        if not size.isdigit() or int(size) < 1:
+            raise ValueError(
+                f"--mesh axis sizes must be positive integers; got --mesh {text!r} (axis "
+                f"{name!r} has size {size!r}). Pass e.g. {name}=2."
+            )
+        if name in shape:
+            raise ValueError(
+                f"--mesh names each axis at most once; got --mesh {text!r}, where {name!r} "
+                f"appears twice ({name}={shape[name]} and {name}={size}). Keep one {name}=SIZE "
+                "part."
+            )
+        shape[name] = int(size)
     if "context" not in shape:
         raise ValueError(
-            f"mesh needs a 'context' axis (the sequence is split over it); got {text!r}. "
-            "Add context=1 for plain data parallelism."
+            f"--mesh needs a 'context' axis (the sequence is split over it); got --mesh "
+            f"{text!r}. Add context=1 for plain data parallelism."
+        )
+    return shape
+
+
+def mesh_shape(mesh: str | None, devices: int) -> dict[str, int]:
+    """The parsed mesh of a run on `devices` devices, checked to use exactly that many.
+
+    **Arguments:**
+
+    - `mesh`: `--mesh` text, or `None` for [`default_mesh`][]`(devices)`.
+    - `devices`: the device count (`--devices`).
+
+    **Returns:** the axis sizes (see [`parse_mesh`][]).
+    """
+    shape = parse_mesh(mesh or default_mesh(devices))
+    total = math.prod(shape.values())
+    if total != devices:
+        raise ValueError(
+            f"the mesh's axis sizes must multiply to --devices; got --mesh "
+            f"{mesh or default_mesh(devices)!r} ({total} devices) and --devices {devices}. Pass "
+            f"--devices {total}, or axis sizes whose product is {devices}."
         )
     return shape
 
@@ -59,13 +108,18 @@ def default_mesh(devices: int) -> str:
 class TrainConfig:
     """Settings of one training run (the CLI flags map one to one onto these fields).
 
+    Every field is checked on construction by [`check_train_config`][] (types, ranges,
+    choices, the mesh), before any data is read or anything traced; `Trainer` then checks
+    the mesh against the batch, sequence and heads with [`Placement.check_run`][].
+
     **Arguments:**
 
     - `preset`: key of `models.llama.PRESETS`.
     - `model_overrides`: `LlamaConfig` fields to replace, e.g. `{"num_layers": 2}`.
     - `seq_len`, `batch_size`: tokens per row, rows per step.
     - `steps`: total optimizer steps (the cosine schedule spans them).
-    - `lr`, `warmup_steps`, `weight_decay`, `clip_norm`: see `make_optimizer`.
+    - `lr`, `warmup_steps`, `weight_decay`, `clip_norm`: see `make_optimizer`; `lr` finite
+      and positive, `warmup_steps` below `steps`.
     - `data`: corpus path (`None`: the Python standard library); `max_bytes`: read at most
       this much of it (`None`: the data package's default); `val_fraction`: held-out share.
     - `run_dir`: where `metrics.jsonl`, `loss.png` and `checkpoints/` go (`None`: a new
@@ -96,10 +150,10 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     clip_norm: float = 1.0
-    data: str | None = None
+    data: str | os.PathLike[str] | None = None
     max_bytes: int | None = 4 * 2**20
     val_fraction: float = 0.05
-    run_dir: str | None = None
+    run_dir: str | os.PathLike[str] | None = None
     checkpoint_every: int = 100
     eval_every: int = 50
     log_every: int = 1
@@ -118,67 +172,165 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        for name in ("run_dir", "data"):  # accept paths, record strings
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+        check_train_config(self)
         if self.run_dir is None:
             object.__setattr__(self, "run_dir", str(default_run_dir(self.resume)))
-        if self.on_nonfinite not in NONFINITE_MODES:
-            raise ValueError(
-                f"on_nonfinite must be one of {NONFINITE_MODES}; got "
-                f"on_nonfinite={self.on_nonfinite!r}. Pass 'stop' to end the run at the first "
-                "non-finite loss or 'skip' to drop that update and continue."
-            )
-        positive = {
-            "seq_len": self.seq_len,
-            "batch_size": self.batch_size,
-            "steps": self.steps,
-            "checkpoint_every": self.checkpoint_every,
-            "eval_every": self.eval_every,
-            "log_every": self.log_every,
-            "keep_checkpoints": self.keep_checkpoints,
-            "devices": self.devices,
-        }
-        bad = {k: v for k, v in positive.items() if v < 1}
-        if bad:
-            raise ValueError(f"these settings must be at least 1; got {bad}. Pass positive values.")
-        for name in ("eval_batches", "final_eval_batches"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(
-                    f"{name} must be >= 1 or None (the whole split); got {name}={value}. "
-                    "Pass a positive count or None."
-                )
-        if self.devices > 1 or self.mesh is not None:
-            self._check_mesh()
-        if self.resume and self.overwrite:
-            raise ValueError(
-                "resume continues the checkpoints in run_dir while overwrite deletes them; got "
-                "resume=True and overwrite=True. Pass only one of --resume / --overwrite."
-            )
 
-    def _check_mesh(self) -> None:
-        shape = parse_mesh(self.mesh or default_mesh(self.devices))
-        total = 1
-        for size in shape.values():
-            total *= size
-        if total != self.devices:
-            raise ValueError(
-                f"the mesh {shape} has {total} devices but devices={self.devices}; make the "
-                "axis sizes multiply to the device count (--mesh / --devices)."
+
+def flag_name(field: str) -> str:
+    """**Returns:** the CLI flag of a `TrainConfig` field (`seq_len` -> `--seq-len`), or the
+    field's own name for those only the library sets."""
+    if field in _LIBRARY_ONLY:
+        return field
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+_FLAGS = {"model_overrides": "--override", "progress": "--no-progress"}
+_LIBRARY_ONLY = ("keep_checkpoints", "val_fraction")
+
+# Integer fields: (smallest allowed value or None, what the number counts).
+_INTS = {
+    "seq_len": (1, "tokens per row"),
+    "batch_size": (1, "rows per step"),
+    "steps": (None, "optimizer steps"),  # ranges: check_optimizer_settings
+    "warmup_steps": (None, "steps of learning-rate warmup"),
+    "checkpoint_every": (1, "steps between checkpoints"),
+    "eval_every": (1, "steps between evaluations"),
+    "log_every": (1, "steps between metrics lines"),
+    "keep_checkpoints": (1, "newest checkpoints kept"),
+    "devices": (1, "devices to run on"),
+    "seed": (0, "the random seed"),
+    "max_bytes": (1, "corpus bytes to read; None: the data package's default"),
+    "eval_batches": (1, "validation batches per evaluation; None: the whole split"),
+    "final_eval_batches": (1, "validation batches after the last step; None: the whole split"),
+}
+_OPTIONAL = ("max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "remat")
+# Float fields: (rule, test, example).
+# Float fields: (rule, test, example); None: the range is check_optimizer_settings's.
+_FLOATS = {
+    "lr": (None, None, "3e-3"),
+    "weight_decay": (None, None, "0.1"),
+    "clip_norm": (None, None, "1.0"),
+    "val_fraction": ("finite and strictly between 0 and 1", lambda x: 0 < x < 1, "0.05"),
+}
+_STRS = ("preset", "data", "run_dir", "mesh")
+_BOOLS = ("resume", "overwrite", "progress")
+_SEED_LIMIT = 2**32
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_train_config(config: "TrainConfig") -> None:
+    """Check every field of `config` before anything runs: types, ranges, choices, the mesh.
+
+    Raises `TypeError` for a value of the wrong type and `ValueError` for one out of range,
+    each naming the flag, the value and the fix. Each rule has one home: the optimizer's
+    ranges are `check_optimizer_settings`'s (which `make_optimizer` runs too), the mesh
+    syntax is [`parse_mesh`][]'s, and batch, sequence-length and head divisibility by the
+    mesh are the `ShardingSpec`'s, run by `Placement.check_run`.
+
+    **Arguments:**
+
+    - `config`: the settings to check.
+    """
+    from eqx_longctx._sharding import LOAD_BALANCES, STRATEGIES
+    from eqx_longctx.nn import REMAT_POLICIES
+
+    from ._step import check_optimizer_settings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for name, (low, what) in _INTS.items():
+        value, flag = getattr(config, name), flag_name(name)
+        if value is None and name in _OPTIONAL:
+            continue
+        if value is None or not _is_int(value):
+            raise TypeError(
+                f"{flag} ({what}) must be an integer; got {type(value).__name__} {value!r}. "
+                f"Pass e.g. {flag} {defaults[name]}."
             )
-        data = shape.get("data", 1)
-        if self.batch_size % data:
+        if low is not None and value < low:
             raise ValueError(
-                f"the batch is split over the mesh axis 'data' of size {data}, so batch_size "
-                f"must be divisible by {data}; got batch_size={self.batch_size}. Pass "
-                f"--batch-size as a multiple of {data}."
+                f"{flag} ({what}) must be at least {low}; got {flag} {value}. Pass e.g. "
+                f"{flag} {defaults[name]}."
             )
-        n = shape["context"] * shape.get("ulysses", 1)
-        need = 2 * n if self.load_balance == "zigzag" else n
-        if self.seq_len % need:
+    if config.seed >= _SEED_LIMIT:
+        raise ValueError(
+            f"--seed must be below 2**32 (it seeds JAX and NumPy generators); got --seed "
+            f"{config.seed}. Pass e.g. --seed {config.seed % _SEED_LIMIT}."
+        )
+    for name, (rule, ok, example) in _FLOATS.items():
+        value, flag = getattr(config, name), flag_name(name)
+        if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(
+            value, (bool, np.bool_)
+        ):
+            raise TypeError(
+                f"{flag} must be a number; got {type(value).__name__} {value!r}. Pass e.g. "
+                f"{flag} {example}."
+            )
+        if ok is not None and not (math.isfinite(value) and ok(value)):
             raise ValueError(
-                f"load_balance={self.load_balance!r} over {n} sequence shards needs seq_len "
-                f"divisible by {need}; got seq_len={self.seq_len}. Pass --seq-len as a "
-                f"multiple of {need}."
+                f"{flag} must be {rule}; got {flag} {value}. Pass e.g. {flag} {example}."
             )
+    for name in _STRS + _BOOLS:
+        value, flag = getattr(config, name), flag_name(name)
+        kind = bool if name in _BOOLS else str
+        if not isinstance(value, kind) and not (value is None and name in _OPTIONAL):
+            fix = (
+                "True or False"
+                if kind is bool
+                else "a string" + (" or None" if name in _OPTIONAL else "")
+            )
+            raise TypeError(
+                f"{flag} must be a {kind.__name__}; got {type(value).__name__} {value!r}. "
+                f"Pass {fix}."
+            )
+    if not isinstance(config.model_overrides, Mapping) or not all(
+        isinstance(k, str) for k in config.model_overrides
+    ):
+        raise TypeError(
+            "--override (model_overrides) must map LlamaConfig field names to values; got "
+            f"{config.model_overrides!r}. Pass e.g. {{'n_layers': 2}} (CLI: --override n_layers=2)."
+        )
+    choices = {
+        "strategy": STRATEGIES,
+        "load_balance": LOAD_BALANCES,
+        "on_nonfinite": NONFINITE_MODES,
+        "remat": (*REMAT_POLICIES, None),
+    }
+    for name, allowed in choices.items():
+        value, flag = getattr(config, name), flag_name(name)
+        if value not in allowed:
+            raise ValueError(
+                f"{flag} must be one of {allowed}; got {flag} {value!r}. Pass e.g. {flag} "
+                f"{allowed[0]}."
+            )
+    check_optimizer_settings(
+        lr=config.lr,
+        total_steps=config.steps,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        clip_norm=config.clip_norm,
+    )
+    # make_schedule would clip a longer warmup; from the CLI that is a mistake to report.
+    if config.warmup_steps and config.warmup_steps >= config.steps:
+        raise ValueError(
+            "--warmup-steps must be below --steps (the learning rate warms up, then decays "
+            f"over the rest of the run); got --warmup-steps {config.warmup_steps} and --steps "
+            f"{config.steps}. Pass e.g. --warmup-steps {config.steps // 10}."
+        )
+    if config.devices > 1 or config.mesh is not None:
+        mesh_shape(config.mesh, config.devices)
+    if config.resume and config.overwrite:
+        raise ValueError(
+            "--resume continues the checkpoints in --run-dir while --overwrite deletes them; "
+            "got both. Pass only one of --resume / --overwrite."
+        )
 
 
 def build_model_config(config: TrainConfig, vocab_size: int):
@@ -193,28 +345,44 @@ def build_model_config(config: TrainConfig, vocab_size: int):
     """
     from models.llama import PRESETS, LlamaConfig
 
-    if config.preset not in PRESETS:
-        raise ValueError(
-            f"preset must be one of {sorted(PRESETS)}; got preset={config.preset!r}. "
-            "Pass e.g. --preset tiny."
-        )
-    base = PRESETS[config.preset]
-    fields = {f.name for f in dataclasses.fields(base)}
-    unknown = sorted(set(config.model_overrides) - fields)
-    if unknown:
-        raise ValueError(
-            f"model overrides must name LlamaConfig fields; got unknown {unknown}. "
-            f"Valid fields: {sorted(fields)}."
-        )
+    overrides = resolve_overrides(config.preset, config.model_overrides)
     changes: dict[str, Any] = {
         "vocab_size": vocab_size,
-        "max_seq_len": max(base.max_seq_len, config.seq_len),
+        "max_seq_len": max(PRESETS[config.preset].max_seq_len, config.seq_len),
     }
     if config.remat is not None:
         changes["remat"] = config.remat
-    for name, value in config.model_overrides.items():
-        changes[name] = _coerce(value, getattr(base, name), name)
+    changes.update(overrides)
     return LlamaConfig.from_preset(config.preset, **changes)
+
+
+def resolve_overrides(preset: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Check a preset name and its overrides; turn CLI strings into the preset's types.
+
+    **Arguments:**
+
+    - `preset`: a `models.llama.PRESETS` key (`--preset`).
+    - `overrides`: `LlamaConfig` field -> value (`--override FIELD=VALUE`; strings parse as
+      the preset's value for that field).
+
+    **Returns:** the overrides with parsed values.
+    """
+    from models.llama import PRESETS
+
+    if preset not in PRESETS:
+        raise ValueError(
+            f"--preset must be one of {sorted(PRESETS)}; got --preset {preset!r}. "
+            "Pass e.g. --preset tiny."
+        )
+    base = PRESETS[preset]
+    fields = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"--override must name LlamaConfig fields; got unknown {unknown}. "
+            f"Valid fields: {sorted(fields)}."
+        )
+    return {name: _coerce(value, getattr(base, name), name) for name, value in overrides.items()}
 
 
 def _coerce(value: Any, like: Any, name: str) -> Any:

@@ -3,6 +3,10 @@
 Resume is exact: batches are a pure function of (seed, step), and the checkpoint holds the
 parameters, the optimizer state (whose step count drives the schedule), the step and the
 skipped-step count, so step `s + 1` after a resume sees what it would have seen.
+
+A fresh run writes its flags to `<run_dir>/flags.json`; `--resume` refuses flags that would
+make it a different run (see `_record.py` for which may change) and falls back past
+checkpoints it cannot read.
 """
 
 import dataclasses
@@ -21,6 +25,7 @@ from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
 from ._config import TrainConfig, build_model_config
 from ._metrics import MetricsLog, plot_metrics
 from ._parallel import Placement
+from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
 from ._step import check_batch, evaluate, make_optimizer, make_train_step
 
 BatchHook = Callable[[int, Any], Any]
@@ -30,8 +35,9 @@ BatchHook = Callable[[int, Any], Any]
 class TrainResult:
     """What a run ended with.
 
-    - `status`: `"completed"`, `"nonfinite"` (stopped by `on_nonfinite="stop"`) or
-      `"interrupted"` (stopped early by `run(stop_at=...)`).
+    - `status`: `"completed"`, `"nonfinite"` (stopped by `on_nonfinite="stop"`),
+      `"interrupted"` (stopped early by `run(stop_at=...)`) or `"nothing_to_do"` (resumed at
+      or past `config.steps`: nothing trained, see `Trainer.nothing_to_do`).
     - `step`: completed steps (a step that stopped the run does not count);
       `skipped_steps`: updates dropped as non-finite by `on_nonfinite="skip"`.
     - `wall_time`: seconds, including earlier segments of a resumed run.
@@ -79,7 +85,11 @@ class Trainer:
     """Builds everything a run needs from a [`TrainConfig`][], then [`run`][] trains.
 
     Construction validates the run directory: it resumes from (`resume=True`), clears
-    (`overwrite=True`), or refuses to touch an earlier run's checkpoints.
+    (`overwrite=True`), or refuses to touch an earlier run's checkpoints. Resuming restores
+    the newest readable checkpoint (each unreadable newer one is reported in one line on
+    stderr and moved aside) after checking that the flags continue the recorded run; when
+    that checkpoint is already at `config.steps`, `nothing_to_do` holds a message saying so
+    (else `None`) and [`run`][] trains nothing.
 
     **Arguments:**
 
@@ -95,6 +105,23 @@ class Trainer:
 
         self.config = config
         self.batch_hook = batch_hook
+        # Every check that needs no data comes first: bad flags fail before the corpus is
+        # read and the model built.
+        self.model_config = build_model_config(config, ByteTokenizer.vocab_size)
+        self.parallel = Placement(config.devices, config.mesh, config.strategy, config.load_balance)
+        self.parallel.check_run(config.batch_size, config.seq_len, self.model_config)
+        self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ValueError(
+                f"run_dir must be a directory; got run_dir={str(self.run_dir)!r}, which is a "
+                "file. Pass another --run-dir."
+            )
+        checkpoint_dir = check_checkpoint_dir(self.run_dir / "checkpoints")
+        if config.resume and not checkpoint_dir.is_dir():
+            raise ValueError(
+                f"resuming needs a saved checkpoint; {checkpoint_dir} does not exist. Train "
+                "without --resume first, or point --run-dir at the run that saved one."
+            )
         if datasets is None:
             kwargs: dict[str, Any] = {}
             if config.max_bytes is not None:
@@ -114,22 +141,7 @@ class Trainer:
                 f"{sorted(lengths)} and seq_len={config.seq_len}. Pack them with "
                 f"load_datasets(seq_len={config.seq_len}) or change seq_len."
             )
-        self.model_config = build_model_config(config, ByteTokenizer.vocab_size)
-        self.parallel = Placement(config.devices, config.mesh, config.strategy, config.load_balance)
 
-        # Validate the run directory before the (slow) model build.
-        self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise ValueError(
-                f"run_dir must be a directory; got run_dir={str(self.run_dir)!r}, which is a "
-                "file. Pass another --run-dir."
-            )
-        checkpoint_dir = check_checkpoint_dir(self.run_dir / "checkpoints")
-        if config.resume and not checkpoint_dir.is_dir():
-            raise ValueError(
-                f"resuming needs a saved checkpoint; {checkpoint_dir} does not exist. Train "
-                "without --resume first, or point --run-dir at the run that saved one."
-            )
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.plot_path = self.run_dir / "loss.png"
         self.checkpointer = Checkpointer(checkpoint_dir, max_to_keep=config.keep_checkpoints)
@@ -141,13 +153,10 @@ class Trainer:
         self.last_val: dict[str, float] | None = None
 
     def _init_state(self, model_class) -> None:
-        """Build model and optimizer state: fresh, or restored from the newest checkpoint."""
+        """Build model and optimizer state: fresh, or restored from the newest readable
+        checkpoint."""
         config, checkpointer = self.config, self.checkpointer
-        if config.resume:
-            meta = checkpointer.read_meta()  # raises when there is no checkpoint
-            model_config = dataclasses.asdict(self.model_config)
-            check_meta_matches(meta, model_config, str(checkpointer.directory))
-        elif checkpointer.steps() and not config.overwrite:
+        if not config.resume and checkpointer.steps() and not config.overwrite:
             raise ValueError(
                 "a fresh run must not mix with an earlier run's checkpoints; "
                 f"{checkpointer.directory} holds steps {checkpointer.steps()}. Pass --resume "
@@ -162,25 +171,68 @@ class Trainer:
         )
         opt_state = replicate(self.optimizer.init(eqx.filter(model, eqx.is_inexact_array)))
         self.step, self.skipped, self.wall_offset = 0, 0, 0.0
+        self.nothing_to_do: str | None = None
         if config.resume:
-            model, opt_state, meta = checkpointer.restore(model, opt_state)
-            self.step, self.skipped = meta["step"], meta.get("skipped_steps", 0)
-            self.wall_offset = meta.get("wall_time", 0.0)
-            self.metrics.truncate_after(self.step)
+            model, opt_state = self._resume(model, opt_state)
         else:
             checkpointer.delete_all()  # empty unless overwrite=True
             self.metrics.reset()
+            write_flags(self.run_dir, config)
         self.model, self.opt_state = model, opt_state
 
+    def _resume(self, model, opt_state):
+        """Restore the newest readable checkpoint, after checking the flags continue its run.
+
+        Unreadable newer checkpoints are reported one line each and, when training goes
+        on, moved aside (so their steps can be saved again).
+        """
+        config, checkpointer = self.config, self.checkpointer
+        wanted = dataclasses.asdict(self.model_config)
+        flags_record = read_flags(self.run_dir)
+        done = False
+
+        def check(meta: dict[str, Any], where: str) -> None:
+            nonlocal done
+            recorded, source = flags_record, str(self.run_dir / FLAGS_FILE)
+            if recorded is None:
+                recorded, source = meta.get("train_config"), f"{where} (no {FLAGS_FILE})"
+            done = check_resume_flags(recorded, config, source, meta["step"])
+            check_meta_matches(meta, wanted, where)
+
+        found = checkpointer.restore_newest_readable(model, opt_state, check=check)
+        self._report_unreadable(found.unreadable, found.step, move=not done)
+        self.step = found.step
+        self.skipped = found.meta.get("skipped_steps", 0)
+        self.wall_offset = found.meta.get("wall_time", 0.0)
+        if done:
+            self.nothing_to_do = (
+                f"nothing left to do: the newest readable checkpoint in {checkpointer.directory} "
+                f"is step {found.step} and --steps {config.steps} asks for no more; nothing was "
+                "trained or changed. To train longer, start a new --run-dir with a larger "
+                "--steps (the cosine schedule spans --steps, so a run cannot be extended)."
+            )
+        else:
+            self.metrics.truncate_after(self.step)
+        return found.model, found.opt_state
+
+    def _report_unreadable(self, unreadable: list[tuple[int, str]], good: int, move: bool):
+        for step, why in unreadable:
+            if move:
+                moved = self.checkpointer.set_aside(step)
+                then = f"resuming from step {good} instead (step {step} moved to {moved})"
+            else:
+                then = f"the newest readable checkpoint is step {good}"
+            print(
+                f"checkpoint step {step} in {self.checkpointer.directory} cannot be read "
+                f"({why}); {then}.",
+                file=sys.stderr,
+                flush=True,
+            )
+
     def _meta(self, wall_time: float) -> dict[str, Any]:
-        train = {
-            k: v
-            for k, v in dataclasses.asdict(self.config).items()
-            if k not in ("resume", "overwrite", "progress")
-        }
         return {
             "model_config": dataclasses.asdict(self.model_config),
-            "train_config": train,
+            "train_config": run_flags(self.config),
             "skipped_steps": self.skipped,
             "wall_time": wall_time,
         }
@@ -206,6 +258,8 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.config
+        if self.nothing_to_do is not None:
+            return self._result("nothing_to_do", 0.0)
         end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
         tokens_per_step = cfg.batch_size * cfg.seq_len
         start = time.perf_counter() - self.wall_offset
@@ -279,15 +333,17 @@ class Trainer:
         finally:
             bar.close()
             self.checkpointer.wait()
-        wall = time.perf_counter() - start
         records = self.metrics.read()
         if records:
             plot_metrics(records, self.plot_path, title=f"{cfg.preset} on {cfg.data or 'stdlib'}")
+        return self._result(status, time.perf_counter() - start)
+
+    def _result(self, status: str, wall_time: float) -> TrainResult:
         return TrainResult(
             status=status,
             step=self.step,
             skipped_steps=self.skipped,
-            wall_time=wall,
+            wall_time=wall_time,
             val=self.last_val,
             model=self.model,
             opt_state=self.opt_state,

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from eqx_longctx import ShardingSpec
 from eqx_longctx.data import place_batch
 
-from ._config import default_mesh, parse_mesh
+from ._config import default_mesh, mesh_shape
 
 
 class Placement:
@@ -48,23 +48,57 @@ class Placement:
         if devices == 1 and mesh is None:
             self._replicated = available[0]
             return
-        shape = parse_mesh(mesh or default_mesh(devices))
-        if int(np.prod(list(shape.values()))) != devices:
-            raise ValueError(
-                f"the mesh {mesh!r} has {int(np.prod(list(shape.values())))} devices but "
-                f"devices={devices}; make the axis sizes multiply to the device count."
-            )
+        shape = mesh_shape(mesh, devices)
         # Auto axes: jit propagates shardings through the replicated model and optimizer.
         grid = np.array(available[:devices]).reshape(tuple(shape.values()))
         self.mesh = Mesh(grid, tuple(shape))
-        self.spec = ShardingSpec(
-            self.mesh,
-            strategy=strategy,
-            load_balance=load_balance,
-            ulysses_axis="ulysses" if "ulysses" in shape else None,
-            tensor_axis="tensor" if "tensor" in shape else None,
-        )
+        try:
+            self.spec = ShardingSpec(
+                self.mesh,
+                strategy=strategy,
+                load_balance=load_balance,
+                ulysses_axis="ulysses" if "ulysses" in shape else None,
+                tensor_axis="tensor" if "tensor" in shape else None,
+            )
+        except ValueError as e:
+            text = mesh or default_mesh(devices)
+            raise ValueError(f"--mesh {text!r} with --strategy {strategy!r}: {e}") from None
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
+
+    def check_run(self, batch_size: int, seq_len: int, model_config) -> None:
+        """Check that a run's batches and the model's heads split over this mesh, before
+        anything is built or traced.
+
+        The rules are the attention's own (`ShardingSpec.check_batch`,
+        `check_sequence_length`, the tensor and Ulysses head checks), applied to the shapes
+        every step will have; their messages are prefixed with the flags that set them.
+
+        **Arguments:**
+
+        - `batch_size`, `seq_len`: `--batch-size`, `--seq-len`.
+        - `model_config`: the `LlamaConfig` (its `n_heads`, `n_kv_heads`, `head_dim`).
+        """
+        if self.spec is None:
+            return
+        from eqx_longctx._layout import check_sequence_length
+        from eqx_longctx.attention._validate import check_spec_inputs
+
+        self.spec.check_batch(batch_size, what=f"--batch-size {batch_size}")
+        try:
+            check_sequence_length(self.spec, seq_len)
+        except ValueError as e:
+            raise ValueError(f"--seq-len {seq_len}: {e}") from None
+        c = model_config
+        kv_heads = c.n_kv_heads or c.n_heads
+        q = jax.ShapeDtypeStruct((batch_size, seq_len, c.n_heads, c.head_dim), np.float32)
+        k = jax.ShapeDtypeStruct((batch_size, seq_len, kv_heads, c.head_dim), np.float32)
+        try:
+            check_spec_inputs(self.spec, q, k, None)
+        except ValueError as e:
+            raise ValueError(
+                f"--strategy {self.spec.strategy!r} on mesh {dict(self.mesh.shape)} with the "
+                f"model's {c.n_heads} query / {kv_heads} key-value heads: {e}"
+            ) from None
 
     def describe(self) -> str:
         if self.spec is None:

@@ -20,6 +20,35 @@ _LN2 = math.log(2.0)
 TrainStep = Callable[[Any, optax.OptState, Any], tuple[Any, optax.OptState, dict[str, Array]]]
 
 
+# Optimizer settings: (CLI flag, rule, test, example). NaN fails every test.
+_OPTIMIZER_RULES = {
+    "lr": ("--lr", "finite and > 0", lambda x: x > 0, "3e-3"),
+    "total_steps": ("--steps", "at least 1", lambda x: x >= 1, "200"),
+    "warmup_steps": ("--warmup-steps", "at least 0", lambda x: x >= 0, "20"),
+    "weight_decay": ("--weight-decay", "finite and >= 0", lambda x: x >= 0, "0.1"),
+    "clip_norm": ("--clip-norm", "finite and > 0 (a global gradient norm)", lambda x: x > 0, "1.0"),
+}
+
+
+def check_optimizer_settings(**settings: float | int | None) -> None:
+    """Raise `ValueError` for the first optimizer setting out of range, naming the setting,
+    its CLI flag, the value and the fix. The one place these rules live: `make_schedule`,
+    `make_optimizer` and `TrainConfig` all call it.
+
+    **Arguments:**
+
+    - `**settings`: any of `lr`, `total_steps`, `warmup_steps`, `weight_decay`,
+      `clip_norm` (`None`: not checked).
+    """
+    for name, value in settings.items():
+        flag, rule, ok, example = _OPTIMIZER_RULES[name]
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise ValueError(
+                f"{name} ({flag}) must be {rule}; got {name}={value}. Pass e.g. "
+                f"{name}={example} ({flag} {example})."
+            )
+
+
 def make_schedule(lr: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
     """Linear warmup to `lr` over `warmup_steps`, then cosine decay to `lr / 10` at `total_steps`.
 
@@ -33,12 +62,7 @@ def make_schedule(lr: float, warmup_steps: int, total_steps: int) -> optax.Sched
 
     **Returns:** an `optax.Schedule` mapping the update count to a learning rate.
     """
-    if lr <= 0 or total_steps < 1 or warmup_steps < 0:
-        raise ValueError(
-            "the learning-rate schedule needs lr > 0, total_steps >= 1 and warmup_steps >= 0; "
-            f"got lr={lr}, total_steps={total_steps}, warmup_steps={warmup_steps}. "
-            "Pass positive values (e.g. --lr 2e-3 --steps 400 --warmup-steps 40)."
-        )
+    check_optimizer_settings(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     warmup = min(warmup_steps, total_steps - 1)
     return optax.warmup_cosine_decay_schedule(
         init_value=lr / max(warmup, 1),
@@ -87,12 +111,7 @@ def make_optimizer(
 
     **Returns:** an `optax.GradientTransformation`.
     """
-    if clip_norm <= 0 or weight_decay < 0:
-        raise ValueError(
-            "make_optimizer needs clip_norm > 0 and weight_decay >= 0; got "
-            f"clip_norm={clip_norm}, weight_decay={weight_decay}. Pass e.g. clip_norm=1.0, "
-            "weight_decay=0.1."
-        )
+    check_optimizer_settings(weight_decay=weight_decay, clip_norm=clip_norm)
     schedule = make_schedule(lr, warmup_steps, total_steps)
 
     def build(learning_rate):

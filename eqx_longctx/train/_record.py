@@ -1,0 +1,161 @@
+"""The run record: the flags a run was started with (`<run_dir>/flags.json`), and the rule
+for which of them `--resume` may change.
+
+Every `TrainConfig` field falls in one of three groups:
+
+- `RUN_FLAGS` define the run: the data and its order (`data`, `max_bytes`, `val_fraction`,
+  `seed`), the shapes (`seq_len`, `batch_size`), the model (`preset`, `model_overrides`)
+  and the optimizer with its schedule (`lr`, `warmup_steps`, `weight_decay`, `clip_norm`,
+  `steps`: the cosine decay spans `steps`, so a different value changes the learning rate
+  of every step after warmup, including ones already taken). Resuming with another value
+  would not continue the same run, so `--resume` refuses it.
+- `RESHARDABLE_FLAGS` say where and how the same arithmetic runs (`devices`, `mesh`,
+  `strategy`, `load_balance`, `remat`): changing them on resume gives the same
+  mathematics, equal up to floating-point summation order (bitwise-exact resume holds for
+  unchanged values only).
+- `FREE_FLAGS` are bookkeeping and policy (strides, evaluation sizes, checkpoints kept,
+  `on_nonfinite`, which a run stopped by a non-finite loss changes to `skip` to continue)
+  and per-invocation switches.
+"""
+
+import json
+import pathlib
+from typing import Any
+
+from ._config import TrainConfig, flag_name, resolve_overrides
+
+RUN_FLAGS = (
+    "preset",
+    "model_overrides",
+    "seq_len",
+    "batch_size",
+    "steps",
+    "lr",
+    "warmup_steps",
+    "weight_decay",
+    "clip_norm",
+    "data",
+    "max_bytes",
+    "val_fraction",
+    "seed",
+)
+RESHARDABLE_FLAGS = ("devices", "mesh", "strategy", "load_balance", "remat")
+FREE_FLAGS = (
+    "checkpoint_every",
+    "eval_every",
+    "log_every",
+    "eval_batches",
+    "final_eval_batches",
+    "keep_checkpoints",
+    "on_nonfinite",
+    "run_dir",
+    "resume",
+    "overwrite",
+    "progress",
+)
+FLAGS_FILE = "flags.json"
+_NOT_RECORDED = ("run_dir", "resume", "overwrite", "progress")
+
+
+def run_flags(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
+    """The record of a run's flags, normalised so that equal runs give equal records.
+
+    Model overrides are parsed against the preset (`"2"` from the CLI equals `2` from
+    Python) and `data` becomes an absolute path. Per-invocation switches (`run_dir`,
+    `resume`, `overwrite`, `progress`) are left out.
+
+    **Arguments:**
+
+    - `config`: a `TrainConfig`, or a dict of its fields (as a checkpoint records them).
+
+    **Returns:** a JSON-serialisable dict.
+    """
+    fields = vars(config) if isinstance(config, TrainConfig) else dict(config)
+    record = {k: v for k, v in fields.items() if k not in _NOT_RECORDED}
+    overrides = record.get("model_overrides") or {}
+    try:
+        record["model_overrides"] = resolve_overrides(record.get("preset", ""), overrides)
+    except ValueError:
+        record["model_overrides"] = dict(overrides)  # an old record: compare it as written
+    if record.get("data") is not None:
+        record["data"] = str(pathlib.Path(record["data"]).expanduser().resolve())
+    return json.loads(json.dumps(record, default=str))
+
+
+def write_flags(run_dir: pathlib.Path, config: TrainConfig) -> pathlib.Path:
+    """Write `run_flags(config)` to `<run_dir>/flags.json`; **returns** its path."""
+    path = pathlib.Path(run_dir) / FLAGS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run_flags(config), indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def read_flags(run_dir: pathlib.Path) -> dict[str, Any] | None:
+    """**Returns:** the recorded flags of the run in `run_dir`, or `None` when it has no
+    `flags.json` (runs from before the record existed); raises `ValueError` when the file
+    cannot be read."""
+    path = pathlib.Path(run_dir) / FLAGS_FILE
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        record = e
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"--resume compares the flags with the run's record, but {path} is not a JSON "
+            f"object ({record}). Restore the file, delete it to compare with the newest "
+            "checkpoint's record instead, or start a new --run-dir."
+        )
+    return record
+
+
+def flag_differences(recorded: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """**Returns:** one `"--flag: recorded X, given Y"` entry per run flag (`RUN_FLAGS`)
+    whose normalised values differ."""
+    recorded, given = run_flags(recorded), run_flags(given)
+    out = []
+    for name in RUN_FLAGS:
+        if name in recorded and recorded[name] != given.get(name):
+            why = " (the cosine schedule spans --steps)" if name == "steps" else ""
+            out.append(
+                f"{flag_name(name)}: recorded {recorded[name]!r}, given {given.get(name)!r}{why}"
+            )
+    return out
+
+
+def check_resume_flags(
+    recorded: dict[str, Any] | None, config: TrainConfig, where: str, step: int
+) -> bool:
+    """Check that `--resume` continues the recorded run.
+
+    **Arguments:**
+
+    - `recorded`: the run's recorded flags (`flags.json`, else the checkpoint's record).
+    - `config`: the flags given now.
+    - `where`: where the record came from, for the message.
+    - `step`: the step the run would resume from.
+
+    **Returns:** `True` when there is nothing left to do (`step >= config.steps`; then a
+    different `--steps` is no error: nothing will be trained), else `False`. Raises
+    `ValueError` naming every run flag that differs, its recorded and given values, and
+    the fix.
+    """
+    if recorded is None:
+        raise ValueError(
+            f"--resume must continue a run with the flags it was started with, but {where} "
+            "records none to compare with. Start a new --run-dir (or --overwrite this one)."
+        )
+    diffs = flag_differences(recorded, vars(config))
+    done = step >= config.steps
+    if done:
+        diffs = [d for d in diffs if not d.startswith("--steps:")]
+    if diffs:
+        raise ValueError(
+            "--resume must continue a run with the flags it was started with; "
+            f"{where} differs in {len(diffs)}: {'; '.join(diffs)}. Drop those flags (or pass "
+            "the recorded values) to continue this run, or start a new --run-dir. "
+            f"({', '.join(flag_name(f) for f in RESHARDABLE_FLAGS)} and the strides may "
+            "change on resume.)"
+        )
+    return done

@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warmup-steps",
         type=int,
-        default=d.warmup_steps,
-        help="linear warmup, then cosine decay to lr/10 at --steps (must be below --steps)",
+        default=None,
+        help="linear warmup, then cosine decay to lr/10 at --steps (below --steps; default: "
+        "min(20, steps // 10))",
     )
     p.add_argument(
         "--weight-decay", type=float, default=d.weight_decay, help="AdamW decay of matrices"

@@ -119,7 +119,7 @@ class TrainConfig:
     - `seq_len`, `batch_size`: tokens per row, rows per step.
     - `steps`: total optimizer steps (the cosine schedule spans them).
     - `lr`, `warmup_steps`, `weight_decay`, `clip_norm`: see `make_optimizer`; `lr` finite
-      and positive, `warmup_steps` below `steps`.
+      and positive, `warmup_steps` below `steps` (`None`: `min(20, steps // 10)`).
     - `data`: corpus path (`None`: the Python standard library); `max_bytes`: read at most
       this much of it (`None`: the data package's default); `val_fraction`: held-out share.
     - `run_dir`: where `metrics.jsonl`, `loss.png` and `checkpoints/` go (`None`: a new
@@ -147,7 +147,7 @@ class TrainConfig:
     batch_size: int = 8
     steps: int = 200
     lr: float = 3e-3
-    warmup_steps: int = 20
+    warmup_steps: int | None = None
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     data: str | os.PathLike[str] | None = None
@@ -176,6 +176,8 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
                 object.__setattr__(self, name, os.fspath(value))
+        if self.warmup_steps is None and isinstance(self.steps, int):
+            object.__setattr__(self, "warmup_steps", min(20, self.steps // 10))
         check_train_config(self)
         if self.run_dir is None:
             object.__setattr__(self, "run_dir", str(default_run_dir(self.resume)))

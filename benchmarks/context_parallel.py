@@ -15,6 +15,10 @@ Sections (all by default, pick with `--sections`):
   no-RoPE key 128, value 128): per-device memory and collective bytes per layer of
   `latent_attention` (the latent and the shared RoPE key cross the wire, 576 numbers per
   token) against the same attention fed per-head K/V (16 x (192 + 128) = 5120 per token).
+- `w`: sliding window: the ring at seq 32K on 8 devices with `W = 2K` against full causal
+  attention (zig-zag, its best layout), forward and forward + backward, with the window on
+  the contiguous layout (the ring cut to the hops the window reaches) and on zig-zag; and
+  what the cost model predicts for each. Target: at most 0.25x the time of full causal.
 - `d`: wall time of each strategy on 8 fake devices against single-device
   `eqx_longctx.attention` (`spec=None`), forward and forward + backward; and the
   `ringattention` package when it is installed.
@@ -25,6 +29,7 @@ share this machine's cores, so (d) measures overheads, not speed-up.
     python benchmarks/context_parallel.py
     python benchmarks/context_parallel.py --sections a b --seqs 8192 32768
     python benchmarks/context_parallel.py --sections d --time-seq 4096 --repeats 3
+    python benchmarks/context_parallel.py --sections w --window-seq 32768 --window 2048
 """
 
 import argparse
@@ -332,6 +337,45 @@ def time_section(seq: int, heads: int, kv_heads: int, head_dim: int, repeats: in
     _table(rows)
 
 
+def window_section(seq: int, window: int, heads: int, head_dim: int, repeats: int) -> None:
+    print(
+        f"\n(w) sliding window: ring on 8 devices, batch 1, seq {seq}, heads {heads}, head_dim "
+        f"{head_dim}, f32; W = {window} against full causal; best of {repeats} interleaved rounds"
+    )
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (1, seq, heads, head_dim)) for key in keys)
+    cases = {  # label: (layout, window)
+        "full causal, zigzag": ("zigzag", None),
+        f"W={window}, contiguous": ("none", window),
+        f"W={window}, zigzag": ("zigzag", window),
+    }
+    calls, predicted = {}, {}
+    for label, (layout, w) in cases.items():
+        spec = _spec("ring", 8, layout)
+        assert spec is not None
+        args = tuple(jax.device_put(x, spec.sharding(spec.heads_pspec())) for x in (q, k, v))
+
+        def fwd(q, k, v, spec=spec, w=w):
+            return attention(q, k, v, spec=spec, window=w)
+
+        calls[(label, "fwd")] = (jax.jit(fwd), args)
+        calls[(label, "f+b")] = (_loss(fwd), args)
+        cost = plan(spec, batch=1, seq=seq, q_heads=heads, kv_heads=heads, head_dim=head_dim,
+                    window=w).costs["ring"]  # fmt: skip
+        predicted[label] = (cost.time_s, cost.comm_train["collective-permute"])
+    best = _interleaved(calls, repeats)
+    base = [best[("full causal, zigzag", p)] for p in ("fwd", "f+b")]
+    rows = [["", "fwd s", "x full", "fwd+bwd s", "x full", "ring MiB f+b", "model x full"]]
+    for label in cases:
+        f, t = best[(label, "fwd")], best[(label, "f+b")]
+        model = predicted[label][0] / predicted["full causal, zigzag"][0]
+        rows.append([
+            label, f"{f:.3f}", f"{f / base[0]:.2f}", f"{t:.3f}", f"{t / base[1]:.2f}",
+            f"{predicted[label][1] / MIB:.1f}", f"{model:.2f}",
+        ])  # fmt: skip
+    _table(rows)
+
+
 def _ring_attention_package(q, k, v, calls: dict) -> float | None:
     """Add the Ring Attention authors' pure-JAX ring (`pip install ringattention flax`) to
     `calls`, on the same shapes and 8 fake devices, in the contiguous layout its causal mask
@@ -382,7 +426,7 @@ def _ring_attention_package(q, k, v, calls: dict) -> float | None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--sections", nargs="+", default=["a", "b", "c", "e", "d"])
+    p.add_argument("--sections", nargs="+", default=["a", "b", "c", "e", "w", "d"])
     p.add_argument("--mla-seq", type=int, default=32768)
     p.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     p.add_argument("--per-device", type=int, default=8192, help="tokens per device in (a')")
@@ -396,6 +440,8 @@ def main(argv=None) -> None:
     p.add_argument("--time-kv-heads", type=int, default=8)
     p.add_argument("--time-head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--window-seq", type=int, default=32768)
+    p.add_argument("--window", type=int, default=2048)
     args = p.parse_args(argv)
 
     shape = dict(
@@ -417,6 +463,10 @@ def main(argv=None) -> None:
         balance_section(args.balance_seq, shape)
     if "e" in args.sections:
         mla_section(args.mla_seq)
+    if "w" in args.sections:
+        window_section(
+            args.window_seq, args.window, args.time_heads, args.time_head_dim, args.repeats
+        )
     if "d" in args.sections:
         time_section(
             args.time_seq, args.time_heads, args.time_kv_heads, args.time_head_dim, args.repeats

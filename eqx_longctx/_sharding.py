@@ -15,6 +15,7 @@ Strategy = Literal["all_gather", "ulysses", "ring", "usp", "auto"]
 LoadBalance = Literal["none", "zigzag", "striped"]
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped")
+IMPLS = ("auto", "xla", "pallas")
 _DEFAULT_BATCH_AXIS = "data"
 
 
@@ -41,6 +42,8 @@ class ShardingSpec(eqx.Module):
       sequence is then split over both axes, and a strategy other than USP runs over the
       two together).
     - `tensor_axis`: mesh axis for heads / MLP hidden units, or `None`.
+    - `impl`: the block-attention implementation every layer under this spec runs:
+      `"auto"` (Pallas kernels on TPU, XLA elsewhere), `"xla"` or `"pallas"`.
     """
 
     mesh: Mesh = eqx.field(static=True)
@@ -50,6 +53,7 @@ class ShardingSpec(eqx.Module):
     context_axis: str = eqx.field(static=True, default="context")
     ulysses_axis: str | None = eqx.field(static=True, default=None)
     tensor_axis: str | None = eqx.field(static=True, default=None)
+    impl: str = eqx.field(static=True, default="auto")
 
     @no_type_check  # validated eagerly, with errors that say what to fix
     def __init__(
@@ -61,6 +65,7 @@ class ShardingSpec(eqx.Module):
         context_axis: str = "context",
         ulysses_axis: str | None = None,
         tensor_axis: str | None = None,
+        impl: str = "auto",
     ):
         if not isinstance(mesh, Mesh):
             raise ValueError(
@@ -76,9 +81,10 @@ class ShardingSpec(eqx.Module):
         self.context_axis = context_axis
         self.ulysses_axis = ulysses_axis
         self.tensor_axis = tensor_axis
+        self.impl = impl
 
     def __check_init__(self):
-        for role in ("strategy", "load_balance", "context_axis"):
+        for role in ("strategy", "load_balance", "context_axis", "impl"):
             value = getattr(self, role)
             if not isinstance(value, str):
                 fix = {
@@ -86,6 +92,7 @@ class ShardingSpec(eqx.Module):
                     "device, call attention with spec=None instead)",
                     "strategy": f"choose one of {STRATEGIES}",
                     "load_balance": f"choose one of {LOAD_BALANCES}",
+                    "impl": f"choose one of {IMPLS}",
                 }[role]
                 raise TypeError(
                     f"ShardingSpec: {role} must be a str; got {value!r} of type "
@@ -101,6 +108,11 @@ class ShardingSpec(eqx.Module):
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"ShardingSpec: unknown strategy {self.strategy!r}; choose one of {STRATEGIES}."
+            )
+        if self.impl not in IMPLS:
+            raise ValueError(
+                f"ShardingSpec: unknown impl {self.impl!r}; choose one of {IMPLS} ('auto' runs "
+                "the Pallas kernels on TPU and the XLA path elsewhere)."
             )
         if self.load_balance not in LOAD_BALANCES:
             raise ValueError(
@@ -149,6 +161,11 @@ class ShardingSpec(eqx.Module):
             )
 
     # ---- derived sizes -------------------------------------------------------------------
+
+    @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices (`"cpu"`, `"gpu"`, `"tpu"`)."""
+        return self.mesh.devices.flat[0].platform
 
     def axis_size(self, axis: str | None) -> int:
         """Number of devices along `axis` (1 for `None`)."""

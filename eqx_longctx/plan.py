@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ._hlo import collective_bytes
+from ._mesh import parse_mesh
 from ._sharding import ShardingSpec
 from .attention import attention
 from .attention._plan import STRATEGY_ORDER, plan
@@ -35,6 +36,7 @@ def compiled_attention(
     v_head_dim: int | None = None,
     dtype=jnp.float32,
     causal: bool = True,
+    window: int | None = None,
     segment_ids: bool = False,
     backward: bool = False,
 ):
@@ -54,8 +56,9 @@ def compiled_attention(
 
     def forward(q, k, v, ids):
         return attention(
-            q, k, v, spec=spec, causal=causal, segment_ids=ids if segment_ids else None
-        )
+            q, k, v, spec=spec, causal=causal, window=window,
+            segment_ids=ids if segment_ids else None,
+        )  # fmt: skip
 
     fn = forward
     if backward:
@@ -76,18 +79,6 @@ def compiled_memory(compiled) -> int:
         + m.temp_size_in_bytes
         - m.alias_size_in_bytes
     )
-
-
-def _parse_mesh(text: str) -> dict[str, int]:
-    try:
-        axes = {name.strip(): int(size) for name, size in (p.split("=") for p in text.split(","))}
-    except ValueError:
-        raise SystemExit(
-            f"--mesh wants name=size pairs like data=2,context=4; got {text!r}."
-        ) from None
-    if any(size < 1 for size in axes.values()):
-        raise SystemExit(f"--mesh sizes must be positive; got {text!r}.")
-    return axes
 
 
 def _fake_devices(n: int) -> None:
@@ -117,6 +108,7 @@ def main(argv=None) -> None:
     p.add_argument("--v-head-dim", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--no-causal", action="store_true")
+    p.add_argument("--window", type=int, default=None, help="sliding window (causal only)")
     p.add_argument("--segment-ids", action="store_true")
     p.add_argument("--forward-only", action="store_true", help="choose by forward cost only")
     p.add_argument("--memory-budget-gib", type=float, default=None)
@@ -127,8 +119,14 @@ def main(argv=None) -> None:
     p.add_argument("--tensor-axis", default=None)
     p.add_argument("--check", action="store_true", help="compile each strategy and compare")
     args = p.parse_args(argv)
+    try:
+        _run(args)
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
 
-    axes = _parse_mesh(args.mesh)
+
+def _run(args) -> None:
+    axes = parse_mesh(args.mesh)
     _fake_devices(math.prod(axes.values()))
     mesh = jax.make_mesh(
         tuple(axes.values()), tuple(axes), devices=jax.devices()[: math.prod(axes.values())]
@@ -136,17 +134,14 @@ def main(argv=None) -> None:
     ulysses = args.ulysses_axis
     if ulysses is None and args.strategy == "usp" and "ulysses" in axes:
         ulysses = "ulysses"
-    try:
-        spec = ShardingSpec(
-            mesh,
-            strategy=args.strategy,
-            load_balance=args.load_balance,
-            context_axis=args.context_axis,
-            ulysses_axis=ulysses,
-            tensor_axis=args.tensor_axis,
-        )
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    spec = ShardingSpec(
+        mesh,
+        strategy=args.strategy,
+        load_balance=args.load_balance,
+        context_axis=args.context_axis,
+        ulysses_axis=ulysses,
+        tensor_axis=args.tensor_axis,
+    )
     shape = dict(
         batch=args.batch,
         seq=args.seq,
@@ -156,6 +151,7 @@ def main(argv=None) -> None:
         v_head_dim=args.v_head_dim,
         dtype=jnp.dtype(args.dtype),
         causal=not args.no_causal,
+        window=args.window,
         segment_ids=args.segment_ids,
     )
     extra = {}

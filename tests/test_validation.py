@@ -337,3 +337,21 @@ def test_fuzz_context_parallel_or_raise(strategy, layout, b, s, heads, seed):
         assert "divisible" in str(e)
         return
     assert_close(el.from_layout(out, spec, axis=1), el.reference_attention(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--batch", "-2"], "batch must be >= 1"),
+        (["--mesh", "context=4,context=2"], "names each axis at most once"),
+        (["--window", "0"], "window must be >= 1"),
+    ],
+)
+def test_planner_cli_bad_input_is_one_line(argv, match, capsys):
+    from eqx_longctx.plan import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--mesh", "data=2,context=4", "--seq", "1024", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err

@@ -160,3 +160,18 @@ def test_bad_window_raises(kw, exc, match):
         attention(q, q, q, **kw)
     with pytest.raises(exc, match=match):
         flash_attention(q, q, q, **kw)
+
+
+@pytest.mark.parametrize("layout,window", [("none", 100), ("zigzag", 100), ("none", None)])
+def test_planner_counts_the_cut_ring(layout, window):
+    """The cost model's ring bytes (forward + backward) match the compiled program's."""
+    from eqx_longctx.attention._plan import plan
+    from eqx_longctx.plan import compiled_attention
+
+    spec = ShardingSpec(make_mesh((1, 8), ("data", "context")), "ring", layout)
+    shape = dict(batch=1, seq=1024, q_heads=2, kv_heads=2, head_dim=8, window=window)
+    with jax.set_mesh(spec.mesh):
+        compiled = compiled_attention(spec, backward=True, **shape)
+    measured = el.collective_bytes(compiled)["collective-permute"]
+    predicted = plan(spec, **shape).costs["ring"].comm_train["collective-permute"]
+    assert measured == pytest.approx(predicted, rel=0.01)

@@ -20,8 +20,9 @@ from jaxtyping import Array, Float
 from .._layout import layout_order
 from .._sharding import ShardingSpec
 from ._all_gather import all_gather_latent_attention
-from ._local import flash_attention as flash_attention
-from ._local import flash_attention_backward as flash_attention_backward
+from ._block import BlockOptions, resolve_impl
+from ._impls import flash_attention as flash_attention
+from ._impls import make_impl
 from ._plan import ring_hops, tiling
 from ._reference import reference_attention as reference_attention
 from ._ring import _kv_identity, ring_latent_attention
@@ -49,6 +50,7 @@ def attention(
     window: int | None = None,
     segment_ids: ArrayLike | None = None,
     scale: float | None = None,
+    impl: str | None = None,
 ) -> Float[Array, "batch seq q_heads v_head_dim"]:
     """Scaled dot-product attention over long sequences, on one device or context-parallel.
 
@@ -72,6 +74,9 @@ def attention(
     - `segment_ids`: `[batch, seq]` ints; tokens attend only within their own segment
       (packed documents stay isolated).
     - `scale`: score scale, default `1/sqrt(head_dim)`.
+    - `impl`: the block implementation: `"auto"` (the Pallas kernels on TPU, XLA elsewhere),
+      `"xla"` or `"pallas"` (on a CPU, the same kernels in Pallas interpret mode); `None`
+      takes the spec's `impl` (`"auto"` without a spec).
 
     **Returns:** `[batch, seq, q_heads, v_head_dim]` (layout order) in the common dtype of
     `q`, `k`, `v` (mixed float dtypes are promoted; NumPy arrays are accepted).
@@ -84,6 +89,7 @@ def attention(
     query does not see never affect it.
     """
     window = check_options("attention", spec, causal, scale, window)
+    impl = _impl_name(impl, spec)
     q, k, v = as_float_arrays("attention", q=q, k=k, v=v)
     segment_ids = as_ids(segment_ids, "segment_ids")
     check_attention_inputs(q, k, v, segment_ids)
@@ -99,13 +105,12 @@ def attention(
             causal=causal,
             window=window,
             scale=scale,
+            impl=impl,
         )
         return out
     strategy = check_spec_inputs(spec, q, k, segment_ids)
-    out = _context_parallel(
-        spec, strategy, q, (k, v), _kv_identity, (), segment_ids, causal=causal, window=window,
-        scale=scale,
-    )  # fmt: skip
+    options = BlockOptions.make(causal, window, scale, q.shape[-1])
+    out = _context_parallel(spec, strategy, q, (k, v), _kv_identity, (), segment_ids, options, impl)
     return cast(Array, out)
 
 
@@ -120,6 +125,7 @@ def latent_attention(
     window: int | None = None,
     segment_ids: ArrayLike | None = None,
     scale: float | None = None,
+    impl: str | None = None,
 ) -> Float[Array, "batch seq q_heads v_head_dim"]:
     """Attention whose keys and values are up-projected from a compressed per-token latent.
 
@@ -137,11 +143,12 @@ def latent_attention(
     - `up_project`: `up_project(latent) -> (k, v)` with `k` `[batch, seq, kv_heads,
       head_dim]` and `v` `[batch, seq, kv_heads, v_head_dim]`; an Equinox module (its arrays
       are differentiated, and replicated over the mesh) or a function.
-    - `spec`, `causal`, `window`, `segment_ids`, `scale`: as in `attention`.
+    - `spec`, `causal`, `window`, `segment_ids`, `scale`, `impl`: as in `attention`.
 
     **Returns:** `[batch, seq, q_heads, v_head_dim]` in the dtype of `q` (layout order).
     """
     window = check_options("latent_attention", spec, causal, scale, window)
+    impl = _impl_name(impl, spec)
     if not callable(up_project):
         raise TypeError(
             f"latent_attention: up_project must be callable, up_project(latent) -> (k, v); got "
@@ -156,8 +163,9 @@ def latent_attention(
     if spec is None:
         k, v = up_project(latent)
         return attention(
-            q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale
-        )
+            q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale,
+            impl=impl,
+        )  # fmt: skip
     if spec.tensor_axis is not None:
         raise ValueError(
             f"latent_attention replicates the up-projection, so it cannot shard heads over "
@@ -174,10 +182,8 @@ def latent_attention(
         segment_ids = segment_ids.astype(jnp.int32)
     strategy = check_spec_inputs(spec, q, k_shape, segment_ids)
     expand = _Expand(static)
-    out = _context_parallel(
-        spec, strategy, q, latent, expand, params, segment_ids, causal=causal, window=window,
-        scale=scale,
-    )  # fmt: skip
+    options = BlockOptions.make(causal, window, scale, q.shape[-1])
+    out = _context_parallel(spec, strategy, q, latent, expand, params, segment_ids, options, impl)
     return cast(Array, out)
 
 
@@ -210,9 +216,16 @@ class _Expand(eqx.Module):
         return eqx.combine(params, self.static)(source)
 
 
-def _context_parallel(
-    spec, strategy, q, source, expand, params, segment_ids, *, causal, window, scale
-):
+def _impl_name(impl, spec) -> str:
+    """The implementation to run: `impl`, else the spec's; checked against `IMPLS`."""
+    if impl is None:
+        impl = "auto" if spec is None else spec.impl
+    platform = jax.devices()[0].platform if spec is None else spec.platform
+    resolve_impl(impl, platform)
+    return impl
+
+
+def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, options, impl):
     """Run `strategy` under `shard_map`; `expand(params, source) -> (k, v)` builds K/V."""
     b, s = q.shape[:2]
     positions = jnp.broadcast_to(jnp.asarray(layout_order(spec, s)), (b, s))
@@ -229,8 +242,11 @@ def _context_parallel(
     source = jax.tree.map(spec.place, source, source_specs)
     positions = spec.place(positions, tokens)
     params_specs = jax.tree.map(lambda _: PartitionSpec(), params)
-    kw: dict[str, Any] = dict(causal=causal, scale=scale, tiling=tiling(spec, s), window=window)
-    hops = ring_hops(spec, s, causal, window) if strategy in ("ring", "usp") else None
+    block_impl = make_impl(impl, platform=spec.platform, tiling=tiling(spec, s))
+    kw: dict[str, Any] = dict(impl=block_impl, options=options)
+    hops = None
+    if strategy in ("ring", "usp"):
+        hops = ring_hops(spec, s, options.causal, options.window)
     # Outside USP, a strategy runs over every sequence axis (two of them when "auto" had a
     # ulysses axis to choose with); collectives accept a tuple of mesh axes.
     axes = spec.sequence_axes
@@ -273,7 +289,6 @@ def _context_parallel(
 __all__ = [
     "attention",
     "flash_attention",
-    "flash_attention_backward",
     "latent_attention",
     "reference_attention",
 ]

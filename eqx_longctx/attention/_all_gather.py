@@ -11,8 +11,7 @@ import jax
 from jax import lax
 
 from .._types import AxisName
-from ._local import flash_attention
-from ._tiles import DEFAULT_TILING, Tiling
+from ._block import AbstractBlockImpl, BlockOptions, block_attention
 
 
 def all_gather_latent_attention(
@@ -24,30 +23,19 @@ def all_gather_latent_attention(
     segment_ids,
     *,
     axis: AxisName,
-    causal: bool,
-    scale,
-    tiling: Tiling = DEFAULT_TILING,
-    window: int | None = None,
+    impl: AbstractBlockImpl,
+    options: BlockOptions,
 ):
     """Gather a K/V *source* (K/V themselves, or MLA's latent) and expand it locally.
 
     `expand(params, source) -> (k, v)` runs on the gathered source, so only the source
-    crosses the wire; autodiff sends its gradient back with a reduce-scatter.
+    crosses the wire; autodiff sends its gradient back with a reduce-scatter. The local
+    attention is `impl`'s (`_block.block_attention`).
     """
     gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
     k, v = expand(params, jax.tree.map(gather, source))
     kv_segments = None if segment_ids is None else gather(segment_ids)
-    out, _ = flash_attention(
-        q,
-        k,
-        v,
-        q_positions=positions,
-        kv_positions=gather(positions),
-        q_segment_ids=segment_ids,
-        kv_segment_ids=kv_segments,
-        causal=causal,
-        window=window,
-        scale=scale,
-        **tiling.kwargs(),
+    out, _ = block_attention(
+        impl, q, k, v, positions, gather(positions), segment_ids, kv_segments, options
     )
     return out

@@ -1,8 +1,9 @@
 """Blockwise (flash) attention in XLA: online softmax forward, recomputing backward.
 
-This is the block function every context-parallel strategy builds on: it attends a query
-block to a key/value block given their token positions and segment ids, and returns
-`(out, logsumexp)` so partial results from different key blocks can be merged.
+`XlaBlockImpl` implements the block contract of `_block.py` (the one every strategy calls):
+it attends tiled queries to a key/value block given their token positions and segment ids,
+and returns `(out, logsumexp)` so partial results from different key blocks can be merged.
+Its twin on TPU is the Pallas kernel in `eqx_longctx/kernels/`.
 
 Einsum letters: `b` batch, `k` kv heads, `g` query heads per kv head, `s` query tokens,
 `t` key tokens, `d` head dim, `v` value head dim, `n` block index.
@@ -11,200 +12,52 @@ References: Dao et al. 2022, "FlashAttention" (arXiv:2205.14135); Dao 2023,
 "FlashAttention-2" (arXiv:2307.08691).
 """
 
-import functools
-from typing import no_type_check
-
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._checks import check_int
-from .._types import (
-    AttnOut,
-    Key,
-    KvPositions,
-    KvSegmentIds,
-    LogSumExp,
-    Positions,
-    Query,
-    SegmentIds,
-    Value,
-)
+from ._block import AbstractBlockImpl, BlockOptions, pairs_are_empty
 from ._tiles import (
-    DEFAULT_BLOCK_K,
-    DEFAULT_BLOCK_Q,
-    TILE_BYTES,
+    DEFAULT_TILING,
     QueryTiles,
-    _Blocks,
+    Tiling,
     _Config,
-    _dq_from_transposed,
     _map_head_tiles,
-    _zeros_dq_transposed,
-)
-from ._validate import (
-    as_float_arrays,
-    as_ids,
-    check_attention_inputs,
-    check_options,
-    check_token_array,
 )
 
 
-@no_type_check  # validated eagerly, with errors that say what to fix
-def flash_attention(
-    q: Query,
-    k: Key,
-    v: Value,
-    *,
-    q_positions: Positions | None = None,
-    kv_positions: KvPositions | None = None,
-    q_segment_ids: SegmentIds | None = None,
-    kv_segment_ids: KvSegmentIds | None = None,
-    causal: bool = True,
-    window: int | None = None,
-    scale: float | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
-    tile_bytes: int = TILE_BYTES,
-) -> tuple[AttnOut, LogSumExp]:
-    """Attention of `q` over `k`/`v` with masks computed from positions and segment ids.
-
-    The causal rule is `q_position >= kv_position`, the window rule
-    `q_position - kv_position < window`, the segment rule `q_segment == kv_segment`.
-    Positions are token indices in the original sequence, so the same function serves any
-    token layout and any ring step. Key blocks that no query of a
-    query block can see are skipped. Differentiable in `q`, `k`, `v` through a custom
-    backward that recomputes scores blockwise (no `seq x seq` residuals); the cotangent of
-    the logsumexp is honoured too, which lets callers merge partial results under autodiff.
+class XlaBlockImpl(AbstractBlockImpl):
+    """The block contract (`_block.py`) in XLA: `lax` loops over blocks and head tiles, block
+    pairs that no query can see skipped with `lax.cond`, any backend.
 
     **Arguments:**
 
-    - `q`: `[batch, seq, q_heads, head_dim]`.
-    - `k`, `v`: `[batch, kv_seq, kv_heads, head_dim]` and `[..., v_head_dim]`.
-    - `q_positions`, `kv_positions`: `[batch, seq]` / `[batch, kv_seq]` ints; default
-      `0..seq-1` and `0..kv_seq-1`.
-    - `q_segment_ids`, `kv_segment_ids`: `[batch, seq]` / `[batch, kv_seq]` ints, or `None`
-      (both or neither).
-    - `causal`, `window`, `scale`: as in `attention`.
-    - `block_q`, `block_k`: tile sizes.
-    - `tile_bytes`: bytes one block of float32 scores may take; heads are tiled to fit.
-
-    **Returns:** `(out, lse)`: out `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
-    the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no
-    key get `out = 0` and `lse = -inf`.
+    - `tiling`: block length and the bytes one block of float32 scores may take.
     """
-    q, k, v, masks = _check_flash_inputs(
-        q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal, window,
-        scale, block_q, block_k, tile_bytes,
-    )  # fmt: skip
-    blocks = _Blocks.make(q, k, *masks, block_q, block_k, tile_bytes)
-    config = blocks.config(causal, scale, q.shape[-1], window)
-    ob, lseb = _flash(  # pyright: ignore[reportGeneralTypeIssues]  (custom_vjp typing)
-        config, blocks.split_q(q), blocks.split_kv(k), blocks.split_kv(v), *blocks.masks
-    )
-    return blocks.merge_q(ob).astype(q.dtype), blocks.merge_rows(lseb)
 
+    tiling: Tiling = eqx.field(static=True, default=DEFAULT_TILING)
 
-def _check_flash_inputs(
-    q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, causal, window, scale,
-    block_q, block_k, tile_bytes,
-):  # fmt: skip
-    """`flash_attention`'s eager checks; **returns** `(q, k, v, masks)` as JAX arrays."""
-    where = "flash_attention"
-    check_options(where, None, causal, scale, window)
-    for name, value in (("block_q", block_q), ("block_k", block_k), ("tile_bytes", tile_bytes)):
-        check_int(value, name, minimum=1, where=where)
-    q, k, v = as_float_arrays(where, q=q, k=k, v=v)
-    check_attention_inputs(q, k, v, None, self_attention=False)
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError(
-            "flash_attention needs q_segment_ids and kv_segment_ids together (or neither); "
-            f"got q_segment_ids={'None' if q_segment_ids is None else 'array'} and "
-            f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
-        )
-    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    masks = []
-    for name, x, seq in (
-        ("q_positions", q_positions, sq),
-        ("kv_positions", kv_positions, sk),
-        ("q_segment_ids", q_segment_ids, sq),
-        ("kv_segment_ids", kv_segment_ids, sk),
+    def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
+        return QueryTiles.make(
+            q, positions, segment_ids, kv_like, causal=options.causal, scale=options.scale,
+            tiling=self.tiling, window=options.window,
+        )  # fmt: skip
+
+    def attend(self, qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
+        blocks, config = qt.hop(k, kv_positions, kv_segment_ids)
+        kb, vb = blocks.split_kv(k), blocks.split_kv(v)
+        return _flash_fwd_impl(config, qt.qb, kb, vb, *blocks.masks)
+
+    def attend_backward(
+        self, qt: QueryTiles, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq
     ):
-        x = as_ids(x, name)
-        if x is not None:
-            check_token_array(x, name, (b, seq))
-        masks.append(x)
-    return q, k, v, tuple(masks)
-
-
-def flash_attention_backward(
-    q: Query,
-    k: Key,
-    v: Value,
-    dout: AttnOut,
-    lse: LogSumExp,
-    delta: LogSumExp,
-    *,
-    q_positions: Positions | None = None,
-    kv_positions: KvPositions | None = None,
-    q_segment_ids: SegmentIds | None = None,
-    kv_segment_ids: KvSegmentIds | None = None,
-    causal: bool = True,
-    window: int | None = None,
-    scale: float | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
-    tile_bytes: int = TILE_BYTES,
-):
-    """Gradients of one query block against one key block, given the row statistics.
-
-    With `lse` the logsumexp of a query row over *all* keys it attends (possibly spread over
-    several key blocks, as in ring attention) and `delta = rowsum(dout * out) - dlse`, the
-    probabilities `exp(s - lse)` restricted to this key block are exact, so the returned
-    `dk`, `dv` are this block's full contribution and `dq` its share of the query gradient.
-
-    **Returns:** `(dq, dk, dv)` in float32.
-    """
-    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    blocks = _Blocks.make(q, k, *masks, block_q, block_k, tile_bytes)
-    config = blocks.config(causal, scale, q.shape[-1], window)
-    qb = blocks.split_q(q)
-    dq_t, dkb, dvb = _backward_blocks(
-        config,
-        qb,
-        blocks.split_kv(k),
-        blocks.split_kv(v),
-        *blocks.masks,
-        blocks.split_q(dout.astype(q.dtype)),
-        blocks.split_rows(lse),
-        blocks.split_rows(delta),
-        _zeros_dq_transposed(qb),
-    )
-    dqb = _dq_from_transposed(dq_t)
-    return blocks.merge_q(dqb), blocks.merge_kv(dkb), blocks.merge_kv(dvb)
-
-
-def attend_tiles(qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
-    """`flash_attention` of the tiled queries against one K/V block: block-major
-    `(out, lse)` (`qt.merge_q`, `qt.merge_rows` give the usual layouts)."""
-    blocks, config = qt.hop(k, kv_positions, kv_segment_ids)
-    kb, vb = blocks.split_kv(k), blocks.split_kv(v)
-    return _flash_fwd_impl(config, qt.qb, kb, vb, *blocks.masks)
-
-
-def attend_tiles_backward(qt: QueryTiles, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq):
-    """`flash_attention_backward` of the tiled queries against one K/V block, with `dout`,
-    `lse`, `delta` block-major (`qt.split_q`, `qt.split_rows`); adds the query gradient to the
-    accumulator `dq` (`qt.zeros_dq`).
-
-    **Returns:** `(dq, dk, dv)`: the accumulator, and float32 `dk`, `dv` of this block.
-    """
-    blocks, config = qt.hop(k, kv_positions, kv_segment_ids)
-    kb, vb = blocks.split_kv(k), blocks.split_kv(v)
-    dq, dkb, dvb = _backward_blocks(
-        config, qt.qb, kb, vb, *blocks.masks, dout.astype(qt.qb.dtype), lse, delta, dq
-    )
-    return dq, blocks.merge_kv(dkb), blocks.merge_kv(dvb)
+        blocks, config = qt.hop(k, kv_positions, kv_segment_ids)
+        kb, vb = blocks.split_kv(k), blocks.split_kv(v)
+        dq, dkb, dvb = _backward_blocks(
+            config, qt.qb, kb, vb, *blocks.masks, dout.astype(qt.qb.dtype), lse, delta, dq
+        )
+        return dq, blocks.merge_kv(dkb), blocks.merge_kv(dvb)
 
 
 def _block_mask(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
@@ -235,15 +88,9 @@ def _block_mask_keys_major(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
 
 def _block_is_empty(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     """True when no query of the block sees any key of the block, for every batch row."""
-    empty = jnp.zeros(q_pos.shape[:1], bool)
-    if config.causal:
-        empty = empty | (q_pos.max(-1) < kv_pos.min(-1))
-    if config.window is not None:  # every key at least `window` before every query
-        empty = empty | (q_pos.min(-1) - kv_pos.max(-1) >= config.window)
-    if config.use_segments:
-        disjoint = (q_seg.max(-1) < kv_seg.min(-1)) | (q_seg.min(-1) > kv_seg.max(-1))
-        empty = empty | disjoint
-    return jnp.all(empty)
+    options = BlockOptions(config.causal, config.window, config.scale)
+    segments = (q_seg, kv_seg) if config.use_segments else (None, None)
+    return pairs_are_empty(options, q_pos, kv_pos, *segments)
 
 
 def _scores(config: _Config, qi, kj, mask):
@@ -252,12 +99,6 @@ def _scores(config: _Config, qi, kj, mask):
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     return s
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
-    out, lse = _flash_fwd_impl(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg)
-    return out, lse
 
 
 def _flash_fwd_impl(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
@@ -326,32 +167,6 @@ def _pv_nonfinite(p, vj, mask):
     seen = jnp.ones(p.shape, jnp.float32) if mask is None else jnp.broadcast_to(mask, p.shape)
     hit = jnp.einsum("bkgst,bktv->bkgsv", seen.astype(jnp.float32), (~ok).astype(jnp.float32))
     return jnp.where(hit > 0, jnp.nan, pv)
-
-
-def _flash_fwd(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
-    out, lse = _flash_fwd_impl(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg)
-    return (out, lse), (qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, out, lse)
-
-
-def _flash_bwd(config, residuals, cotangents):
-    qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
-    dout, dlse = cotangents
-    # d(loss)/d(score) = p * (dp - delta) with delta = rowsum(dout * out) - dlse.
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
-    delta = delta - dlse.astype(jnp.float32)
-    dout = dout.astype(qb.dtype)
-    dq_t, dk, dv = _backward_blocks(
-        config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta, _zeros_dq_transposed(qb)
-    )
-    return (
-        _dq_from_transposed(dq_t).astype(qb.dtype),
-        dk.astype(kb.dtype),
-        dv.astype(vb.dtype),
-        None,
-        None,
-        None,
-        None,
-    )
 
 
 def _backward_blocks(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta, dq_t):
@@ -444,6 +259,3 @@ def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, 
     kv_seg_blocks = kv_seg if kv_seg is not None else jnp.zeros(kv_pos.shape, jnp.int32)
     dq_t, (dk, dv) = lax.scan(one_kv_block, dq_t, (kb, vb, kv_pos, kv_seg_blocks))
     return dq_t, dk, dv
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)

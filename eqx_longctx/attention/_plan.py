@@ -38,6 +38,7 @@ from .._checks import check_bool, check_int, check_number
 from .._hlo import COLLECTIVES
 from .._sharding import ShardingSpec
 from ._tiles import DEFAULT_BLOCK_Q, TILE_BYTES, Tiling, head_tile
+from ._validate import check_options
 
 # Roofline constants of the target chip (TPU v5e-class; override per call). FLOP/s is ~half of
 # the 197 TFLOP/s bf16 peak, a realistic rate for attention; bytes/s is one ICI link in one
@@ -102,6 +103,7 @@ def plan(
     v_head_dim: int | None = None,
     dtype: Any = jnp.float32,
     causal: bool = True,
+    window: int | None = None,
     segment_ids: bool = False,
     backward: bool = True,
     memory_budget_bytes: int | float | None = None,
@@ -117,6 +119,8 @@ def plan(
     - `batch`, `seq`, `q_heads`, `kv_heads`, `head_dim`, `v_head_dim`: global shapes.
     - `dtype`: of q, k, v (any NumPy/JAX dtype or its name).
     - `causal`, `segment_ids`: the masks (segment ids add int32 traffic next to positions).
+    - `window`: a sliding window (needs `causal`): work counts only the block pairs within
+      it, and the ring only the hops it reaches (`ring_hops`).
     - `backward`: choose by forward + backward cost (training) rather than forward alone.
     - `memory_budget_bytes`: per-device budget for one call; default `MEMORY_FRACTION` of
       the device's memory when it reports it, else `DEFAULT_MEMORY_BUDGET`.
@@ -132,8 +136,9 @@ def plan(
         check_int(value, name, minimum=1, where=where)
     if v_head_dim is not None:
         check_int(v_head_dim, "v_head_dim", minimum=1, where=where)
-    for name, value in (("causal", causal), ("segment_ids", segment_ids), ("backward", backward)):
+    for name, value in (("segment_ids", segment_ids), ("backward", backward)):
         check_bool(value, name, where=where)
+    window = check_options(where, None, causal, None, window)
     check_number(memory_budget_bytes, "memory_budget_bytes", positive=True, allow_none=True,
                  where=where)  # fmt: skip
     check_number(flops_per_s, "flops_per_s", positive=True, where=where)
@@ -150,7 +155,7 @@ def plan(
     nb, nt = spec.axis_size(spec.batch_axis), spec.axis_size(spec.tensor_axis)
     p = _Problem(
         nb, nt, spec.context_parallel_size, batch, seq, q_heads, kv_heads, head_dim, dv, e,
-        bool(causal), bool(segment_ids), block_size(spec, seq), tile_bytes(spec),
+        bool(causal), bool(segment_ids), block_size(spec, seq), tile_bytes(spec), window,
     )  # fmt: skip
     common = _common_problem(spec, p)
     order = None if common else _positions(spec, seq)
@@ -167,6 +172,7 @@ def plan(
         v_head_dim=dv,
         dtype=str(np.dtype(dtype)),
         causal=bool(causal),
+        window=window,
         segment_ids=bool(segment_ids),
         backward=bool(backward),
         mesh=dict(spec.mesh.shape),
@@ -239,12 +245,15 @@ def ring_hops(spec: ShardingSpec, seq: int, causal: bool, window: int | None) ->
     """
     if window is None or not causal:
         return None
-    from .._layout import layout_order
-
-    order = layout_order(spec, seq)
     nu, nr = spec.axis_size(spec.ulysses_axis), spec.axis_size(spec.context_axis)
     if spec.strategy != "usp":  # a strategy other than USP rings over every sequence axis
         nu, nr = 1, spec.context_parallel_size
+    return _ring_hops(_positions(spec, seq), nu, nr, window)
+
+
+def _ring_hops(order: np.ndarray, nu: int, nr: int, window: int | None) -> int:
+    if window is None:
+        return nr
     shards = order.reshape(nu * nr, -1)
     # Ring position c holds (after USP's all-to-all) the shards u * nr + c of every u.
     held = [shards[[u * nr + c for u in range(nu)]].reshape(-1) for c in range(nr)]
@@ -277,6 +286,7 @@ class _Problem(NamedTuple):
     seg: bool
     block: int  # flash tile size the dispatcher uses for this spec and length
     tile_bytes: int  # bytes of one block of float32 scores (heads are tiled to fit)
+    window: int | None = None  # sliding window (causal only)
 
     @property
     def b(self) -> int:  # local batch
@@ -348,7 +358,8 @@ def _cost(name, spec, p, order, common, backward, flops_per_s, bytes_per_s) -> S
         nothing, nan = dict.fromkeys(COLLECTIVES, 0), float("nan")
         return StrategyCost(name, False, False, reason, degree, 0, 0, nothing, nothing, *[nan] * 4)
     r = nu // math.gcd(p.hk_l, nu)  # K/V head repeats before the all-to-all
-    fwd, train = _comm(name, p, nu, nr, r)
+    hops = nr if order is None else _ring_hops(order, nu, nr, p.window)
+    fwd, train = _comm(name, p, nu, nr, r, hops)
     mem_f, mem_t = _memory(name, p, nu, nr, r)
     work = _work(name, order, p, nu, nr)  # non-empty score elements x heads, per device
     flops_f = 2 * (p.d + p.dv)  # per score element: q.k and p.v
@@ -363,7 +374,7 @@ def _cost(name, spec, p, order, common, backward, flops_per_s, bytes_per_s) -> S
     return StrategyCost(name, True, *fields, balance, compute, exposed, compute + exposed)
 
 
-def _comm(name, p: _Problem, nu: int, nr: int, r: int) -> tuple[dict, dict]:
+def _comm(name, p: _Problem, nu: int, nr: int, r: int, hops: int) -> tuple[dict, dict]:
     """Bytes received per device per layer, by collective: (forward, forward + backward)."""
     b, s, e = p.b, p.seq, p.e
     fwd: dict[str, float] = dict.fromkeys(COLLECTIVES, 0.0)
@@ -384,11 +395,11 @@ def _comm(name, p: _Problem, nu: int, nr: int, r: int) -> tuple[dict, dict]:
         hk = p.hk_l * r // nu  # kv heads per device inside the ring
         shard = b * (s // nr) * hk * (p.d + p.dv)
         hop = shard * e + b * (s // nr) * _INT * p.ids
-        fwd["collective-permute"] = (nr - 1) * hop
-        # With two devices both one-hop loops are unrolled and XLA merges the backward's K/V
+        fwd["collective-permute"] = (hops - 1) * hop  # hops < nr: a window cut the ring
+        # With two hops both one-hop loops are unrolled and XLA merges the backward's K/V
         # hop with the forward's identical one.
-        kv_hops = 0 if nr == 2 else nr - 1
-        bwd["collective-permute"] = kv_hops * hop + (nr - 1) * shard * _F32
+        kv_hops = 0 if hops == 2 else hops - 1
+        bwd["collective-permute"] = kv_hops * hop + (hops - 1) * shard * _F32
     train = {k: int(fwd[k] + bwd[k]) for k in COLLECTIVES}
     return {k: int(v) for k, v in fwd.items()}, train
 
@@ -484,7 +495,11 @@ def _work(name, order, p: _Problem, nu: int, nr: int) -> np.ndarray:
         kmin = _blocks(kpos, bk).min(1)
         if not p.causal:
             return qmax.size * kmin.size * bq * bk
-        return int((qmax[:, None] >= kmin[None, :]).sum()) * bq * bk
+        seen = qmax[:, None] >= kmin[None, :]
+        if p.window is not None:
+            qmin, kmax = _blocks(qpos, bq).min(1), _blocks(kpos, bk).max(1)
+            seen &= qmin[:, None] - kmax[None, :] < p.window
+        return int(seen.sum()) * bq * bk
 
     if name == "ulysses":  # every device: all tokens, heads / n
         return np.full(n, count(order, order) * scale / n, dtype=np.float64)

@@ -23,22 +23,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from .._types import AxisName
-from ._local import _block_is_empty, attend_tiles, attend_tiles_backward
-from ._tiles import DEFAULT_TILING, QueryTiles, Tiling, _Config
+from ._block import AbstractBlockImpl, BlockOptions, pairs_are_empty
 
 
 class _RingConfig(NamedTuple):
     axis: AxisName
-    causal: bool
-    window: int | None
-    scale: float
+    impl: AbstractBlockImpl  # the block function: XLA or Pallas, the ring cannot tell
+    options: BlockOptions
     # expand(params, source) -> (k, v): how a travelling K/V source becomes keys and values.
     expand: Callable
-    tiling: Tiling  # flash tiles (the dispatcher aligns blocks with the layout's chunks)
     # Hops that can see anything (the own shard first); fewer than the ring's length when a
     # sliding window hides the shards further back (`_plan.ring_hops`). None: every hop.
     hops: int | None = None
@@ -56,10 +52,8 @@ def ring_attention(
     segment_ids,
     *,
     axis: AxisName,
-    causal: bool,
-    scale,
-    tiling: Tiling = DEFAULT_TILING,
-    window: int | None = None,
+    impl: AbstractBlockImpl,
+    options: BlockOptions,
     hops: int | None = None,
 ):
     """Local shard of ring attention over mesh axis `axis` (call inside `shard_map`).
@@ -69,23 +63,15 @@ def ring_attention(
     - `q`, `k`, `v`: this device's `[batch, seq/N, heads, dim]` shards.
     - `positions`: `[batch, seq/N]` original token indices of this shard's tokens.
     - `segment_ids`: `[batch, seq/N]` ints or `None`.
+    - `impl`, `options`: the block implementation and the mask and scale.
+    - `hops`: how many hops can see anything (`None`: all `N`).
 
     **Returns:** this shard's attention output, `q`'s dtype.
     """
     return ring_latent_attention(
-        q,
-        (k, v),
-        _kv_identity,
-        (),
-        positions,
-        segment_ids,
-        axis=axis,
-        causal=causal,
-        scale=scale,
-        tiling=tiling,
-        window=window,
-        hops=hops,
-    )
+        q, (k, v), _kv_identity, (), positions, segment_ids, axis=axis, impl=impl,
+        options=options, hops=hops,
+    )  # fmt: skip
 
 
 def ring_latent_attention(
@@ -97,10 +83,8 @@ def ring_latent_attention(
     segment_ids,
     *,
     axis: AxisName,
-    causal: bool,
-    scale,
-    tiling: Tiling = DEFAULT_TILING,
-    window: int | None = None,
+    impl: AbstractBlockImpl,
+    options: BlockOptions,
     hops: int | None = None,
 ):
     """Ring attention where what travels is a K/V *source* (e.g. MLA's compressed latent).
@@ -115,18 +99,16 @@ def ring_latent_attention(
     - `source`: a pytree of `[batch, seq/N, ...]` arrays (this device's tokens).
     - `expand`: `expand(params, source) -> (k, v)`, differentiable.
     - `params`: a pytree of arrays `expand` uses (replicated).
-    - `positions`, `segment_ids`: as in `ring_attention`.
+    - `positions`, `segment_ids`, `impl`, `options`, `hops`: as in `ring_attention`.
 
     **Returns:** this shard's attention output, `q`'s dtype.
     """
-    scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
-    config = _RingConfig(axis, bool(causal), window, scale, expand, tiling, hops)
+    config = _RingConfig(axis, impl, options, expand, hops)
     return _ring(config, q, params, source, positions, segment_ids)
 
 
 def _hop_is_empty(config: _RingConfig, q_pos, kv_pos, q_seg, kv_seg):
-    block_config = _Config(config.causal, config.scale, q_seg is not None, config.window)
-    return _block_is_empty(block_config, q_pos, kv_pos, q_seg, kv_seg)
+    return pairs_are_empty(config.options, q_pos, kv_pos, q_seg, kv_seg)
 
 
 def _shift(tree, axis: AxisName, by: int = 1):
@@ -162,10 +144,7 @@ def _ring(config, q, params, source, positions, segment_ids):
 
 
 def _query_tiles(config, q, positions, segment_ids, k_shape):
-    tiles = dict(
-        causal=config.causal, scale=config.scale, tiling=config.tiling, window=config.window
-    )
-    return QueryTiles.make(q, positions, segment_ids, k_shape, **tiles)
+    return config.impl.tile_queries(q, positions, segment_ids, k_shape, config.options)
 
 
 def _ring_forward(config, q, params, source, positions, segment_ids):
@@ -179,7 +158,7 @@ def _ring_forward(config, q, params, source, positions, segment_ids):
 
         def compute(acc):
             k_j, v_j = config.expand(params, src_j)
-            block_out, block_lse = attend_tiles(qt, k_j, v_j, pos_j, seg_j)
+            block_out, block_lse = config.impl.attend(qt, k_j, v_j, pos_j, seg_j)
             return _merge(out, lse, block_out, block_lse)
 
         empty = _hop_is_empty(config, positions, pos_j, segment_ids, seg_j)
@@ -190,7 +169,7 @@ def _ring_forward(config, q, params, source, positions, segment_ids):
         incoming = _shift(shard, config.axis)  # issued before this hop's compute
         return (attend(acc, shard), incoming), None
 
-    rows = qt.qb.shape[:-1]
+    rows = qt.rows
     acc0 = (
         jnp.zeros((*rows, v0.shape[-1]), jnp.float32),
         jnp.full(rows, -jnp.inf, jnp.float32),
@@ -221,7 +200,9 @@ def _ring_bwd(config, residuals, dout):
         def compute(operands):
             dq, dparams, acc = operands
             (k_j, v_j), expand_vjp = jax.vjp(config.expand, params, src_j)
-            dq, dk_j, dv_j = attend_tiles_backward(qt, k_j, v_j, pos_j, seg_j, dout, lse, delta, dq)
+            dq, dk_j, dv_j = config.impl.attend_backward(
+                qt, k_j, v_j, pos_j, seg_j, dout, lse, delta, dq
+            )
             dparams_j, dsrc_j = expand_vjp((dk_j.astype(k_j.dtype), dv_j.astype(v_j.dtype)))
             add = lambda a, b: a + b.astype(jnp.float32)  # noqa: E731
             return (

@@ -31,9 +31,11 @@ class Tiling(NamedTuple):
 
     block: int = DEFAULT_BLOCK_Q
     tile_bytes: int = TILE_BYTES
+    block_k: int | None = None  # key block length, if not `block`
 
-    def kwargs(self) -> dict:
-        return dict(block_q=self.block, block_k=self.block, tile_bytes=self.tile_bytes)
+    @property
+    def kv_block(self) -> int:
+        return self.block if self.block_k is None else self.block_k
 
 
 DEFAULT_TILING = Tiling()
@@ -69,9 +71,9 @@ class QueryTiles(NamedTuple):
     ) -> "QueryTiles":
         """`kv`: anything with the `.shape` of the K/V blocks to come."""
         q_like = jax.ShapeDtypeStruct(q.shape, q.dtype)
-        blocks = _Blocks.make(
-            q_like, kv, positions, positions, segment_ids, segment_ids, tiling.block,
-            tiling.block, tiling.tile_bytes,
+        blocks = _Blocks.make(  # the query side only: K/V positions are placeholders
+            q_like, kv, positions, None, segment_ids, None, tiling.block, tiling.kv_block,
+            tiling.tile_bytes,
         )  # fmt: skip
         return QueryTiles(
             q_like, positions, segment_ids, causal, scale, tiling, blocks, blocks.split_q(q),
@@ -82,9 +84,14 @@ class QueryTiles(NamedTuple):
         t = self.tiling
         blocks = _Blocks.make(
             self.q, k, self.positions, kv_positions, self.segment_ids, kv_segment_ids, t.block,
-            t.block, t.tile_bytes,
+            t.kv_block, t.tile_bytes,
         )  # fmt: skip
         return blocks, blocks.config(self.causal, self.scale, self.q.shape[-1], self.window)
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """Shape of the block-major row statistics (the output without its last axis)."""
+        return self.qb.shape[:-1]
 
     def split_q(self, x):
         return self.blocks.split_q(x)
@@ -147,6 +154,7 @@ class _Blocks(NamedTuple):
         use_segments = q_segment_ids is not None or pad_k > 0
         if use_segments and q_segment_ids is None:
             q_segment_ids = jnp.zeros((b, sq), jnp.int32)
+        if use_segments and kv_segment_ids is None:
             kv_segment_ids = jnp.zeros((b, sk), jnp.int32)
 
         def rows(x, pad, value, n, block):

@@ -17,8 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._types import AxisName
-from ._local import flash_attention
-from ._tiles import DEFAULT_TILING, Tiling
+from ._block import AbstractBlockImpl, BlockOptions, block_attention
 
 
 def kv_repeats(kv_heads: int, degree: int) -> int:
@@ -34,16 +33,14 @@ def ulysses_attention(
     segment_ids,
     *,
     axis: AxisName,
-    causal: bool,
-    scale,
-    tiling: Tiling = DEFAULT_TILING,
-    window: int | None = None,
+    impl: AbstractBlockImpl,
+    options: BlockOptions,
     inner=None,
 ):
     """Sequence-sharded in, sequence-sharded out; heads are sharded over `axis` inside.
 
     `inner(q, k, v, positions, segment_ids)` attends the head shard over the full sequence
-    gathered over `axis` (default: the local flash attention; USP passes the ring).
+    gathered over `axis` (default: `impl`'s local attention; USP passes the ring).
     """
     degree = lax.axis_size(axis)
     r = kv_repeats(k.shape[2], degree)
@@ -55,18 +52,8 @@ def ulysses_attention(
     positions = gather(positions)
     segment_ids = None if segment_ids is None else gather(segment_ids)
     if inner is None:
-        out, _ = flash_attention(
-            q,
-            k,
-            v,
-            q_positions=positions,
-            kv_positions=positions,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            causal=causal,
-            window=window,
-            scale=scale,
-            **tiling.kwargs(),
+        out, _ = block_attention(
+            impl, q, k, v, positions, positions, segment_ids, segment_ids, options
         )
     else:
         out = inner(q, k, v, positions, segment_ids)

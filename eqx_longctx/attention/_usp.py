@@ -8,8 +8,8 @@ parallel degree is the product of the two axis sizes.
 
 import functools
 
+from ._block import AbstractBlockImpl, BlockOptions
 from ._ring import ring_attention
-from ._tiles import Tiling
 from ._ulysses import ulysses_attention
 
 
@@ -22,32 +22,12 @@ def usp_attention(
     *,
     ulysses_axis: str,
     ring_axis: str,
-    causal: bool,
-    scale,
-    tiling: Tiling,
-    window: int | None = None,
+    impl: AbstractBlockImpl,
+    options: BlockOptions,
     hops: int | None = None,
 ):
     """Ulysses all-to-all over `ulysses_axis` around a ring over `ring_axis`."""
-    ring = functools.partial(
-        ring_attention,
-        axis=ring_axis,
-        causal=causal,
-        scale=scale,
-        tiling=tiling,
-        window=window,
-        hops=hops,
-    )
+    ring = functools.partial(ring_attention, axis=ring_axis, impl=impl, options=options, hops=hops)
     return ulysses_attention(
-        q,
-        k,
-        v,
-        positions,
-        segment_ids,
-        axis=ulysses_axis,
-        causal=causal,
-        scale=scale,
-        tiling=tiling,
-        window=window,
-        inner=ring,
+        q, k, v, positions, segment_ids, axis=ulysses_axis, impl=impl, options=options, inner=ring
     )

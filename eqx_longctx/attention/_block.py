@@ -1,0 +1,132 @@
+"""The block-attention contract every strategy calls, and its one differentiable wrapper.
+
+A *block implementation* (`AbstractBlockImpl`) attends tiled queries to one K/V block given
+token positions and segment ids, and returns `(out, logsumexp)` partials that merge by
+online softmax; its backward recomputes from a given (global) logsumexp. Strategies only
+ever call these methods, so swapping the implementation (the XLA loop in `_local.py`, the
+Pallas TPU kernels in `eqx_longctx/kernels/`, or a third one) never touches a strategy:
+
+- `tile_queries(q, positions, segment_ids, kv_like, options) -> qt`: the query side, tiled
+  once in the implementation's native layout (`qt.split_q`, `qt.split_rows`, `qt.merge_q`,
+  `qt.merge_rows`, `qt.rows`, `qt.zeros_dq()`, `qt.dq(acc)` convert to and from it);
+- `attend(qt, k, v, kv_positions, kv_segment_ids) -> (out, lse)`: native layout, float32 lse
+  (`-inf` for rows that see no key of the block);
+- `attend_backward(qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq) ->
+  (dq, dk, dv)`: `lse` is the row's logsumexp over *all* keys it sees and `delta =
+  rowsum(dout * out) - dlse`, so `dk`, `dv` (float32, `[batch, kv_seq, kv_heads, dim]`) are
+  this block's whole contribution and the query gradient is added to the accumulator `dq`.
+
+`block_attention` is the differentiable single-block call built on those methods (what
+all-gather, Ulysses and the public `flash_attention` run); the ring drives the methods hop
+by hop under its own `custom_vjp`.
+"""
+
+import abc
+import functools
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._sharding import IMPLS
+
+
+class BlockOptions(NamedTuple):
+    """The mask and scale of an attention call (static)."""
+
+    causal: bool
+    window: int | None
+    scale: float
+
+    @staticmethod
+    def make(causal, window, scale, head_dim: int) -> "BlockOptions":
+        scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else float(scale)
+        return BlockOptions(bool(causal), None if window is None else int(window), scale)
+
+
+class AbstractBlockImpl(eqx.Module):
+    """A block-attention implementation (see the module docstring for the contract)."""
+
+    @abc.abstractmethod
+    def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
+        """**Returns:** the tiled query side (`qt`)."""
+
+    @abc.abstractmethod
+    def attend(self, qt, k, v, kv_positions, kv_segment_ids):
+        """**Returns:** `(out, lse)` of `qt` against this K/V block, native layout."""
+
+    @abc.abstractmethod
+    def attend_backward(self, qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq):
+        """**Returns:** `(dq, dk, dv)`: the accumulator and this block's float32 dK, dV."""
+
+
+def pairs_are_empty(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):
+    """True when no query sees any key, for every batch row, judged from `[batch, n]` ranges
+    of positions and segment ids alone (the rule that skips blocks and ring hops)."""
+    empty = jnp.zeros(q_pos.shape[:1], bool)
+    if options.causal:
+        empty = empty | (q_pos.max(-1) < kv_pos.min(-1))
+    if options.window is not None:  # every key at least `window` before every query
+        empty = empty | (q_pos.min(-1) - kv_pos.max(-1) >= options.window)
+    if q_seg is not None and kv_seg is not None:
+        disjoint = (q_seg.max(-1) < kv_seg.min(-1)) | (q_seg.min(-1) > kv_seg.max(-1))
+        empty = empty | disjoint
+    return jnp.all(empty)
+
+
+def block_attention(
+    impl: AbstractBlockImpl, q, k, v, q_pos, kv_pos, q_seg, kv_seg, options
+) -> tuple[jax.Array, jax.Array]:
+    """Differentiable attention of `q` over one K/V block through `impl`; **returns**
+    `(out, lse)` in the usual layouts (`[batch, seq, heads, v_head_dim]` in `q`'s dtype and
+    float32 `[batch, seq, heads]`). The backward honours the cotangent of `lse`."""
+    out = _block_attention(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    return out  # pyright: ignore[reportReturnType]  (custom_vjp typing)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _block_attention(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    return _forward(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def _forward(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    qt = impl.tile_queries(q, q_pos, q_seg, k, options)
+    out, lse = impl.attend(qt, k, v, kv_pos, kv_seg)
+    return qt.merge_q(out).astype(q.dtype), qt.merge_rows(lse)
+
+
+def _fwd(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    out, lse = _forward(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+
+
+def _bwd(impl, options, residuals, cotangents):
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    dout, dlse = cotangents
+    # d(loss)/d(score) = p * (dp - delta) with delta = rowsum(dout * out) - dlse.
+    delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - dlse.astype(jnp.float32)
+    qt = impl.tile_queries(q, q_pos, q_seg, k, options)
+    dq, dk, dv = impl.attend_backward(
+        qt, k, v, kv_pos, kv_seg, qt.split_q(dout.astype(q.dtype)), qt.split_rows(lse),
+        qt.split_rows(delta), qt.zeros_dq(),
+    )  # fmt: skip
+    cast = lambda g, x: g.astype(x.dtype)  # noqa: E731
+    return cast(qt.dq(dq), q), cast(dk, k), cast(dv, v), None, None, None, None
+
+
+_block_attention.defvjp(_fwd, _bwd)
+
+
+def resolve_impl(impl: str, platform: str) -> str:
+    """`"auto"` is `"pallas"` on TPU and `"xla"` elsewhere; **returns** the name to run."""
+    if impl not in IMPLS:
+        raise ValueError(
+            f"impl must be one of {IMPLS}; got impl={impl!r}. 'auto' runs the Pallas kernels on "
+            "TPU and the XLA path elsewhere."
+        )
+    if impl == "auto":
+        return "pallas" if platform == "tpu" else "xla"
+    return impl

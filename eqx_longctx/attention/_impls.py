@@ -1,0 +1,130 @@
+"""Which block implementation runs, and the public single-block `flash_attention`.
+
+`make_impl` turns `impl="auto" | "xla" | "pallas"` into an `AbstractBlockImpl`; it is the one
+place that knows the implementations, so a third one is added here and nowhere else.
+"""
+
+from typing import no_type_check
+
+import jax
+import jax.numpy as jnp
+
+from .._checks import check_int
+from .._types import AttnOut, LogSumExp
+from ._block import AbstractBlockImpl, BlockOptions, block_attention, resolve_impl
+from ._local import XlaBlockImpl
+from ._tiles import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, DEFAULT_TILING, TILE_BYTES, Tiling
+from ._validate import (
+    as_float_arrays,
+    as_ids,
+    check_attention_inputs,
+    check_options,
+    check_token_array,
+)
+
+
+def make_impl(
+    impl: str,
+    *,
+    platform: str,
+    tiling: Tiling = DEFAULT_TILING,
+    interpret: bool | None = None,
+) -> AbstractBlockImpl:
+    """The block implementation `impl` names, for devices of `platform` (`"cpu"`, `"tpu"`...).
+
+    **Arguments:**
+
+    - `impl`: `"xla"`, `"pallas"` or `"auto"` (Pallas on TPU, XLA elsewhere).
+    - `platform`: the devices' platform.
+    - `tiling`: the XLA path's block length and score-tile bytes.
+    - `interpret`: run Pallas kernels in interpret mode (default: off TPU only).
+    """
+    name = resolve_impl(impl, platform)
+    if name == "xla":
+        return XlaBlockImpl(tiling)
+    from ..kernels import PallasBlockImpl
+
+    return PallasBlockImpl.for_platform(platform, interpret=interpret)
+
+
+@no_type_check  # validated eagerly, with errors that say what to fix
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    q_positions=None,
+    kv_positions=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+    impl: str = "auto",
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+    tile_bytes: int = TILE_BYTES,
+) -> tuple[AttnOut, LogSumExp]:
+    """Attention of `q` over `k`/`v` with masks computed from positions and segment ids.
+
+    The causal rule is `q_position >= kv_position`, the window rule
+    `q_position - kv_position < window`, the segment rule `q_segment == kv_segment`.
+    Positions are token indices in the original sequence, so the same function serves any
+    token layout and any ring step. Key blocks that no query of a query block can see are
+    skipped. Differentiable in `q`, `k`, `v` through a custom backward that recomputes
+    scores blockwise (no `seq x seq` residuals); the cotangent of the logsumexp is honoured
+    too, which lets callers merge partial results under autodiff.
+
+    **Arguments:**
+
+    - `q`: `[batch, seq, q_heads, head_dim]`.
+    - `k`, `v`: `[batch, kv_seq, kv_heads, head_dim]` and `[..., v_head_dim]`.
+    - `q_positions`, `kv_positions`: `[batch, seq]` / `[batch, kv_seq]` ints; default
+      `0..seq-1` and `0..kv_seq-1`.
+    - `q_segment_ids`, `kv_segment_ids`: `[batch, seq]` / `[batch, kv_seq]` ints, or `None`
+      (both or neither).
+    - `causal`, `window`, `scale`: as in `attention`.
+    - `impl`: `"auto"` (the Pallas kernels on TPU, XLA elsewhere), `"xla"` or `"pallas"`
+      (on a CPU the kernels run in Pallas interpret mode).
+    - `block_q`, `block_k`, `tile_bytes`: the XLA path's tiles (block lengths; bytes one
+      block of float32 scores may take, heads tiled to fit).
+
+    **Returns:** `(out, lse)`: out `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
+    the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no
+    key get `out = 0` and `lse = -inf`.
+
+    **Raises:** `TypeError` for non-float arrays or options of the wrong type; `ValueError`
+    for shapes that do not fit together and out-of-range options.
+    """
+    where = "flash_attention"
+    window = check_options(where, None, causal, scale, window)
+    for name, value in (("block_q", block_q), ("block_k", block_k), ("tile_bytes", tile_bytes)):
+        check_int(value, name, minimum=1, where=where)
+    q, k, v = as_float_arrays(where, q=q, k=k, v=v)
+    check_attention_inputs(q, k, v, None, self_attention=False)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(
+            "flash_attention needs q_segment_ids and kv_segment_ids together (or neither); "
+            f"got q_segment_ids={'None' if q_segment_ids is None else 'array'} and "
+            f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
+        )
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    masks = []
+    for name, x, seq in (
+        ("q_positions", q_positions, sq),
+        ("kv_positions", kv_positions, sk),
+        ("q_segment_ids", q_segment_ids, sq),
+        ("kv_segment_ids", kv_segment_ids, sk),
+    ):
+        x = as_ids(x, name)
+        if x is not None:
+            check_token_array(x, name, (b, seq))
+            x = x.astype(jnp.int32)
+        elif "positions" in name:
+            x = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+        masks.append(x)
+    platform = jax.devices()[0].platform
+    tiling = Tiling(block_q, tile_bytes, block_k)
+    block_impl = make_impl(impl, platform=platform, tiling=tiling)
+    options = BlockOptions.make(causal, window, scale, q.shape[-1])
+    return block_attention(block_impl, q, k, v, *masks, options)

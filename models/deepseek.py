@@ -19,7 +19,7 @@ Technical Report" (arXiv:2412.19437).
 
 import dataclasses
 import math
-from typing import Literal, final
+from typing import Literal, cast, final, no_type_check
 
 import equinox as eqx
 import jax
@@ -32,7 +32,6 @@ from eqx_longctx import ShardingSpec
 from eqx_longctx._types import Hidden, Positions, SegmentIds
 from eqx_longctx.nn import (
     DTYPES,
-    REMAT_POLICIES,
     AbstractDecoder,
     DecoupledRoPE,
     LayerStack,
@@ -43,7 +42,8 @@ from eqx_longctx.nn import (
     check_decoder_config,
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
-from eqx_longctx.nn._moe import GROUPED_MATMULS, TOPK_METHODS
+from eqx_longctx.nn._checks import check_choice, check_fields, check_model_args, check_preset
+from eqx_longctx.nn._moe import GROUPED_MATMULS, check_routing
 
 from . import _hf
 
@@ -53,6 +53,7 @@ LATENT_NORM_EPS = 1e-6
 
 
 @final
+@no_type_check  # __post_init__ checks every field, with messages that name the fix
 @dataclasses.dataclass(frozen=True)
 class DeepSeekConfig:
     """Hyperparameters of a DeepSeek-V2/V3 model (hashable, so it can be a static field).
@@ -120,43 +121,34 @@ class DeepSeekConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        positive = (
-            "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "moe_hidden_dim",
-            "n_routed_experts", "top_k", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-            "v_head_dim", "max_seq_len",
+        check_decoder_config(self, scaling_cls=YarnRopeScaling)
+        check_fields(
+            self,
+            ints=(
+                "moe_hidden_dim", "n_routed_experts", "top_k", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+            ),
+            optional_ints=("q_lora_rank",),
+            non_negative_ints=("n_shared_experts", "first_k_dense"),
+            positive_reals=("routed_scaling_factor",),
+            bools=("norm_topk_prob", "rope_interleave"),
         )  # fmt: skip
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"DeepSeekConfig.{name} must be positive; got {name}={getattr(self, name)}."
-                )
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+        if self.first_k_dense > self.n_layers:
             raise ValueError(
-                f"DeepSeekConfig.q_lora_rank must be positive or None; got {self.q_lora_rank}."
-            )
-        if self.n_shared_experts < 0 or not 0 <= self.first_k_dense <= self.n_layers:
-            raise ValueError(
-                "DeepSeekConfig needs n_shared_experts >= 0 and 0 <= first_k_dense <= "
-                f"n_layers; got n_shared_experts={self.n_shared_experts}, first_k_dense="
-                f"{self.first_k_dense}, n_layers={self.n_layers}."
+                "DeepSeekConfig needs first_k_dense <= n_layers (the first first_k_dense of the "
+                f"n_layers blocks are dense); got first_k_dense={self.first_k_dense}, "
+                f"n_layers={self.n_layers}."
             )
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 "DeepSeekConfig needs an even qk_rope_head_dim (RoPE rotates feature pairs); "
                 f"got {self.qk_rope_head_dim}."
             )
-        for name, allowed in (
-            ("topk_method", TOPK_METHODS),
-            ("grouped_matmul", GROUPED_MATMULS),
-            ("remat", REMAT_POLICIES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"DeepSeekConfig.{name} must be one of {allowed}; got "
-                    f"{name}={getattr(self, name)!r}."
-                )
-        check_decoder_config(self)
-        object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
+        check_choice(self.grouped_matmul, "DeepSeekConfig.grouped_matmul", GROUPED_MATMULS)
+        check_routing(
+            "DeepSeekConfig", self.n_routed_experts, self.top_k, self.topk_method, self.n_group,
+            self.topk_group,
+        )  # fmt: skip
 
     @property
     def n_moe_layers(self) -> int:
@@ -165,9 +157,7 @@ class DeepSeekConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "DeepSeekConfig":
         """A preset from `PRESETS` with some fields replaced (e.g. `n_layers=4`)."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown DeepSeek preset {name!r}; choose one of {sorted(PRESETS)}.")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        return dataclasses.replace(check_preset(PRESETS, name, overrides, "DeepSeek"), **overrides)
 
 
 @final
@@ -261,17 +251,19 @@ class DeepSeek(AbstractDecoder):
     config: DeepSeekConfig = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
-    def __init__(self, config: DeepSeekConfig, *, key: PRNGKeyArray, spec=None):
+    # `config`, `key` and `spec` are checked below, with errors that say how to build them.
+    def __init__(self, config: object, *, key: object, spec: object = None):
         """**Arguments:**
 
-        - `config`: the hyperparameters.
-        - `key`: PRNG key for the initialisation.
-        - `spec`: the sharding spec handed to every attention and MoE call; `None` = one
+        - `config`: the `DeepSeekConfig`.
+        - `key`: PRNG key for the initialisation (`jax.random.key(seed)`).
+        - `spec`: the `ShardingSpec` handed to every attention and MoE call; `None` = one
           device.
         """
-        c = config
+        check_model_args("DeepSeek", config, DeepSeekConfig, key, spec)
+        c, spec = cast(DeepSeekConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
-        k_embed, k_dense, k_moe, k_head = jax.random.split(key, 4)
+        k_embed, k_dense, k_moe, k_head = jax.random.split(cast(PRNGKeyArray, key), 4)
         self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
         self.dense_layers = self.moe_layers = None
         if c.first_k_dense:
@@ -293,7 +285,7 @@ class DeepSeek(AbstractDecoder):
             self.lm_head = None
         else:
             self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
-        self.config = config
+        self.config = c
         self.spec = spec
 
     def run_layers(self, x, positions, segment_ids):

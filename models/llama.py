@@ -14,7 +14,7 @@ and write the Hugging Face checkpoints of all three families.
 
 import dataclasses
 import math
-from typing import cast, final
+from typing import cast, final, no_type_check
 
 import equinox as eqx
 import jax
@@ -26,7 +26,6 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from eqx_longctx import ShardingSpec
 from eqx_longctx.nn import (
     DTYPES,
-    REMAT_POLICIES,
     AbstractDecoder,
     DecoderBlock,
     LayerStack,
@@ -35,6 +34,7 @@ from eqx_longctx.nn import (
     check_decoder_config,
 )
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
+from eqx_longctx.nn._checks import check_fields, check_model_args, check_preset
 
 from . import _hf
 
@@ -44,6 +44,7 @@ def _is_none(x) -> bool:
 
 
 @final
+@no_type_check  # __post_init__ checks every field, with messages that name the fix
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Hyperparameters of a Llama model (hashable, so it can be a static field).
@@ -87,15 +88,16 @@ class LlamaConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"LlamaConfig.{name} must be positive; got {name}={getattr(self, name)}."
-                )
+        check_decoder_config(self, scaling_cls=Llama3RopeScaling)
+        check_fields(
+            self,
+            optional_ints=("n_kv_heads", "head_dim"),
+            bools=("attention_bias", "qk_norm"),
+        )
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         n_kv_heads = cast(int, self.n_kv_heads)
-        if n_kv_heads <= 0 or self.n_heads % n_kv_heads != 0:
+        if self.n_heads % n_kv_heads != 0:
             raise ValueError(
                 "LlamaConfig needs n_heads to be a multiple of n_kv_heads (GQA groups query "
                 f"heads over shared K/V heads); got n_heads={self.n_heads}, "
@@ -110,17 +112,11 @@ class LlamaConfig:
                     "them or pass head_dim explicitly."
                 )
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-        head_dim = cast(int, self.head_dim)
-        if head_dim <= 0 or head_dim % 2 != 0:
+        if cast(int, self.head_dim) % 2 != 0:
             raise ValueError(
                 f"LlamaConfig needs a positive even head_dim (RoPE rotates feature pairs); got "
                 f"head_dim={self.head_dim}."
             )
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(
-                f"LlamaConfig.remat must be one of {REMAT_POLICIES}; got remat={self.remat!r}."
-            )
-        check_decoder_config(self)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "LlamaConfig":
@@ -136,11 +132,10 @@ class LlamaConfig:
 
         **Returns:** the new `LlamaConfig`.
         """
-        if name not in PRESETS:
-            raise ValueError(f"unknown Llama preset {name!r}; choose one of {sorted(PRESETS)}.")
+        preset = check_preset(PRESETS, name, overrides, "Llama")
         if ("dim" in overrides or "n_heads" in overrides) and "head_dim" not in overrides:
             overrides["head_dim"] = None
-        return dataclasses.replace(PRESETS[name], **overrides)
+        return dataclasses.replace(preset, **overrides)
 
 
 @final
@@ -154,17 +149,19 @@ class Llama(AbstractDecoder):
     config: LlamaConfig = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
-    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, spec=None):
+    # `config`, `key` and `spec` are checked below, with errors that say how to build them.
+    def __init__(self, config: object, *, key: object, spec: object = None):
         """**Arguments:**
 
-        - `config`: the hyperparameters.
-        - `key`: PRNG key for the initialisation.
-        - `spec`: the sharding spec handed to every attention call; `None` = one device.
+        - `config`: the `LlamaConfig`.
+        - `key`: PRNG key for the initialisation (`jax.random.key(seed)`).
+        - `spec`: the `ShardingSpec` handed to every attention call; `None` = one device.
         """
-        c = config
+        check_model_args("Llama", config, LlamaConfig, key, spec)
+        c, spec = cast(LlamaConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
         n_kv_heads, head_dim = cast(int, c.n_kv_heads), cast(int, c.head_dim)
-        k_embed, k_layers, k_head = jax.random.split(key, 3)
+        k_embed, k_layers, k_head = jax.random.split(cast(PRNGKeyArray, key), 3)
         rope = RoPE(head_dim, c.rope_theta, c.rope_scaling)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)
 
@@ -199,7 +196,7 @@ class Llama(AbstractDecoder):
             self.lm_head = None
         else:
             self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
-        self.config = config
+        self.config = c
         self.spec = spec
 
     def run_layers(self, x, positions, segment_ids):

@@ -19,6 +19,7 @@ Technical Report" (arXiv:2412.19437).
 
 import dataclasses
 import math
+import os
 from typing import Literal, cast, final, no_type_check
 
 import equinox as eqx
@@ -31,7 +32,6 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from eqx_longctx import ShardingSpec
 from eqx_longctx._types import Hidden, Positions, SegmentIds
 from eqx_longctx.nn import (
-    DTYPES,
     AbstractDecoder,
     DecoupledRoPE,
     LayerStack,
@@ -42,10 +42,16 @@ from eqx_longctx.nn import (
     check_decoder_config,
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
-from eqx_longctx.nn._checks import check_choice, check_fields, check_model_args, check_preset
+from eqx_longctx.nn._checks import (
+    check_choice,
+    check_fields,
+    check_instance,
+    check_model_args,
+    check_preset,
+)
 from eqx_longctx.nn._moe import GROUPED_MATMULS, check_routing
 
-from . import _hf
+from . import _hf, _hf_config
 
 # DeepSeek's reference code and transformers build the q/kv latent norms with their default
 # epsilon, whatever `rms_norm_eps` says.
@@ -369,7 +375,7 @@ _YARN_KEYS = (
 def from_hf(
     path,
     *,
-    spec: ShardingSpec | None = None,
+    spec: object = None,  # checked, with an error that says how to build a ShardingSpec
     dtype: str | type | np.dtype | None = None,
     **overrides,
 ) -> DeepSeek:
@@ -395,16 +401,15 @@ def from_hf(
 
     **Returns:** the `DeepSeek` model; its `.config` is the equivalent `DeepSeekConfig`.
     """
-    bad = sorted(set(overrides) - set(_HF_OVERRIDES))
-    if bad:
-        raise ValueError(
-            f"from_hf can override only {_HF_OVERRIDES}; got {bad}. The architecture comes "
-            "from config.json."
-        )
-    hf = _hf.read_config(path)
-    config = _config_from_hf(hf, dtype, overrides)
+    _hf_config.check_from_hf_args("models.deepseek", spec, dtype, overrides, _HF_OVERRIDES)
+    path = _hf_config.checkpoint_dir(path, "models.deepseek.from_hf")
+    file = os.path.join(path, _hf_config.CONFIG_FILE)
+    hf = _hf_config.read_config(path)
+    with _hf_config.errors_in(file):
+        hf, config = _config_from_hf(hf, file)
+    config = _hf_config.apply_overrides(config, dtype, overrides)
     abstract = eqx.filter_eval_shape(DeepSeek, config, key=jax.random.key(0), spec=spec)
-    replicated = None if spec is None else spec.sharding(PartitionSpec())
+    replicated = None if spec is None else cast(ShardingSpec, spec).sharding(PartitionSpec())
     n_mtp = hf.get("num_nextn_predict_layers") or 0
     mtp_layers = "|".join(str(config.n_layers + i) for i in range(n_mtp))
     ignore = [rf"model\.layers\.({mtp_layers})\..*"] if n_mtp else []
@@ -421,7 +426,7 @@ def from_hf(
         )
 
 
-def to_hf(model: DeepSeek, path, *, max_shard_size: int | None = None) -> None:
+def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     """Write `model` as a Hugging Face checkpoint (`config.json` + safetensors).
 
     `topk_method="noaux_tc"` writes DeepSeek-V3 (`DeepseekV3ForCausalLM`), the softmax
@@ -433,6 +438,8 @@ def to_hf(model: DeepSeek, path, *, max_shard_size: int | None = None) -> None:
     - `path`: output directory, created if needed.
     - `max_shard_size`: bytes per safetensors file; `None` writes one `model.safetensors`.
     """
+    check_instance(model, "models.deepseek.to_hf's model", DeepSeek, "Build it with DeepSeek(...).")
+    model = cast(DeepSeek, model)
     _hf.save_params(
         eqx.filter(model, eqx.is_array),
         _hf_table(model.config),
@@ -492,15 +499,35 @@ def _hf_table(c: DeepSeekConfig) -> dict[str, _hf.HFTensor]:
     return table
 
 
-def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
-    model_type = _hf.check_model_type(hf, _HF_ARCHITECTURES, "models.deepseek")
-    _hf.check_config_keys(hf, _HF_KEYS[model_type], f"models.deepseek ({model_type})")
+def _config_from_hf(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
+    """`config.json` (`hf`, read from `file`) with its values' types checked, and the
+    `DeepSeekConfig` it describes (the checkpoint's dtype, no `from_hf` overrides)."""
+    model_type = _hf_config.check_model_type(hf, _HF_ARCHITECTURES, "models.deepseek")
+    _hf_config.check_config_keys(hf, _HF_KEYS[model_type], f"models.deepseek ({model_type})")
     missing = [k for k in _HF_REQUIRED if k not in hf]
     if missing:
         raise ValueError(
             f"config.json lacks {missing}; the zoo does not guess them (transformers' defaults "
             f"differ between DeepSeek versions). State them in config.json."
         )
+    hf = _hf_config.check_config_types(
+        hf,
+        file,
+        ints=(
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "n_routed_experts",
+            "num_experts_per_tok", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "n_group", "topk_group",
+            "num_key_value_heads", "head_dim", "qk_head_dim", "moe_layer_freq",
+        ),
+        non_negative_ints=("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
+        reals=("rms_norm_eps", "rope_theta", "routed_scaling_factor"),
+        bools=(
+            "norm_topk_prob", "tie_word_embeddings", "attention_bias", "mlp_bias",
+            "rope_interleave",
+        ),
+        objects=("rope_scaling", "rope_parameters"),
+    )  # fmt: skip
     v3 = model_type == "deepseek_v3"
     n_heads, nope, rope_dim = (
         hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
@@ -539,29 +566,27 @@ def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
         )  # fmt: skip
     for key, value, allowed, why in rules:
         if value not in allowed:
-            raise _hf.unsupported(key, value, why)
+            raise _hf_config.unsupported(key, value, why)
     topk_method = "noaux_tc" if v3 else hf.get("topk_method") or "greedy"
     n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
     if topk_method == "greedy":
         n_group, topk_group = n_group or 1, topk_group or 1
     elif not isinstance(n_group, int) or not isinstance(topk_group, int):
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "n_group/topk_group",
             (n_group, topk_group),
             f"topk_method={topk_method!r} needs both as integers.",
         )
     first_k = hf["first_k_dense_replace"] or 0
     if first_k > hf["num_hidden_layers"]:
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "first_k_dense_replace",
             first_k,
             f"it must be <= num_hidden_layers={hf['num_hidden_layers']}.",
         )
-    rope_theta, rope_scaling = _rope_from_hf(hf)
-    if dtype is None:
-        stored = hf.get("dtype") or hf.get("torch_dtype")
-        dtype = stored if stored in DTYPES else "float32"
-    return DeepSeekConfig(
+    rope_theta, rope_scaling = _rope_from_hf(hf, file)
+    dtype = _hf_config.stored_dtype(hf)
+    return hf, DeepSeekConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
@@ -586,37 +611,19 @@ def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rope_interleave=bool(hf.get("rope_interleave", True)),
-        max_seq_len=overrides.get(
-            "max_seq_len", hf.get("max_position_embeddings", _HF_MAX_LEN[model_type])
-        ),
+        max_seq_len=hf.get("max_position_embeddings") or _HF_MAX_LEN[model_type],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        grouped_matmul=overrides.get("grouped_matmul", "auto"),
-        remat=overrides.get("remat", "none"),
         param_dtype=dtype,
-        compute_dtype=overrides.get("compute_dtype", dtype),
+        compute_dtype=dtype,
     )
 
 
-def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
+def _rope_from_hf(hf: dict, file: str) -> tuple[float, YarnRopeScaling | None]:
     """RoPE base and YaRN scaling from `rope_parameters` (transformers 5) or the older
     `rope_theta` + `rope_scaling` (DeepSeek's own configs)."""
-    if hf.get("rope_parameters") is not None and hf.get("rope_scaling") is not None:
-        raise ValueError(
-            "config.json has both rope_parameters and rope_scaling; keep one (transformers 5 "
-            "writes rope_parameters, older versions rope_scaling)."
-        )
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", None)
-    if theta is not None and hf.get("rope_theta") not in (None, theta):
-        raise ValueError(
-            f"config.json gives two RoPE bases: rope_theta={hf['rope_theta']} and "
-            f"rope_parameters.rope_theta={theta}; keep one."
-        )
-    theta = float(theta or hf.get("rope_theta", 10000.0))
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    theta, rope_type, params = _hf_config.rope_from_hf(hf, file)
     if rope_type not in ("default", "yarn"):
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "rope type",
             rope_type,
             "the zoo's DeepSeek implements 'default' (plain RoPE) and 'yarn' only.",
@@ -624,7 +631,7 @@ def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
     allowed = _YARN_KEYS if rope_type == "yarn" else ()
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             f"{rope_type!r} RoPE parameters",
             unknown,
             f"the zoo reads {sorted(allowed)} besides rope_type and rope_theta.",
@@ -633,7 +640,9 @@ def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
         return theta, None
     lacking = [k for k in ("factor", "original_max_position_embeddings") if params.get(k) is None]
     if lacking:
-        raise _hf.unsupported("'yarn' RoPE parameters", sorted(params), f"they lack {lacking}.")
+        raise _hf_config.unsupported(
+            "'yarn' RoPE parameters", sorted(params), f"they lack {lacking}."
+        )
     return theta, YarnRopeScaling(**{k: v for k, v in params.items() if v is not None})
 
 

@@ -73,7 +73,7 @@ def check_int(
     if not _is_integer(value):
         if not (integral_floats and math.isfinite(number) and number.is_integer()):
             hint = f" Pass {int(number)}." if number.is_integer() else " Pass a whole number."
-            raise TypeError(f"{what} must be an int; got {_seen(value)}.{fix or hint}")
+            raise TypeError(f"{what} must be an int; got {_seen(value)}.{hint}{fix}")
     value = int(value)
     if minimum is not None and value < minimum:
         rule = "positive" if minimum == 1 else f">= {minimum}"

@@ -17,7 +17,17 @@ import pytest
 
 import eqx_longctx as el
 from eqx_longctx._layout import layout_order
-from eqx_longctx.nn import Llama3RopeScaling, YarnRopeScaling
+from eqx_longctx.nn import (
+    DecoderBlock,
+    DecoupledRoPE,
+    Llama3RopeScaling,
+    MoE,
+    MultiHeadLatentAttention,
+    RoPE,
+    SelfAttention,
+    SwiGLU,
+    YarnRopeScaling,
+)
 from models.deepseek import DeepSeek, DeepSeekConfig
 from models.llama import Llama, LlamaConfig
 from tests.helpers import make_mesh
@@ -190,6 +200,24 @@ def test_constructor_errors(cls, config, key, spec, error, match):
         spec = make_mesh(*MESH_SHAPE)
     with pytest.raises(error, match=match):
         cls(config, key=key, spec=spec)
+
+
+BLOCKS = {
+    "SelfAttention": lambda spec: SelfAttention(16, 4, 2, 4, rope=RoPE(4, 1e4), key=KEY, spec=spec),
+    "MultiHeadLatentAttention": lambda spec: MultiHeadLatentAttention(
+        16, 2, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=4, qk_rope_head_dim=4,
+        v_head_dim=4, rope=DecoupledRoPE(4, 1e4), key=KEY, spec=spec,
+    ),
+    "SwiGLU": lambda spec: SwiGLU(16, 24, key=KEY, spec=spec),
+    "MoE": lambda spec: MoE(16, 8, 4, 2, key=KEY, spec=spec),
+    "DecoderBlock": lambda s: DecoderBlock(16, 4, 2, 4, 24, rope=RoPE(4, 1e4), key=KEY, spec=s),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_building_blocks_check_their_spec(name):
+    with pytest.raises(TypeError, match=rf"{name} needs spec=a ShardingSpec or None .*'usp'"):
+        BLOCKS[name]("usp")
 
 
 # ---------------------------------------------------------------- calls

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._sharding import ShardingSpec
 from .._types import Heads, Hidden, Positions, SegmentIds
 from ..attention import latent_attention
-from ._checks import check_bool, check_instance, check_int, check_real
+from ._checks import check_bool, check_instance, check_int, check_real, check_spec
 from ._norm import RMSNorm
 
 
@@ -295,6 +295,7 @@ class MultiHeadLatentAttention(eqx.Module):
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec passed to `eqx_longctx.attention`; `None` = one device.
         """
+        check_spec(spec, "MultiHeadLatentAttention")
         for name, value in (
             ("dim", dim),
             ("n_heads", n_heads),

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._sharding import ShardingSpec
 from .._types import Hidden
+from ._checks import check_spec
 from ._mlp import SwiGLU
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -143,6 +144,7 @@ class MoE(eqx.Module):
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec, or `None` for one device.
         """
+        check_spec(spec, "MoE")
         for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("n_experts", n_experts)):
             if value <= 0:
                 raise ValueError(f"MoE needs {name} > 0; got {name}={value}.")

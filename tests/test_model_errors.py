@@ -261,11 +261,15 @@ def test_call_errors(models, sharded, args, error, match):
         models[sharded](**args)
 
 
-def test_forward_embeddings_checks_the_spec(models):
+def test_forward_embeddings_errors(models):
     x = jnp.zeros((3, SEQ, 32))
     positions = jnp.zeros((3, SEQ), jnp.int32)
     with pytest.raises(ValueError, match=r"the batch of the x must be divisible by 2; got batch=3"):
         models[True].forward_embeddings(x, positions)
+    with pytest.raises(
+        ValueError, match=r"x must be \[batch, seq, embed=32\] .*got shape \(3, 16, 31\)"
+    ):
+        models[False].forward_embeddings(jnp.zeros((3, SEQ, 31)), positions)
 
 
 def test_tokens_as_numpy_or_lists_just_work(models):

@@ -71,6 +71,13 @@ class AbstractDecoder(eqx.Module):
 
         **Returns:** `[batch, seq, vocab]` float32 logits.
         """
+        embed = self.embed.shape[-1]
+        if x.ndim != 3 or x.shape[-1] != embed or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"x must be [batch, seq, embed={embed}] floating-point input embeddings; got "
+                f"shape {tuple(x.shape)}, dtype {x.dtype}. Token ids go to the model's "
+                "__call__ instead; embeddings come from embed_tokens(tokens)."
+            )
         check_shapes(
             x.shape[:2], "x", positions, segment_ids,
             max_seq_len=self.config.max_seq_len, config_name=self._config_name, spec=self.spec,

@@ -106,6 +106,7 @@ def check_config_types(
     reals: Iterable[str] = (),
     bools: Iterable[str] = (),
     objects: Iterable[str] = (),
+    lists: Iterable[str] = (),
     prefix: str = "",
 ) -> dict[str, Any]:
     """Check the types of `config.json` values before any rule computes with them.
@@ -113,7 +114,8 @@ def check_config_types(
     Keys that are absent or `null` are left out of the check (the family reader decides
     their defaults). `ints` are positive and `non_negative_ints` `>= 0` integers (integral
     floats such as `4096.0` are read as ints: JSON has one number type); `reals` positive
-    finite numbers; `bools` JSON booleans; `objects` JSON objects (dicts). Messages name
+    finite numbers; `bools` JSON booleans; `objects` JSON objects (dicts); `lists` JSON
+    arrays. Messages name
     `file` and `prefix + key` (e.g. `prefix="rope_scaling."` for a nested object).
 
     **Returns:** a copy of `hf` with the numbers normalised (ints as `int`, reals as
@@ -133,12 +135,13 @@ def check_config_types(
         out[key] = check_real(value, what, positive=True, fix=fix)
     for key, value, what in each(bools):
         out[key] = check_bool(value, what, fix=fix)
-    for _, value, what in each(objects):
-        if not isinstance(value, dict):
-            raise TypeError(
-                f"{what} must be a JSON object or null; got {value!r} "
-                f"({type(value).__name__}).{fix}"
-            )
+    for kinds, python_type, name in ((objects, dict, "object"), (lists, list, "array")):
+        for _, value, what in each(kinds):
+            if not isinstance(value, python_type):
+                raise TypeError(
+                    f"{what} must be a JSON {name} or null; got {value!r} "
+                    f"({type(value).__name__}).{fix}"
+                )
     return out
 
 
@@ -239,7 +242,7 @@ def check_model_type(hf: dict, architectures: dict[str, str], family: str) -> st
     - `family`: e.g. `"models.llama"`, for the messages.
     """
     model_type = hf.get("model_type")
-    if model_type not in architectures:
+    if not isinstance(model_type, str) or model_type not in architectures:
         raise ValueError(
             f"{family}.from_hf reads model_type {sorted(architectures)} "
             f"(architectures {sorted(architectures.values())}); got "

@@ -377,6 +377,7 @@ def _config_from_hf(hf: dict, file: str) -> LlamaConfig:
         reals=("rms_norm_eps", "rope_theta"),
         bools=("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
         objects=("rope_scaling", "rope_parameters"),
+        lists=("layer_types",),
     )  # fmt: skip
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise _hf_config.unsupported("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu).")

@@ -340,6 +340,13 @@ HF_ERRORS = [
      r"config\.json: rms_norm_eps must be a real number; got '1e-5'"),
     (lambda p: edit_json(p / "config.json", tie_word_embeddings="false"), None, TypeError,
      r"config\.json: tie_word_embeddings must be True or False; got 'false'"),
+    (lambda p: (  # a Qwen3 checkpoint in place of the Llama one
+        llama.to_hf(Llama(llama_config(qk_norm=True), key=KEY), p),
+        edit_json(p / "config.json", layer_types="full_attention"),
+    ), None, TypeError,
+     r"config\.json: layer_types must be a JSON array or null; got 'full_attention'"),
+    (lambda p: edit_json(p / "config.json", model_type=["llama"]), None, ValueError,
+     r"models\.llama\.from_hf reads model_type .*got model_type=\['llama'\]"),
     (lambda p: edit_json(p / "config.json", rope_scaling="llama3"), None, TypeError,
      r"config\.json: rope_scaling must be a JSON object or null; got 'llama3'"),
     (lambda p: edit_json(p / "config.json", rope_scaling={

@@ -64,6 +64,9 @@ LATENT_NORM_EPS = 1e-6
 class DeepSeekConfig:
     """Hyperparameters of a DeepSeek-V2/V3 model (hashable, so it can be a static field).
 
+    Fields are checked on construction as `LlamaConfig`'s are, and the routing rule against
+    the experts (`eqx_longctx.nn._moe.check_routing`).
+
     **Arguments:**
 
     - `vocab_size`, `dim`, `n_layers`, `n_heads`: vocabulary, width, depth, attention heads.

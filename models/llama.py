@@ -49,6 +49,11 @@ def _is_none(x) -> bool:
 class LlamaConfig:
     """Hyperparameters of a Llama model (hashable, so it can be a static field).
 
+    Every field is checked on construction (`TypeError` for a wrong type, `ValueError` for a
+    wrong value, naming the field): sizes are ints (Python or NumPy; not bools, and not
+    floats, so `dim=32.0` is an error), `norm_eps`, `rope_theta` and `init_std` finite and
+    positive, flags bools. NumPy values are stored as Python ones.
+
     **Arguments:**
 
     - `vocab_size`, `dim`, `n_layers`, `n_heads`: vocabulary, width, depth, query heads.

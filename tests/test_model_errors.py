@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -259,6 +260,13 @@ CALL_ERRORS = [
 def test_call_errors(models, sharded, args, error, match):
     with pytest.raises(error, match=match):
         models[sharded](**args)
+
+
+def test_spec_rules_hold_under_jit(models):
+    """The checks read static shapes, so they also raise while tracing, before XLA's
+    IndivisibleError."""
+    with pytest.raises(ValueError, match=r"must be divisible by 2; got batch=1"):
+        eqx.filter_jit(models[True])(jnp.asarray(TOKENS[:1]))
 
 
 def test_forward_embeddings_errors(models):

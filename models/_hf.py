@@ -327,6 +327,17 @@ def load_params(
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
+def check_concrete(model, what: str) -> None:
+    """Raise `ValueError` if `model` holds abstract shapes (from `eqx.filter_eval_shape`)
+    instead of parameter values: there would be nothing to write."""
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(model)):
+        raise ValueError(
+            f"{what} needs parameter values, but the model holds abstract shapes "
+            "(jax.ShapeDtypeStruct, e.g. from eqx.filter_eval_shape). Build it for real, or "
+            "load it with from_hf."
+        )
+
+
 def save_params(
     params,
     table: Mapping[str, HFTensor],

@@ -443,11 +443,13 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     """
     check_instance(model, "models.deepseek.to_hf's model", DeepSeek, "Build it with DeepSeek(...).")
     model = cast(DeepSeek, model)
+    hf_config = _config_to_hf(model.config)
+    _hf.check_concrete(model, "models.deepseek.to_hf")
     _hf.save_params(
         eqx.filter(model, eqx.is_array),
         _hf_table(model.config),
         path,
-        _config_to_hf(model.config),
+        hf_config,
         max_shard_size=max_shard_size,
     )
 

@@ -328,11 +328,13 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     """
     check_instance(model, "models.llama.to_hf's model", Llama, "Build it with Llama(config, ...).")
     model = cast(Llama, model)
+    hf_config = _config_to_hf(model.config)
+    _hf.check_concrete(model, "models.llama.to_hf")
     _hf.save_params(
         eqx.filter(model, eqx.is_array),
         _hf_table(model.config),
         path,
-        _config_to_hf(model.config),
+        hf_config,
         max_shard_size=max_shard_size,
     )
 

@@ -397,6 +397,8 @@ HF_ERRORS = [
      ValueError, r"to_hf max_shard_size must be positive; got 0"),
     (None, lambda p: llama.to_hf(Llama(llama_config(), key=KEY), None), TypeError,
      r"to_hf needs path=an output directory .*got NoneType"),
+    (None, lambda p: llama.to_hf(eqx.filter_eval_shape(Llama, llama_config(), key=KEY), p / "o"),
+     ValueError, r"models\.llama\.to_hf needs parameter values, but the model holds abstract"),
     (None, lambda p: llama.to_hf(llama_config(), p / "out"), TypeError,
      r"models\.llama\.to_hf's model must be a Llama; got LlamaConfig"),
 ]  # fmt: skip

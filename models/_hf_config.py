@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -197,6 +197,31 @@ def check_from_hf_args(family: str, spec: Any, dtype: Any, overrides: Mapping[st
             f"{family}.from_hf can override only {tuple(allowed)}; got {bad}. The architecture "
             "comes from config.json."
         )
+
+
+def read_model_config(
+    path: Any,
+    family: str,
+    parse: Callable[[dict[str, Any], str], tuple[dict[str, Any], Any]],
+    *,
+    spec: Any,
+    dtype: Any,
+    overrides: Mapping[str, Any],
+    allowed: Iterable[str],
+) -> tuple[str, dict[str, Any], Any]:
+    """What every family's `from_hf` does first: check its arguments, read `config.json`,
+    run the family's `parse(hf, file) -> (checked hf, config)` (its errors name the file),
+    then apply `dtype` and `overrides` (their errors name the field).
+
+    **Returns:** `(checkpoint directory, checked config.json, config)`.
+    """
+    check_from_hf_args(family, spec, dtype, overrides, tuple(allowed))
+    path = checkpoint_dir(path, f"{family}.from_hf")
+    file = os.path.join(path, CONFIG_FILE)
+    hf = read_config(path)
+    with errors_in(file):
+        hf, config = parse(hf, file)
+    return path, hf, apply_overrides(config, dtype, overrides)
 
 
 def apply_overrides(config, dtype, overrides: Mapping[str, Any]):

@@ -19,7 +19,6 @@ Technical Report" (arXiv:2412.19437).
 
 import dataclasses
 import math
-import os
 from typing import Literal, cast, final, no_type_check
 
 import equinox as eqx
@@ -404,13 +403,10 @@ def from_hf(
 
     **Returns:** the `DeepSeek` model; its `.config` is the equivalent `DeepSeekConfig`.
     """
-    _hf_config.check_from_hf_args("models.deepseek", spec, dtype, overrides, _HF_OVERRIDES)
-    path = _hf_config.checkpoint_dir(path, "models.deepseek.from_hf")
-    file = os.path.join(path, _hf_config.CONFIG_FILE)
-    hf = _hf_config.read_config(path)
-    with _hf_config.errors_in(file):
-        hf, config = _config_from_hf(hf, file)
-    config = _hf_config.apply_overrides(config, dtype, overrides)
+    path, hf, config = _hf_config.read_model_config(
+        path, "models.deepseek", _config_from_hf,
+        spec=spec, dtype=dtype, overrides=overrides, allowed=_HF_OVERRIDES,
+    )  # fmt: skip
     abstract = eqx.filter_eval_shape(DeepSeek, config, key=jax.random.key(0), spec=spec)
     replicated = None if spec is None else cast(ShardingSpec, spec).sharding(PartitionSpec())
     n_mtp = hf.get("num_nextn_predict_layers") or 0

@@ -14,7 +14,6 @@ and write the Hugging Face checkpoints of all three families.
 
 import dataclasses
 import math
-import os
 from typing import cast, final, no_type_check
 
 import equinox as eqx
@@ -292,13 +291,10 @@ def from_hf(
 
     **Returns:** the `Llama`; its `.config` is the equivalent `LlamaConfig`.
     """
-    _hf_config.check_from_hf_args("models.llama", spec, dtype, overrides, _HF_OVERRIDES)
-    path = _hf_config.checkpoint_dir(path, "models.llama.from_hf")
-    file = os.path.join(path, _hf_config.CONFIG_FILE)
-    hf = _hf_config.read_config(path)
-    with _hf_config.errors_in(file):
-        config = _config_from_hf(hf, file)
-    config = _hf_config.apply_overrides(config, dtype, overrides)
+    path, _, config = _hf_config.read_model_config(
+        path, "models.llama", _config_from_hf,
+        spec=spec, dtype=dtype, overrides=overrides, allowed=_HF_OVERRIDES,
+    )  # fmt: skip
     abstract = eqx.filter_eval_shape(Llama, config, key=jax.random.key(0), spec=spec)
     replicated = None if spec is None else cast(ShardingSpec, spec).sharding(PartitionSpec())
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_embeddings else None
@@ -366,9 +362,9 @@ def _hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
     return table
 
 
-def _config_from_hf(hf: dict, file: str) -> LlamaConfig:
-    """The `LlamaConfig` that `config.json` (`hf`, read from `file`) describes, with the
-    checkpoint's dtype and no `from_hf` overrides."""
+def _config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
+    """`config.json` (`hf`, read from `file`) with its values' types checked, and the
+    `LlamaConfig` it describes (the checkpoint's dtype, no `from_hf` overrides)."""
     model_type = _hf_config.check_model_type(hf, _HF_ARCHITECTURES, "models.llama")
     _hf_config.check_config_keys(hf, _HF_KEYS[model_type], f"models.llama ({model_type})")
     missing = [k for k in _HF_REQUIRED if k not in hf]
@@ -411,7 +407,7 @@ def _config_from_hf(hf: dict, file: str) -> LlamaConfig:
     rope_theta, rope_scaling = _rope_from_hf(hf, file)
     dtype = _hf_config.stored_dtype(hf)
     n_heads = hf["num_attention_heads"]
-    return LlamaConfig(
+    return hf, LlamaConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],

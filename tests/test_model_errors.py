@@ -65,6 +65,9 @@ CONFIG_ERRORS = [
      r"n_kv_heads must be an int; got 2\.5 .*whole number"),
     ("llama", dict(n_layers=True), TypeError,
      r"LlamaConfig\.n_layers must be an int; got True \(bool\)"),
+    ("llama", dict(n_layers=np.bool_(True)), TypeError,
+     r"LlamaConfig\.n_layers must be an int; got .*True_? \(bool_?\)"),
+    ("llama", dict(rope_theta=10**400), ValueError, r"LlamaConfig\.rope_theta must be finite"),
     ("llama", dict(vocab_size="64"), TypeError,
      r"LlamaConfig\.vocab_size must be an int; got '64' \(str\)"),
     ("llama", dict(n_heads=0), ValueError, r"LlamaConfig\.n_heads must be positive; got 0"),
@@ -161,7 +164,7 @@ def test_scaling_and_preset_errors(build, error, match):
 def test_config_accepts_numpy_numbers():
     """NumPy integers and floats (e.g. from arithmetic on shapes) are plain Python values in
     the config, so it stays hashable, equal to the literal one and JSON-serialisable."""
-    numpy_kw = dict(dim=np.int64(32), n_heads=np.int32(4), norm_eps=np.float32(1e-5))
+    numpy_kw = dict(dim=np.int64(32), n_heads=jnp.int32(4), norm_eps=np.float32(1e-5))
     config = llama_config(**numpy_kw)
     assert config == llama_config(dim=32, n_heads=4, norm_eps=float(np.float32(1e-5)))
     assert type(config.dim) is int and type(config.norm_eps) is float

@@ -33,12 +33,31 @@ def _seen(value: Any) -> str:
     return f"{_short(value)} ({type(value).__name__})"
 
 
+def _numeric_dtype(value: Any) -> Any:
+    """The dtype of a 0-d array or NumPy scalar; `None` for other values."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or getattr(value, "ndim", None) != 0:
+        return None
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return None
+
+
+def _is_integer(value: Any) -> bool:
+    """Whether `value` is an integer: Python (not a bool), NumPy, or a 0-d integer array."""
+    dtype = _numeric_dtype(value)
+    if dtype is not None:
+        return bool(jnp.issubdtype(dtype, jnp.integer))
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _real(value: Any) -> float | None:
     """`value` as a float if it is a concrete real number (Python, NumPy or a 0-d array of
     integer or floating dtype), not a bool; else `None`."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None:
-        if getattr(value, "ndim", None) != 0 or not (
+    if getattr(value, "dtype", None) is not None:
+        dtype = _numeric_dtype(value)
+        if dtype is None or not (
             jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
         ):
             return None
@@ -46,15 +65,10 @@ def _real(value: Any) -> float | None:
         return None
     try:
         return float(value)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        return None  # a tracer
-
-
-def _is_integer(value: Any) -> bool:
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None:
-        return bool(jnp.issubdtype(dtype, jnp.integer))
-    return isinstance(value, numbers.Integral)
+    except OverflowError:  # an int too large for a float
+        return math.inf
+    except TypeError:  # a tracer
+        return None
 
 
 def check_int(
@@ -67,14 +81,16 @@ def check_int(
 ) -> int:
     """**Returns:** `value` as a Python `int`, after checking it is an integer (not a bool,
     not a float unless `integral_floats` and integral) `>= minimum` (`None`: any)."""
-    number = _real(value)
-    if number is None:
-        raise TypeError(f"{what} must be an int; got {_seen(value)}.{fix}")
-    if not _is_integer(value):
+    if _is_integer(value):
+        value = int(value)
+    else:
+        number = _real(value)
+        if number is None:
+            raise TypeError(f"{what} must be an int; got {_seen(value)}.{fix}")
         if not (integral_floats and math.isfinite(number) and number.is_integer()):
             hint = f" Pass {int(number)}." if number.is_integer() else " Pass a whole number."
             raise TypeError(f"{what} must be an int; got {_seen(value)}.{hint}{fix}")
-    value = int(value)
+        value = int(number)
     if minimum is not None and value < minimum:
         rule = "positive" if minimum == 1 else f">= {minimum}"
         raise ValueError(f"{what} must be {rule}; got {value}.{fix}")

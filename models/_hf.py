@@ -8,6 +8,7 @@ parameter directly in its sharding, in the requested dtype. Writing goes the oth
 produces files `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -15,56 +16,18 @@ import os
 import re
 import string
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import ExitStack
 from typing import Any, Literal, final
 
 import jax
 import numpy as np
 
-CONFIG_FILE = "config.json"
+from eqx_longctx.nn._checks import check_int
+
+from ._hf_config import CONFIG_FILE, checkpoint_dir, read_json
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-# `config.json` keys that never change what the model computes: identification, token ids,
-# generation defaults, training-time initialisation, output flags.
-METADATA_KEYS = frozenset(
-    {
-        "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype",
-        "dtype", "use_cache", "initializer_range", "bos_token_id", "eos_token_id",
-        "pad_token_id", "sep_token_id", "decoder_start_token_id", "tokenizer_class",
-        "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
-        "id2label", "label2id", "problem_type", "task_specific_params", "prefix",
-        "torchscript", "finetuning_task", "max_length", "min_length", "do_sample",
-        "temperature", "top_k", "top_p", "num_beams", "repetition_penalty",
-        "num_return_sequences", "is_decoder", "is_encoder_decoder", "add_cross_attention",
-        "tie_encoder_decoder", "chunk_size_feed_forward", "pruned_heads",
-    }
-)  # fmt: skip
-
-
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """**Returns:** the parsed `config.json` of the checkpoint directory `path`."""
-    file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(file):
-        raise ValueError(
-            f"no {CONFIG_FILE} in {os.fspath(path)!r}; point at a Hugging Face checkpoint "
-            "directory (config.json next to model.safetensors or its shards)."
-        )
-    with open(file) as f:
-        return json.load(f)
-
-
-def check_config_keys(config: Mapping[str, Any], known: Iterable[str], family: str) -> None:
-    """Raise `ValueError` for `config.json` keys that are neither `known` to the family reader
-    nor harmless metadata (an unknown key may change the computation, e.g. quantization)."""
-    unknown = sorted(set(config) - set(known) - METADATA_KEYS)
-    if unknown:
-        raise ValueError(
-            f"config.json has key(s) {unknown} that the {family} reader does not understand, "
-            "so it cannot tell whether they change the model. Supported keys: "
-            f"{sorted(set(known))}. Remove them from config.json if they do not change the "
-            "computation."
-        )
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors names of the dtypes read
 
 
 @final
@@ -143,19 +106,28 @@ class SafetensorsCheckpoint:
     by `model.safetensors.index.json`. Use as a context manager; files open lazily."""
 
     def __init__(self, path: str | os.PathLike):
-        path = os.fspath(path)
+        path = checkpoint_dir(path)
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+            contents = read_json(index, "shard index")
+            weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError(
                     f"{index} has no 'weight_map' (tensor name -> shard file); rewrite it with "
                     "save_pretrained or remove it to load a single model.safetensors."
                 )
+            bad = sorted(n for n, f in weight_map.items() if not isinstance(f, str))
+            if bad:
+                raise ValueError(
+                    f"{index} maps tensor(s) {_listing(bad)} to something other than a shard "
+                    "file name; every weight_map value must be a string. Rewrite it with "
+                    "save_pretrained."
+                )
             self.files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+            self.source = index
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
             self.files = None  # filled on open, from the file's own header
+            self.source = os.path.join(path, SINGLE_FILE)
         else:
             found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             raise ValueError(
@@ -166,11 +138,11 @@ class SafetensorsCheckpoint:
         missing = sorted({f for f in (self.files or {}).values() if not os.path.isfile(f)})
         if missing:
             raise ValueError(
-                f"{INDEX_FILE} lists shard file(s) that are not in {path!r}: {missing}. "
+                f"{index} lists shard file(s) that are not in {path!r}: {missing}. "
                 "Download every shard of the checkpoint."
             )
         self.path = path
-        self._stack = ExitStack()
+        self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
 
     def __enter__(self) -> "SafetensorsCheckpoint":
@@ -187,24 +159,47 @@ class SafetensorsCheckpoint:
         if file not in self._handles:
             from safetensors import safe_open
 
-            self._handles[file] = self._stack.enter_context(safe_open(file, framework="numpy"))
+            try:
+                handle = safe_open(file, framework="numpy")
+            except Exception as e:  # SafetensorError (a bad header), OSError
+                raise ValueError(
+                    f"cannot read safetensors file {file}: {e}. The file is damaged or "
+                    "incomplete (e.g. an interrupted download); download or write it again."
+                ) from e
+            self._handles[file] = self._stack.enter_context(handle)
         return self._handles[file]
 
     @property
     def names(self) -> set[str]:
         return set(self.files or ())
 
+    def file(self, name: str) -> str:
+        """The file that holds tensor `name`."""
+        assert self.files is not None, "use SafetensorsCheckpoint as a context manager"
+        return self.files[name]
+
+    def _tensor_op(self, name: str, op: Callable[[Any], Any]):
+        file = self.file(name)
+        handle = self._open(file)
+        try:
+            return op(handle)
+        except Exception as e:  # SafetensorError: absent from its shard, data cut short
+            raise ValueError(
+                f"cannot read tensor {name!r} from {file}: {e}. The file is damaged, or "
+                f"{INDEX_FILE} names the wrong shard for it; download or write it again."
+            ) from e
+
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape from the file header (no data read)."""
-        return tuple(self._open(self._file(name)).get_slice(name).get_shape())
+        return tuple(self._tensor_op(name, lambda h: h.get_slice(name).get_shape()))
+
+    def dtype(self, name: str) -> str:
+        """safetensors dtype name from the file header (`"F32"`, `"BF16"`, ...)."""
+        return str(self._tensor_op(name, lambda h: h.get_slice(name).get_dtype()))
 
     def read(self, name: str) -> np.ndarray:
         """Read one tensor into host memory."""
-        return self._open(self._file(name)).get_tensor(name)
-
-    def _file(self, name: str) -> str:
-        assert self.files is not None, "use SafetensorsCheckpoint as a context manager"
-        return self.files[name]
+        return self._tensor_op(name, lambda h: h.get_tensor(name))
 
 
 def _leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
@@ -270,19 +265,20 @@ def load_params(
     missing = set(expected) - present
     if missing:
         raise ValueError(
-            f"checkpoint {checkpoint.path!r} lacks tensor(s) {_listing(missing)} that its "
+            f"checkpoint {checkpoint.source} lacks tensor(s) {_listing(missing)} that its "
             "config.json implies. Check that the checkpoint is complete and that config.json "
             "belongs to it."
         )
     extra = {n for n in present - set(expected) if n not in tied}
     if extra:
         raise ValueError(
-            f"checkpoint {checkpoint.path!r} has tensor(s) {_listing(extra)} that the model "
+            f"checkpoint {checkpoint.source} has tensor(s) {_listing(extra)} that the model "
             "described by its config.json does not use (a different architecture, or "
             "config.json does not match the weights); they are not skipped silently."
         )
     wrong = [
-        f"{n}: expected {expected[n]}, found {checkpoint.shape(n)}"
+        f"{n}: expected {expected[n]}, found {checkpoint.shape(n)} in "
+        f"{os.path.basename(checkpoint.file(n))}"
         for n in sorted(expected)
         if checkpoint.shape(n) != expected[n]
     ]
@@ -291,6 +287,17 @@ def load_params(
             f"checkpoint {checkpoint.path!r} has tensor(s) of the wrong shape for its "
             f"config.json: {'; '.join(wrong[:12])}. Check config.json (sizes, heads, "
             "head_dim) against the weights."
+        )
+    not_float = [
+        f"{n}: {checkpoint.dtype(n)} in {os.path.basename(checkpoint.file(n))}"
+        for n in sorted(expected)
+        if checkpoint.dtype(n) not in FLOAT_DTYPES
+    ]
+    if not_float:
+        raise ValueError(
+            f"checkpoint {checkpoint.path!r} has tensor(s) that are not floating point: "
+            f"{'; '.join(not_float[:12])}. Parameters are read from {FLOAT_DTYPES} only "
+            "(quantized or integer checkpoints are not read); use an unquantized checkpoint."
         )
     for duplicate, original in tied.items():
         if duplicate in present and not np.array_equal(
@@ -320,10 +327,21 @@ def load_params(
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
+def check_concrete(model, what: str) -> None:
+    """Raise `ValueError` if `model` holds abstract shapes (from `eqx.filter_eval_shape`)
+    instead of parameter values: there would be nothing to write."""
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(model)):
+        raise ValueError(
+            f"{what} needs parameter values, but the model holds abstract shapes "
+            "(jax.ShapeDtypeStruct, e.g. from eqx.filter_eval_shape). Build it for real, or "
+            "load it with from_hf."
+        )
+
+
 def save_params(
     params,
     table: Mapping[str, HFTensor],
-    path: str | os.PathLike,
+    path: object,  # checked below, with an error that names to_hf
     config: Mapping[str, Any],
     *,
     max_shard_size: int | None = None,
@@ -341,6 +359,20 @@ def save_params(
     """
     from safetensors.numpy import save_file
 
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"to_hf needs path=an output directory (str or os.PathLike); got {type(path).__name__}."
+        )
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            f"to_hf writes a checkpoint directory, but {path!r} exists and is not a directory. "
+            "Choose a new path or remove the file."
+        )
+    if max_shard_size is not None:
+        max_shard_size = check_int(
+            max_shard_size, "to_hf max_shard_size", fix=" Give bytes per file, or None."
+        )
     paths, leaves, _ = _leaf_paths(params)
     _check_table(paths, table)
     not_local = [p for p, leaf in zip(paths, leaves, strict=True) if not leaf.is_fully_addressable]
@@ -362,12 +394,27 @@ def save_params(
                 size = 0
             plan[-1].append((name, leaf_no, idx))
             size += nbytes
-    os.makedirs(path, exist_ok=True)
     files = (
         [SINGLE_FILE]
         if max_shard_size is None
         else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     )
+    if os.path.isdir(path):
+        # from_hf reads the index if there is one, and the index lists its own shards: a
+        # leftover index or shard would be read instead of, or mixed with, what is written.
+        ours = set(files) | ({INDEX_FILE} if max_shard_size is not None else set())
+        stale = sorted(
+            f
+            for f in os.listdir(path)
+            if (f.endswith(".safetensors") or f == INDEX_FILE) and f not in ours
+        )
+        if stale:
+            raise ValueError(
+                f"to_hf: {path!r} already holds checkpoint file(s) {_listing(stale)} that this "
+                "write would not replace, so the directory would mix two checkpoints. Write to "
+                "an empty directory or remove them."
+            )
+    os.makedirs(path, exist_ok=True)
     weight_map, total, fetched_no, fetched = {}, 0, -1, np.empty(0)
     for file, items in zip(files, plan, strict=True):
         tensors = {}
@@ -384,34 +431,3 @@ def save_params(
             json.dump(index, f, indent=2)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(dict(config), f, indent=2, sort_keys=True)
-
-
-def unsupported(key: str, value, why: str) -> ValueError:
-    """The error for a `config.json` value the zoo does not implement."""
-    return ValueError(f"config.json {key}={value!r} is not supported: {why}")
-
-
-def check_model_type(hf: dict, architectures: dict[str, str], family: str) -> str:
-    """Check `model_type` and `architectures` against the family's; return the model type.
-
-    **Arguments:**
-
-    - `hf`: the parsed `config.json`.
-    - `architectures`: model_type -> the causal-LM architecture name it must declare.
-    - `family`: e.g. `"models.llama"`, for the messages.
-    """
-    model_type = hf.get("model_type")
-    if model_type not in architectures:
-        raise ValueError(
-            f"{family}.from_hf reads model_type {sorted(architectures)} "
-            f"(architectures {sorted(architectures.values())}); got "
-            f"model_type={model_type!r}. Use the zoo family of that model, if there is one."
-        )
-    arch = hf.get("architectures")
-    if arch is not None and list(arch) != [architectures[model_type]]:
-        raise ValueError(
-            f"{family}.from_hf reads causal LMs, architectures "
-            f"[{architectures[model_type]!r}] for model_type={model_type!r}; got "
-            f"architectures={arch!r} (a base model or another head is not read)."
-        )
-    return model_type

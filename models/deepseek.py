@@ -19,7 +19,7 @@ Technical Report" (arXiv:2412.19437).
 
 import dataclasses
 import math
-from typing import Literal, final
+from typing import Literal, cast, final, no_type_check
 
 import equinox as eqx
 import jax
@@ -31,8 +31,6 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from eqx_longctx import ShardingSpec
 from eqx_longctx._types import Hidden, Positions, SegmentIds
 from eqx_longctx.nn import (
-    DTYPES,
-    REMAT_POLICIES,
     AbstractDecoder,
     DecoupledRoPE,
     LayerStack,
@@ -43,9 +41,16 @@ from eqx_longctx.nn import (
     check_decoder_config,
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
-from eqx_longctx.nn._moe import GROUPED_MATMULS, TOPK_METHODS
+from eqx_longctx.nn._checks import (
+    check_choice,
+    check_fields,
+    check_instance,
+    check_model_args,
+    check_preset,
+)
+from eqx_longctx.nn._moe import GROUPED_MATMULS, check_routing
 
-from . import _hf
+from . import _hf, _hf_config
 
 # DeepSeek's reference code and transformers build the q/kv latent norms with their default
 # epsilon, whatever `rms_norm_eps` says.
@@ -53,9 +58,13 @@ LATENT_NORM_EPS = 1e-6
 
 
 @final
+@no_type_check  # __post_init__ checks every field, with messages that name the fix
 @dataclasses.dataclass(frozen=True)
 class DeepSeekConfig:
     """Hyperparameters of a DeepSeek-V2/V3 model (hashable, so it can be a static field).
+
+    Fields are checked on construction as `LlamaConfig`'s are, and the routing rule against
+    the experts (`eqx_longctx.nn._moe.check_routing`).
 
     **Arguments:**
 
@@ -120,43 +129,34 @@ class DeepSeekConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        positive = (
-            "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "moe_hidden_dim",
-            "n_routed_experts", "top_k", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-            "v_head_dim", "max_seq_len",
+        check_decoder_config(self, scaling_cls=YarnRopeScaling)
+        check_fields(
+            self,
+            ints=(
+                "moe_hidden_dim", "n_routed_experts", "top_k", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+            ),
+            optional_ints=("q_lora_rank",),
+            non_negative_ints=("n_shared_experts", "first_k_dense"),
+            positive_reals=("routed_scaling_factor",),
+            bools=("norm_topk_prob", "rope_interleave"),
         )  # fmt: skip
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"DeepSeekConfig.{name} must be positive; got {name}={getattr(self, name)}."
-                )
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+        if self.first_k_dense > self.n_layers:
             raise ValueError(
-                f"DeepSeekConfig.q_lora_rank must be positive or None; got {self.q_lora_rank}."
-            )
-        if self.n_shared_experts < 0 or not 0 <= self.first_k_dense <= self.n_layers:
-            raise ValueError(
-                "DeepSeekConfig needs n_shared_experts >= 0 and 0 <= first_k_dense <= "
-                f"n_layers; got n_shared_experts={self.n_shared_experts}, first_k_dense="
-                f"{self.first_k_dense}, n_layers={self.n_layers}."
+                "DeepSeekConfig needs first_k_dense <= n_layers (the first first_k_dense of the "
+                f"n_layers blocks are dense); got first_k_dense={self.first_k_dense}, "
+                f"n_layers={self.n_layers}."
             )
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 "DeepSeekConfig needs an even qk_rope_head_dim (RoPE rotates feature pairs); "
                 f"got {self.qk_rope_head_dim}."
             )
-        for name, allowed in (
-            ("topk_method", TOPK_METHODS),
-            ("grouped_matmul", GROUPED_MATMULS),
-            ("remat", REMAT_POLICIES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"DeepSeekConfig.{name} must be one of {allowed}; got "
-                    f"{name}={getattr(self, name)!r}."
-                )
-        check_decoder_config(self)
-        object.__setattr__(self, "routed_scaling_factor", float(self.routed_scaling_factor))
+        check_choice(self.grouped_matmul, "DeepSeekConfig.grouped_matmul", GROUPED_MATMULS)
+        check_routing(
+            "DeepSeekConfig", self.n_routed_experts, self.top_k, self.topk_method, self.n_group,
+            self.topk_group,
+        )  # fmt: skip
 
     @property
     def n_moe_layers(self) -> int:
@@ -165,9 +165,7 @@ class DeepSeekConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "DeepSeekConfig":
         """A preset from `PRESETS` with some fields replaced (e.g. `n_layers=4`)."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown DeepSeek preset {name!r}; choose one of {sorted(PRESETS)}.")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        return dataclasses.replace(check_preset(PRESETS, name, overrides, "DeepSeek"), **overrides)
 
 
 @final
@@ -261,17 +259,19 @@ class DeepSeek(AbstractDecoder):
     config: DeepSeekConfig = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
-    def __init__(self, config: DeepSeekConfig, *, key: PRNGKeyArray, spec=None):
+    # `config`, `key` and `spec` are checked below, with errors that say how to build them.
+    def __init__(self, config: object, *, key: object, spec: object = None):
         """**Arguments:**
 
-        - `config`: the hyperparameters.
-        - `key`: PRNG key for the initialisation.
-        - `spec`: the sharding spec handed to every attention and MoE call; `None` = one
+        - `config`: the `DeepSeekConfig`.
+        - `key`: PRNG key for the initialisation (`jax.random.key(seed)`).
+        - `spec`: the `ShardingSpec` handed to every attention and MoE call; `None` = one
           device.
         """
-        c = config
+        check_model_args("DeepSeek", config, DeepSeekConfig, key, spec)
+        c, spec = cast(DeepSeekConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
-        k_embed, k_dense, k_moe, k_head = jax.random.split(key, 4)
+        k_embed, k_dense, k_moe, k_head = jax.random.split(cast(PRNGKeyArray, key), 4)
         self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
         self.dense_layers = self.moe_layers = None
         if c.first_k_dense:
@@ -293,7 +293,7 @@ class DeepSeek(AbstractDecoder):
             self.lm_head = None
         else:
             self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
-        self.config = config
+        self.config = c
         self.spec = spec
 
     def run_layers(self, x, positions, segment_ids):
@@ -377,7 +377,7 @@ _YARN_KEYS = (
 def from_hf(
     path,
     *,
-    spec: ShardingSpec | None = None,
+    spec: object = None,  # checked, with an error that says how to build a ShardingSpec
     dtype: str | type | np.dtype | None = None,
     **overrides,
 ) -> DeepSeek:
@@ -403,16 +403,12 @@ def from_hf(
 
     **Returns:** the `DeepSeek` model; its `.config` is the equivalent `DeepSeekConfig`.
     """
-    bad = sorted(set(overrides) - set(_HF_OVERRIDES))
-    if bad:
-        raise ValueError(
-            f"from_hf can override only {_HF_OVERRIDES}; got {bad}. The architecture comes "
-            "from config.json."
-        )
-    hf = _hf.read_config(path)
-    config = _config_from_hf(hf, dtype, overrides)
+    path, hf, config = _hf_config.read_model_config(
+        path, "models.deepseek", _config_from_hf,
+        spec=spec, dtype=dtype, overrides=overrides, allowed=_HF_OVERRIDES,
+    )  # fmt: skip
     abstract = eqx.filter_eval_shape(DeepSeek, config, key=jax.random.key(0), spec=spec)
-    replicated = None if spec is None else spec.sharding(PartitionSpec())
+    replicated = None if spec is None else cast(ShardingSpec, spec).sharding(PartitionSpec())
     n_mtp = hf.get("num_nextn_predict_layers") or 0
     mtp_layers = "|".join(str(config.n_layers + i) for i in range(n_mtp))
     ignore = [rf"model\.layers\.({mtp_layers})\..*"] if n_mtp else []
@@ -429,7 +425,7 @@ def from_hf(
         )
 
 
-def to_hf(model: DeepSeek, path, *, max_shard_size: int | None = None) -> None:
+def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     """Write `model` as a Hugging Face checkpoint (`config.json` + safetensors).
 
     `topk_method="noaux_tc"` writes DeepSeek-V3 (`DeepseekV3ForCausalLM`), the softmax
@@ -441,11 +437,15 @@ def to_hf(model: DeepSeek, path, *, max_shard_size: int | None = None) -> None:
     - `path`: output directory, created if needed.
     - `max_shard_size`: bytes per safetensors file; `None` writes one `model.safetensors`.
     """
+    check_instance(model, "models.deepseek.to_hf's model", DeepSeek, "Build it with DeepSeek(...).")
+    model = cast(DeepSeek, model)
+    hf_config = _config_to_hf(model.config)
+    _hf.check_concrete(model, "models.deepseek.to_hf")
     _hf.save_params(
         eqx.filter(model, eqx.is_array),
         _hf_table(model.config),
         path,
-        _config_to_hf(model.config),
+        hf_config,
         max_shard_size=max_shard_size,
     )
 
@@ -500,15 +500,35 @@ def _hf_table(c: DeepSeekConfig) -> dict[str, _hf.HFTensor]:
     return table
 
 
-def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
-    model_type = _hf.check_model_type(hf, _HF_ARCHITECTURES, "models.deepseek")
-    _hf.check_config_keys(hf, _HF_KEYS[model_type], f"models.deepseek ({model_type})")
+def _config_from_hf(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
+    """`config.json` (`hf`, read from `file`) with its values' types checked, and the
+    `DeepSeekConfig` it describes (the checkpoint's dtype, no `from_hf` overrides)."""
+    model_type = _hf_config.check_model_type(hf, _HF_ARCHITECTURES, "models.deepseek")
+    _hf_config.check_config_keys(hf, _HF_KEYS[model_type], f"models.deepseek ({model_type})")
     missing = [k for k in _HF_REQUIRED if k not in hf]
     if missing:
         raise ValueError(
             f"config.json lacks {missing}; the zoo does not guess them (transformers' defaults "
             f"differ between DeepSeek versions). State them in config.json."
         )
+    hf = _hf_config.check_config_types(
+        hf,
+        file,
+        ints=(
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "n_routed_experts",
+            "num_experts_per_tok", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "n_group", "topk_group",
+            "num_key_value_heads", "head_dim", "qk_head_dim", "moe_layer_freq",
+        ),
+        non_negative_ints=("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
+        reals=("rms_norm_eps", "rope_theta", "routed_scaling_factor"),
+        bools=(
+            "norm_topk_prob", "tie_word_embeddings", "attention_bias", "mlp_bias",
+            "rope_interleave",
+        ),
+        objects=("rope_scaling", "rope_parameters"),
+    )  # fmt: skip
     v3 = model_type == "deepseek_v3"
     n_heads, nope, rope_dim = (
         hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
@@ -547,29 +567,27 @@ def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
         )  # fmt: skip
     for key, value, allowed, why in rules:
         if value not in allowed:
-            raise _hf.unsupported(key, value, why)
+            raise _hf_config.unsupported(key, value, why)
     topk_method = "noaux_tc" if v3 else hf.get("topk_method") or "greedy"
     n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
     if topk_method == "greedy":
         n_group, topk_group = n_group or 1, topk_group or 1
     elif not isinstance(n_group, int) or not isinstance(topk_group, int):
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "n_group/topk_group",
             (n_group, topk_group),
             f"topk_method={topk_method!r} needs both as integers.",
         )
     first_k = hf["first_k_dense_replace"] or 0
     if first_k > hf["num_hidden_layers"]:
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "first_k_dense_replace",
             first_k,
             f"it must be <= num_hidden_layers={hf['num_hidden_layers']}.",
         )
-    rope_theta, rope_scaling = _rope_from_hf(hf)
-    if dtype is None:
-        stored = hf.get("dtype") or hf.get("torch_dtype")
-        dtype = stored if stored in DTYPES else "float32"
-    return DeepSeekConfig(
+    rope_theta, rope_scaling = _rope_from_hf(hf, file)
+    dtype = _hf_config.stored_dtype(hf)
+    return hf, DeepSeekConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
@@ -594,37 +612,19 @@ def _config_from_hf(hf: dict, dtype, overrides: dict) -> DeepSeekConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rope_interleave=bool(hf.get("rope_interleave", True)),
-        max_seq_len=overrides.get(
-            "max_seq_len", hf.get("max_position_embeddings", _HF_MAX_LEN[model_type])
-        ),
+        max_seq_len=hf.get("max_position_embeddings") or _HF_MAX_LEN[model_type],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        grouped_matmul=overrides.get("grouped_matmul", "auto"),
-        remat=overrides.get("remat", "none"),
         param_dtype=dtype,
-        compute_dtype=overrides.get("compute_dtype", dtype),
+        compute_dtype=dtype,
     )
 
 
-def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
+def _rope_from_hf(hf: dict, file: str) -> tuple[float, YarnRopeScaling | None]:
     """RoPE base and YaRN scaling from `rope_parameters` (transformers 5) or the older
     `rope_theta` + `rope_scaling` (DeepSeek's own configs)."""
-    if hf.get("rope_parameters") is not None and hf.get("rope_scaling") is not None:
-        raise ValueError(
-            "config.json has both rope_parameters and rope_scaling; keep one (transformers 5 "
-            "writes rope_parameters, older versions rope_scaling)."
-        )
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", None)
-    if theta is not None and hf.get("rope_theta") not in (None, theta):
-        raise ValueError(
-            f"config.json gives two RoPE bases: rope_theta={hf['rope_theta']} and "
-            f"rope_parameters.rope_theta={theta}; keep one."
-        )
-    theta = float(theta or hf.get("rope_theta", 10000.0))
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    theta, rope_type, params = _hf_config.rope_from_hf(hf, file)
     if rope_type not in ("default", "yarn"):
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "rope type",
             rope_type,
             "the zoo's DeepSeek implements 'default' (plain RoPE) and 'yarn' only.",
@@ -632,7 +632,7 @@ def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
     allowed = _YARN_KEYS if rope_type == "yarn" else ()
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             f"{rope_type!r} RoPE parameters",
             unknown,
             f"the zoo reads {sorted(allowed)} besides rope_type and rope_theta.",
@@ -641,7 +641,9 @@ def _rope_from_hf(hf: dict) -> tuple[float, YarnRopeScaling | None]:
         return theta, None
     lacking = [k for k in ("factor", "original_max_position_embeddings") if params.get(k) is None]
     if lacking:
-        raise _hf.unsupported("'yarn' RoPE parameters", sorted(params), f"they lack {lacking}.")
+        raise _hf_config.unsupported(
+            "'yarn' RoPE parameters", sorted(params), f"they lack {lacking}."
+        )
     return theta, YarnRopeScaling(**{k: v for k, v in params.items() if v is not None})
 
 

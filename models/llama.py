@@ -14,7 +14,7 @@ and write the Hugging Face checkpoints of all three families.
 
 import dataclasses
 import math
-from typing import cast, final
+from typing import cast, final, no_type_check
 
 import equinox as eqx
 import jax
@@ -25,8 +25,6 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
 from eqx_longctx.nn import (
-    DTYPES,
-    REMAT_POLICIES,
     AbstractDecoder,
     DecoderBlock,
     LayerStack,
@@ -35,8 +33,9 @@ from eqx_longctx.nn import (
     check_decoder_config,
 )
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
+from eqx_longctx.nn._checks import check_fields, check_instance, check_model_args, check_preset
 
-from . import _hf
+from . import _hf, _hf_config
 
 
 def _is_none(x) -> bool:
@@ -44,9 +43,15 @@ def _is_none(x) -> bool:
 
 
 @final
+@no_type_check  # __post_init__ checks every field, with messages that name the fix
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Hyperparameters of a Llama model (hashable, so it can be a static field).
+
+    Every field is checked on construction (`TypeError` for a wrong type, `ValueError` for a
+    wrong value, naming the field): sizes are ints (Python or NumPy; not bools, and not
+    floats, so `dim=32.0` is an error), `norm_eps`, `rope_theta` and `init_std` finite and
+    positive, flags bools. NumPy values are stored as Python ones.
 
     **Arguments:**
 
@@ -87,15 +92,16 @@ class LlamaConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"LlamaConfig.{name} must be positive; got {name}={getattr(self, name)}."
-                )
+        check_decoder_config(self, scaling_cls=Llama3RopeScaling)
+        check_fields(
+            self,
+            optional_ints=("n_kv_heads", "head_dim"),
+            bools=("attention_bias", "qk_norm"),
+        )
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         n_kv_heads = cast(int, self.n_kv_heads)
-        if n_kv_heads <= 0 or self.n_heads % n_kv_heads != 0:
+        if self.n_heads % n_kv_heads != 0:
             raise ValueError(
                 "LlamaConfig needs n_heads to be a multiple of n_kv_heads (GQA groups query "
                 f"heads over shared K/V heads); got n_heads={self.n_heads}, "
@@ -110,17 +116,11 @@ class LlamaConfig:
                     "them or pass head_dim explicitly."
                 )
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
-        head_dim = cast(int, self.head_dim)
-        if head_dim <= 0 or head_dim % 2 != 0:
+        if cast(int, self.head_dim) % 2 != 0:
             raise ValueError(
                 f"LlamaConfig needs a positive even head_dim (RoPE rotates feature pairs); got "
                 f"head_dim={self.head_dim}."
             )
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(
-                f"LlamaConfig.remat must be one of {REMAT_POLICIES}; got remat={self.remat!r}."
-            )
-        check_decoder_config(self)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "LlamaConfig":
@@ -136,11 +136,10 @@ class LlamaConfig:
 
         **Returns:** the new `LlamaConfig`.
         """
-        if name not in PRESETS:
-            raise ValueError(f"unknown Llama preset {name!r}; choose one of {sorted(PRESETS)}.")
+        preset = check_preset(PRESETS, name, overrides, "Llama")
         if ("dim" in overrides or "n_heads" in overrides) and "head_dim" not in overrides:
             overrides["head_dim"] = None
-        return dataclasses.replace(PRESETS[name], **overrides)
+        return dataclasses.replace(preset, **overrides)
 
 
 @final
@@ -154,17 +153,19 @@ class Llama(AbstractDecoder):
     config: LlamaConfig = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
-    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, spec=None):
+    # `config`, `key` and `spec` are checked below, with errors that say how to build them.
+    def __init__(self, config: object, *, key: object, spec: object = None):
         """**Arguments:**
 
-        - `config`: the hyperparameters.
-        - `key`: PRNG key for the initialisation.
-        - `spec`: the sharding spec handed to every attention call; `None` = one device.
+        - `config`: the `LlamaConfig`.
+        - `key`: PRNG key for the initialisation (`jax.random.key(seed)`).
+        - `spec`: the `ShardingSpec` handed to every attention call; `None` = one device.
         """
-        c = config
+        check_model_args("Llama", config, LlamaConfig, key, spec)
+        c, spec = cast(LlamaConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
         n_kv_heads, head_dim = cast(int, c.n_kv_heads), cast(int, c.head_dim)
-        k_embed, k_layers, k_head = jax.random.split(key, 3)
+        k_embed, k_layers, k_head = jax.random.split(cast(PRNGKeyArray, key), 3)
         rope = RoPE(head_dim, c.rope_theta, c.rope_scaling)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)
 
@@ -199,7 +200,7 @@ class Llama(AbstractDecoder):
             self.lm_head = None
         else:
             self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
-        self.config = config
+        self.config = c
         self.spec = spec
 
     def run_layers(self, x, positions, segment_ids):
@@ -265,7 +266,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 def from_hf(
     path,
     *,
-    spec: ShardingSpec | None = None,
+    spec: object = None,  # checked, with an error that says how to build a ShardingSpec
     dtype: str | type | np.dtype | None = None,
     **overrides,
 ) -> Llama:
@@ -273,8 +274,10 @@ def from_hf(
 
     Reads `config.json` and `model.safetensors` (or the shards listed by
     `model.safetensors.index.json`) with `safetensors`, without torch. Every tensor is
-    checked by name and shape before any data is read; then one tensor at a time is read,
-    converted to `dtype` on the host and placed on its devices.
+    checked by name, shape and dtype before any data is read; then one tensor at a time is
+    read, converted to `dtype` on the host and placed on its devices. Errors about the files
+    name the file, and the key or tensor. Integral floats in `config.json` (`4096.0`) are
+    read as ints.
 
     **Arguments:**
 
@@ -288,15 +291,12 @@ def from_hf(
 
     **Returns:** the `Llama`; its `.config` is the equivalent `LlamaConfig`.
     """
-    bad = sorted(set(overrides) - set(_HF_OVERRIDES))
-    if bad:
-        raise ValueError(
-            f"from_hf can override only {_HF_OVERRIDES}; got {bad}. The architecture comes "
-            "from config.json."
-        )
-    config = _config_from_hf(_hf.read_config(path), dtype, overrides)
+    path, _, config = _hf_config.read_model_config(
+        path, "models.llama", _config_from_hf,
+        spec=spec, dtype=dtype, overrides=overrides, allowed=_HF_OVERRIDES,
+    )  # fmt: skip
     abstract = eqx.filter_eval_shape(Llama, config, key=jax.random.key(0), spec=spec)
-    replicated = None if spec is None else spec.sharding(PartitionSpec())
+    replicated = None if spec is None else cast(ShardingSpec, spec).sharding(PartitionSpec())
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_embeddings else None
     with _hf.SafetensorsCheckpoint(path) as checkpoint:
         return _hf.load_params(
@@ -310,7 +310,7 @@ def from_hf(
         )
 
 
-def to_hf(model: Llama, path, *, max_shard_size: int | None = None) -> None:
+def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     """Write `model` as a Hugging Face checkpoint (`config.json` + safetensors).
 
     The family follows the config: `qk_norm` gives Qwen3, `attention_bias` Qwen2, neither
@@ -322,11 +322,15 @@ def to_hf(model: Llama, path, *, max_shard_size: int | None = None) -> None:
     - `path`: output directory, created if needed.
     - `max_shard_size`: bytes per safetensors file; `None` writes one `model.safetensors`.
     """
+    check_instance(model, "models.llama.to_hf's model", Llama, "Build it with Llama(config, ...).")
+    model = cast(Llama, model)
+    hf_config = _config_to_hf(model.config)
+    _hf.check_concrete(model, "models.llama.to_hf")
     _hf.save_params(
         eqx.filter(model, eqx.is_array),
         _hf_table(model.config),
         path,
-        _config_to_hf(model.config),
+        hf_config,
         max_shard_size=max_shard_size,
     )
 
@@ -358,40 +362,52 @@ def _hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
     return table
 
 
-def _config_from_hf(hf: dict, dtype, overrides: dict) -> LlamaConfig:
-    model_type = _hf.check_model_type(hf, _HF_ARCHITECTURES, "models.llama")
-    _hf.check_config_keys(hf, _HF_KEYS[model_type], f"models.llama ({model_type})")
+def _config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
+    """`config.json` (`hf`, read from `file`) with its values' types checked, and the
+    `LlamaConfig` it describes (the checkpoint's dtype, no `from_hf` overrides)."""
+    model_type = _hf_config.check_model_type(hf, _HF_ARCHITECTURES, "models.llama")
+    _hf_config.check_config_keys(hf, _HF_KEYS[model_type], f"models.llama ({model_type})")
     missing = [k for k in _HF_REQUIRED if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {missing}; every {model_type} config states them.")
+    hf = _hf_config.check_config_types(
+        hf,
+        file,
+        ints=(
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+        ),
+        reals=("rms_norm_eps", "rope_theta"),
+        bools=("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
+        objects=("rope_scaling", "rope_parameters"),
+        lists=("layer_types",),
+    )  # fmt: skip
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise _hf.unsupported("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu).")
+        raise _hf_config.unsupported("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu).")
     if hf.get("mlp_bias", False):
-        raise _hf.unsupported("mlp_bias", True, "the zoo's MLP has no biases.")
+        raise _hf_config.unsupported("mlp_bias", True, "the zoo's MLP has no biases.")
     if hf.get("attention_bias", False):
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "attention_bias",
             True,
             f"{model_type} then adds biases to q/k/v and the output projection; the zoo has "
             "q/k/v biases only (as Qwen2).",
         )
     if hf.get("attention_dropout") not in (None, 0, 0.0):
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "attention_dropout", hf["attention_dropout"], "the zoo's attention has no dropout."
         )
     layer_types = set(hf.get("layer_types") or ()) - {"full_attention"}
     if hf.get("use_sliding_window") or layer_types:
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "use_sliding_window/layer_types",
             (hf.get("use_sliding_window"), sorted(layer_types)),
             "sliding-window attention is not implemented; every layer attends fully.",
         )
-    rope_theta, rope_scaling = _rope_from_hf(hf)
-    if dtype is None:
-        stored = hf.get("dtype") or hf.get("torch_dtype")
-        dtype = stored if stored in DTYPES else "float32"
+    rope_theta, rope_scaling = _rope_from_hf(hf, file)
+    dtype = _hf_config.stored_dtype(hf)
     n_heads = hf["num_attention_heads"]
-    return LlamaConfig(
+    return hf, LlamaConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
@@ -402,45 +418,28 @@ def _config_from_hf(hf: dict, dtype, overrides: dict) -> LlamaConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_seq_len=overrides.get(
-            "max_seq_len", hf.get("max_position_embeddings", _HF_MAX_LEN[model_type])
-        ),
+        max_seq_len=hf.get("max_position_embeddings") or _HF_MAX_LEN[model_type],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
-        remat=overrides.get("remat", "none"),
         param_dtype=dtype,
-        compute_dtype=overrides.get("compute_dtype", dtype),
+        compute_dtype=dtype,
     )
 
 
-def _rope_from_hf(hf: dict) -> tuple[float, Llama3RopeScaling | None]:
+def _rope_from_hf(hf: dict, file: str) -> tuple[float, Llama3RopeScaling | None]:
     """RoPE base and scaling from `rope_parameters` (transformers 5) or the older
     `rope_theta` + `rope_scaling`."""
-    if hf.get("rope_parameters") is not None and hf.get("rope_scaling") is not None:
-        raise ValueError(
-            "config.json has both rope_parameters and rope_scaling; keep one (transformers 5 "
-            "writes rope_parameters, older versions rope_scaling)."
-        )
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", None)
-    if theta is not None and hf.get("rope_theta") not in (None, theta):
-        raise ValueError(
-            f"config.json gives two RoPE bases: rope_theta={hf['rope_theta']} and "
-            f"rope_parameters.rope_theta={theta}; keep one."
-        )
-    theta = float(theta or hf.get("rope_theta", 10000.0))
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    theta, rope_type, params = _hf_config.rope_from_hf(hf, file)
     expected = {"default": (), "llama3": _LLAMA3_KEYS}.get(rope_type)
     if expected is None:
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             "rope type",
             rope_type,
             "the zoo implements 'default' (plain RoPE) and 'llama3' (Llama 3.1 scaling) only.",
         )
     if set(params) != set(expected):
-        raise _hf.unsupported(
+        raise _hf_config.unsupported(
             f"{rope_type!r} RoPE parameters",
             sorted(params),
             f"expected exactly {sorted(expected)} besides rope_type and rope_theta.",

@@ -300,7 +300,7 @@ def test_preset_shapes():
         (dict(remat="some"), "remat must be one of"),
         (dict(compute_dtype="int8"), "compute_dtype must be one of"),
         (dict(vocab_size=0), "vocab_size must be positive"),
-        (dict(norm_eps=0.0), "norm_eps, rope_theta and init_std > 0"),
+        (dict(norm_eps=0.0), r"LlamaConfig.norm_eps must be > 0; got 0.0"),
     ],
 )
 def test_config_errors(overrides, match):

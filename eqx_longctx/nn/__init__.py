@@ -4,9 +4,9 @@ Every layer keeps an explicit batch axis and takes the sharding spec explicitly.
 """
 
 from ._attention import SelfAttention as SelfAttention
-from ._decoder import DTYPES as DTYPES
+from ._checks import DTYPES as DTYPES
+from ._checks import check_decoder_config as check_decoder_config
 from ._decoder import AbstractDecoder as AbstractDecoder
-from ._decoder import check_decoder_config as check_decoder_config
 from ._inputs import check_shapes as check_shapes
 from ._inputs import check_token_ids as check_token_ids
 from ._inputs import prepare_inputs as prepare_inputs

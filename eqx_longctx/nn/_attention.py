@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import attention
+from ._checks import check_spec
 from ._norm import RMSNorm
 from ._rope import RoPE
 
@@ -86,6 +87,7 @@ class SelfAttention(eqx.Module):
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec passed to `eqx_longctx.attention`; `None` = one device.
         """
+        check_spec(spec, "SelfAttention")
         out_init_std = init_std if out_init_std is None else out_init_std
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.wq = init_std * jax.random.normal(kq, (dim, n_heads, head_dim), dtype)

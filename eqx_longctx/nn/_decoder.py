@@ -21,31 +21,6 @@ from .._types import Hidden, Logits, Positions, SegmentIds, Tokens
 from ._inputs import check_shapes, check_token_ids, prepare_inputs
 from ._norm import RMSNorm
 
-DTYPES = ("float32", "bfloat16", "float16")  # parameter and compute dtypes a config accepts
-
-
-def check_decoder_config(config) -> None:
-    """Validate and normalise the fields every decoder config has (call from a frozen
-    dataclass's `__post_init__`): `param_dtype` and `compute_dtype` become dtype names from
-    `DTYPES`; `norm_eps`, `rope_theta` and `init_std` must be positive."""
-    cls = type(config).__name__
-    for name in ("param_dtype", "compute_dtype"):
-        value = getattr(config, name)
-        try:
-            dtype_name = jnp.dtype(value).name
-        except TypeError:
-            dtype_name = repr(value)
-        if dtype_name not in DTYPES:
-            raise ValueError(f"{cls}.{name} must be one of {DTYPES}; got {value!r}.")
-        object.__setattr__(config, name, dtype_name)
-    if not config.norm_eps > 0 or not config.rope_theta > 0 or not config.init_std > 0:
-        raise ValueError(
-            f"{cls} needs norm_eps, rope_theta and init_std > 0; got "
-            f"norm_eps={config.norm_eps}, rope_theta={config.rope_theta}, "
-            f"init_std={config.init_std}."
-        )
-    object.__setattr__(config, "rope_theta", float(config.rope_theta))
-
 
 class AbstractDecoder(eqx.Module):
     """A decoder-only transformer: embeddings, a stack of blocks, a final norm, logits.
@@ -96,9 +71,16 @@ class AbstractDecoder(eqx.Module):
 
         **Returns:** `[batch, seq, vocab]` float32 logits.
         """
+        embed = self.embed.shape[-1]
+        if x.ndim != 3 or x.shape[-1] != embed or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(
+                f"x must be [batch, seq, embed={embed}] floating-point input embeddings; got "
+                f"shape {tuple(x.shape)}, dtype {x.dtype}. Token ids go to the model's "
+                "__call__ instead; embeddings come from embed_tokens(tokens)."
+            )
         check_shapes(
             x.shape[:2], "x", positions, segment_ids,
-            max_seq_len=self.config.max_seq_len, config_name=self._config_name,
+            max_seq_len=self.config.max_seq_len, config_name=self._config_name, spec=self.spec,
         )  # fmt: skip
         if self.spec is None:
             return self._forward(x, positions, segment_ids)
@@ -109,15 +91,17 @@ class AbstractDecoder(eqx.Module):
 
     def __call__(
         self,
-        tokens: Array | np.ndarray,
-        positions: Array | np.ndarray | None = None,
-        segment_ids: Array | np.ndarray | None = None,
+        tokens: object,
+        positions: object = None,
+        segment_ids: object = None,
     ) -> Logits:
         """Validate the inputs (raising `ValueError`s, hence the loose annotations), then run.
 
         **Arguments:**
 
-        - `tokens`: `[batch, seq]` token ids in `[0, vocab_size)`; `seq <= max_seq_len`.
+        - `tokens`: `[batch, seq]` token ids in `[0, vocab_size)` (a JAX or NumPy array, or
+          nested lists); `seq <= max_seq_len`. Under a spec, `batch` must split evenly over
+          its batch axis and `seq` over its sequence shards (and layout).
         - `positions`: `[batch, seq]` RoPE positions; default each token's original index
           (the spec's layout order on a mesh). Packed data passes positions that restart
           at 0 in each document.

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from .._layout import layout_order
+from .._layout import check_sequence_length, layout_order
 from .._sharding import ShardingSpec
 
 
@@ -26,9 +26,18 @@ def check_token_ids(tokens, vocab_size: int, config_name: str) -> None:
 
 
 def check_shapes(
-    batch_seq, what: str, positions, segment_ids, *, max_seq_len: int, config_name: str
+    batch_seq,
+    what: str,
+    positions,
+    segment_ids,
+    *,
+    max_seq_len: int,
+    config_name: str,
+    spec: ShardingSpec | None = None,
 ) -> None:
-    """The sequence fits `max_seq_len`; positions and segment ids are `[batch, seq]` ints."""
+    """The sequence fits `max_seq_len` and, under `spec`, the batch splits over its batch
+    axis and the sequence over its layout; positions and segment ids are `[batch, seq]`
+    integer arrays."""
     batch, seq = batch_seq
     if seq > max_seq_len:
         raise ValueError(
@@ -36,9 +45,17 @@ def check_shapes(
             f"{tuple(batch_seq)} (seq={seq}). Split the sequence or build the model with a "
             f"larger {config_name}(max_seq_len=...)."
         )
+    if spec is not None:
+        spec.check_batch(batch, f"the batch of the {what}")
+        check_sequence_length(spec, seq)
     for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
         if ids is None:
             continue
+        if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+            raise TypeError(
+                f"{name} must be a [batch, seq] integer array (JAX or NumPy) or None; got "
+                f"{type(ids).__name__}. Convert it with jnp.asarray(..., jnp.int32)."
+            )
         if tuple(ids.shape) != (batch, seq):
             raise ValueError(
                 f"{name} must have the [batch, seq] shape of the {what}, {(batch, seq)}; got "
@@ -48,6 +65,17 @@ def check_shapes(
             raise ValueError(
                 f"{name} must be integers; got dtype {ids.dtype}. Cast with .astype(jnp.int32)."
             )
+
+
+def _as_array(x, name: str):
+    """`x` as a JAX array (NumPy arrays and nested lists of ints just work)."""
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} must be a [batch, seq] array of integers (JAX or NumPy); got "
+            f"{type(x).__name__}, which jnp.asarray cannot convert ({e})."
+        ) from None
 
 
 def prepare_inputs(
@@ -68,7 +96,7 @@ def prepare_inputs(
 
     **Returns:** `(tokens, positions, segment_ids)` as JAX arrays (`segment_ids` may be None).
     """
-    tokens = jnp.asarray(tokens)
+    tokens = _as_array(tokens, "tokens")
     if tokens.ndim != 2:
         raise ValueError(
             f"tokens must have rank 2, laid out [batch, seq]; got shape "
@@ -78,16 +106,16 @@ def prepare_inputs(
         raise ValueError(
             f"tokens must be integer ids; got dtype {tokens.dtype}. Cast with .astype(jnp.int32)."
         )
+    positions = None if positions is None else _as_array(positions, "positions")
+    segment_ids = None if segment_ids is None else _as_array(segment_ids, "segment_ids")
+    check_shapes(
+        tokens.shape, "tokens", positions, segment_ids,
+        max_seq_len=max_seq_len, config_name=config_name, spec=spec,
+    )  # fmt: skip
     if positions is None:
         batch, seq = tokens.shape
         order = np.arange(seq) if spec is None else layout_order(spec, seq)
         positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (batch, seq))
-    positions = jnp.asarray(positions)
-    segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
-    check_shapes(
-        tokens.shape, "tokens", positions, segment_ids,
-        max_seq_len=max_seq_len, config_name=config_name,
-    )  # fmt: skip
     if not isinstance(tokens, Tracer):
         check_token_ids(tokens, vocab_size, config_name)
     return tokens, positions, segment_ids

@@ -17,7 +17,7 @@ Context Window Extension of Large Language Models" (arXiv:2309.00071).
 
 import dataclasses
 import math
-from typing import final
+from typing import final, no_type_check
 
 import equinox as eqx
 import jax
@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._sharding import ShardingSpec
 from .._types import Heads, Hidden, Positions, SegmentIds
 from ..attention import latent_attention
+from ._checks import check_bool, check_instance, check_int, check_real, check_spec
 from ._norm import RMSNorm
 
 
@@ -36,6 +37,7 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 @final
+@no_type_check  # __post_init__ checks every field, with messages that name the fix
 @dataclasses.dataclass(frozen=True)
 class YarnRopeScaling:
     """YaRN RoPE scaling (Hugging Face `rope_type="yarn"`), with DeepSeek's `mscale` terms.
@@ -76,21 +78,23 @@ class YarnRopeScaling:
     truncate: bool = True
 
     def __post_init__(self):
-        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        for name in (
+            "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"
+        ):  # fmt: skip
             value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, float(value))
-        if self.attention_factor is not None:
-            object.__setattr__(self, "attention_factor", float(self.attention_factor))
+            if value is not None or name == "factor":
+                object.__setattr__(self, name, check_real(value, f"YarnRopeScaling.{name}"))
+        original = check_int(
+            self.original_max_position_embeddings,
+            "YarnRopeScaling.original_max_position_embeddings",
+            fix=" DeepSeek-V2/V3 use 4096.",
+        )
+        object.__setattr__(self, "original_max_position_embeddings", original)
+        object.__setattr__(self, "truncate", check_bool(self.truncate, "YarnRopeScaling.truncate"))
         if not self.factor >= 1:
             raise ValueError(
                 f"YarnRopeScaling needs factor >= 1 (it stretches the context); got "
                 f"factor={self.factor}. DeepSeek-V2/V3 use 40."
-            )
-        if not self.original_max_position_embeddings > 0:
-            raise ValueError(
-                "YarnRopeScaling needs original_max_position_embeddings > 0; got "
-                f"{self.original_max_position_embeddings}. DeepSeek-V2/V3 use 4096."
             )
         if not 0 < self.beta_slow < self.beta_fast:
             raise ValueError(
@@ -170,10 +174,14 @@ class DecoupledRoPE(eqx.Module):
         - `scaling`: optional YaRN scaling.
         - `interleaved`: rotate neighbouring feature pairs (DeepSeek) instead of halves.
         """
-        self.head_dim = head_dim
-        self.theta = float(theta)
+        self.head_dim = check_int(head_dim, "DecoupledRoPE head_dim", minimum=None)
+        self.theta = check_real(theta, "DecoupledRoPE theta")
+        check_instance(
+            scaling, "DecoupledRoPE scaling", YarnRopeScaling, "Build YarnRopeScaling(...).",
+            none_ok=True,
+        )  # fmt: skip
         self.scaling = scaling
-        self.interleaved = bool(interleaved)
+        self.interleaved = check_bool(interleaved, "DecoupledRoPE interleaved")
 
     def __check_init__(self):
         if self.head_dim <= 0 or self.head_dim % 2 != 0:
@@ -287,6 +295,7 @@ class MultiHeadLatentAttention(eqx.Module):
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec passed to `eqx_longctx.attention`; `None` = one device.
         """
+        check_spec(spec, "MultiHeadLatentAttention")
         for name, value in (
             ("dim", dim),
             ("n_heads", n_heads),

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._sharding import ShardingSpec
 from .._types import Hidden
+from ._checks import check_spec
 
 
 @final
@@ -51,6 +52,7 @@ class SwiGLU(eqx.Module):
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec, or `None` for one device.
         """
+        check_spec(spec, "SwiGLU")
         if dim <= 0 or hidden_dim <= 0:
             raise ValueError(
                 f"SwiGLU needs positive widths; got dim={dim}, hidden_dim={hidden_dim}."

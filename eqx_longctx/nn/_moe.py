@@ -26,10 +26,44 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._sharding import ShardingSpec
 from .._types import Hidden
+from ._checks import check_spec
 from ._mlp import SwiGLU
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 GROUPED_MATMULS = ("auto", "ragged_dot", "scan")
+
+
+def check_routing(
+    owner: str, n_experts: int, top_k: int, topk_method: str, n_group: int, topk_group: int
+) -> None:
+    """Raise `ValueError` unless the routing rule can pick `top_k` of `n_experts` experts
+    (`owner` names the caller in the message, e.g. `"MoE"` or `"DeepSeekConfig"`)."""
+    if topk_method not in TOPK_METHODS:
+        raise ValueError(f"{owner} topk_method must be one of {TOPK_METHODS}; got {topk_method!r}.")
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(
+            f"{owner} needs 1 <= top_k <= n_experts; got top_k={top_k}, n_experts={n_experts}."
+        )
+    if topk_method == "greedy":
+        return
+    if n_group < 1 or n_experts % n_group:
+        raise ValueError(
+            f"{owner} topk_method={topk_method!r} splits the experts into n_group equal "
+            f"groups; got n_experts={n_experts}, n_group={n_group}. Choose n_group "
+            f"among the divisors of {n_experts}."
+        )
+    per_group = n_experts // n_group
+    if not 1 <= topk_group <= n_group or top_k > topk_group * per_group:
+        raise ValueError(
+            f"{owner} group-limited routing needs 1 <= topk_group <= n_group and top_k <= "
+            f"topk_group * experts per group; got top_k={top_k}, topk_group="
+            f"{topk_group}, n_group={n_group}, experts per group={per_group}."
+        )
+    if topk_method == "noaux_tc" and per_group < 2:
+        raise ValueError(
+            f"{owner} topk_method='noaux_tc' rates each group by its two best experts, so "
+            f"groups need >= 2 experts; got n_experts={n_experts}, n_group={n_group}."
+        )
 
 
 @final
@@ -110,6 +144,7 @@ class MoE(eqx.Module):
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec, or `None` for one device.
         """
+        check_spec(spec, "MoE")
         for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("n_experts", n_experts)):
             if value <= 0:
                 raise ValueError(f"MoE needs {name} > 0; got {name}={value}.")
@@ -143,41 +178,16 @@ class MoE(eqx.Module):
         self.spec = spec
 
     def __check_init__(self):
-        n_experts = self.router.shape[-1]
-        if self.topk_method not in TOPK_METHODS:
-            raise ValueError(
-                f"MoE topk_method must be one of {TOPK_METHODS}; got {self.topk_method!r}."
-            )
+        check_routing(
+            "MoE", self.router.shape[-1], self.top_k, self.topk_method, self.n_group,
+            self.topk_group,
+        )  # fmt: skip
         if self.grouped_matmul not in GROUPED_MATMULS:
             raise ValueError(
                 f"MoE grouped_matmul must be one of {GROUPED_MATMULS}; got {self.grouped_matmul!r}."
             )
-        if not 1 <= self.top_k <= n_experts:
-            raise ValueError(
-                f"MoE needs 1 <= top_k <= n_experts; got top_k={self.top_k}, n_experts={n_experts}."
-            )
         if self.tile < 1:
             raise ValueError(f"MoE needs tile >= 1 rows; got tile={self.tile}.")
-        if self.topk_method == "greedy":
-            return
-        if self.n_group < 1 or n_experts % self.n_group:
-            raise ValueError(
-                f"MoE topk_method={self.topk_method!r} splits the experts into n_group equal "
-                f"groups; got n_experts={n_experts}, n_group={self.n_group}. Choose n_group "
-                f"among the divisors of {n_experts}."
-            )
-        per_group = n_experts // self.n_group
-        if not 1 <= self.topk_group <= self.n_group or self.top_k > self.topk_group * per_group:
-            raise ValueError(
-                "MoE group-limited routing needs 1 <= topk_group <= n_group and top_k <= "
-                f"topk_group * experts per group; got top_k={self.top_k}, topk_group="
-                f"{self.topk_group}, n_group={self.n_group}, experts per group={per_group}."
-            )
-        if self.topk_method == "noaux_tc" and per_group < 2:
-            raise ValueError(
-                "MoE topk_method='noaux_tc' rates each group by its two best experts, so groups "
-                f"need >= 2 experts; got n_experts={n_experts}, n_group={self.n_group}."
-            )
 
     @property
     def n_experts(self) -> int:

@@ -14,16 +14,18 @@ Embedding" (arXiv:2104.09864); Llama Team 2024, "The Llama 3 Herd of Models"
 
 import dataclasses
 import math
-from typing import final
+from typing import final, no_type_check
 
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
 from .._types import Heads, Positions
+from ._checks import check_instance, check_int, check_real
 
 
 @final
+@no_type_check  # __post_init__ checks every field, with messages that name the fix
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeScaling:
     """Llama 3.1 RoPE frequency scaling (Hugging Face `rope_type="llama3"`).
@@ -49,7 +51,14 @@ class Llama3RopeScaling:
 
     def __post_init__(self):
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            object.__setattr__(self, name, float(getattr(self, name)))
+            value = check_real(getattr(self, name), f"Llama3RopeScaling.{name}")
+            object.__setattr__(self, name, value)
+        original = check_int(
+            self.original_max_position_embeddings,
+            "Llama3RopeScaling.original_max_position_embeddings",
+            fix=" Llama 3.1 uses 8192.",
+        )
+        object.__setattr__(self, "original_max_position_embeddings", original)
         if not self.factor >= 1:
             raise ValueError(
                 f"Llama3RopeScaling needs factor >= 1 (it divides the low frequencies to "
@@ -60,11 +69,6 @@ class Llama3RopeScaling:
                 "Llama3RopeScaling needs 0 < low_freq_factor < high_freq_factor (the blend "
                 f"divides by their difference); got low_freq_factor={self.low_freq_factor}, "
                 f"high_freq_factor={self.high_freq_factor}. Llama 3.1 uses 1 and 4."
-            )
-        if not self.original_max_position_embeddings > 0:
-            raise ValueError(
-                "Llama3RopeScaling needs original_max_position_embeddings > 0; got "
-                f"{self.original_max_position_embeddings}. Llama 3.1 uses 8192."
             )
 
     def apply(self, inv_freq: np.ndarray) -> np.ndarray:
@@ -106,8 +110,15 @@ class RoPE(eqx.Module):
         - `theta`: base of the geometric frequency ladder (`freq_i = theta**(-2i/head_dim)`).
         - `scaling`: optional Llama 3.1 long-context frequency scaling.
         """
-        self.head_dim = head_dim
-        self.theta = float(theta)
+        self.head_dim = check_int(head_dim, "RoPE head_dim", minimum=None)
+        self.theta = check_real(theta, "RoPE theta")
+        check_instance(
+            scaling,
+            "RoPE scaling",
+            Llama3RopeScaling,
+            "Build Llama3RopeScaling(...).",
+            none_ok=True,
+        )
         self.scaling = scaling
 
     def __check_init__(self):

@@ -19,6 +19,7 @@ from jaxtyping import PRNGKeyArray
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ._attention import SelfAttention
+from ._checks import check_spec
 from ._mlp import SwiGLU
 from ._norm import RMSNorm
 from ._rope import RoPE
@@ -65,6 +66,7 @@ class DecoderBlock(eqx.Module):
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec, or `None` for one device.
         """
+        check_spec(spec, "DecoderBlock")
         k_attn, k_mlp = jax.random.split(key)
         self.attn_norm = RMSNorm(dim, eps=norm_eps, dtype=dtype)
         self.attn = SelfAttention(

@@ -1,53 +1,141 @@
-"""Checks of plain Python values (ints, bools, finite numbers), one place per rule.
+"""Checks of argument values, one place per rule, for every public entry point.
 
-Every public entry point validates its arguments eagerly, before any tracing, and raises a
-`TypeError` for a plainly wrong type or a `ValueError` for a value out of range; messages
-name the argument, the value seen and the fix.
+Each check names the argument (`what`, e.g. `"flash_attention: block_q"`,
+`"LlamaConfig.dim"` or `"ckpt/config.json: hidden_size"`), states the rule and the value
+seen, raises `TypeError` for a plainly wrong type and `ValueError` for a value out of range,
+and returns the value normalised to a plain Python type: NumPy and JAX scalars are accepted,
+bools are never numbers, and a float is never an int (readers of `config.json`, whose
+numbers have one type, pass `integral_floats=True` to accept `4096.0` as `4096`).
 """
 
 import math
 import numbers
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from ._sharding import STRATEGIES, ShardingSpec
 
-def check_int(value, name: str, *, minimum: int | None = None, where: str = "") -> int:
-    """`value` as a Python int: an integer (not a bool) `>= minimum`."""
-    prefix = f"{where}: " if where else ""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{prefix}{name} must be an int; got {value!r} of type {type(value).__name__}. "
-            f"Pass an integer, e.g. {name}=int(...)."
-        )
-    value = int(value)
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _seen(value: Any) -> str:
+    return f"{_short(value)} ({type(value).__name__})"
+
+
+def _numeric_dtype(value: Any) -> Any:
+    """The dtype of a 0-d array or NumPy scalar; `None` for other values."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or getattr(value, "ndim", None) != 0:
+        return None
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return None
+
+
+def _is_integer(value: Any) -> bool:
+    """Whether `value` is an integer: Python (not a bool), NumPy, or a 0-d integer array."""
+    dtype = _numeric_dtype(value)
+    if dtype is not None:
+        return bool(jnp.issubdtype(dtype, jnp.integer))
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a float if it is a concrete real number (Python, NumPy or a 0-d array of
+    integer or floating dtype), not a bool; else `None`."""
+    if getattr(value, "dtype", None) is not None:
+        dtype = _numeric_dtype(value)
+        if dtype is None or not (
+            jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+        ):
+            return None
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int too large for a float
+        return math.inf
+    except TypeError:  # a tracer
+        return None
+
+
+def check_int(
+    value: Any,
+    what: str,
+    *,
+    minimum: int | None = 1,
+    integral_floats: bool = False,
+    fix: str = "",
+) -> int:
+    """**Returns:** `value` as a Python `int`, after checking it is an integer (not a bool,
+    not a float unless `integral_floats` and integral) `>= minimum` (`None`: any)."""
+    if _is_integer(value):
+        value = int(value)
+    else:
+        number = _real(value)
+        if number is None:
+            raise TypeError(f"{what} must be an int; got {_seen(value)}.{fix}")
+        if not (integral_floats and math.isfinite(number) and number.is_integer()):
+            hint = f" Pass {int(number)}." if number.is_integer() else " Pass a whole number."
+            raise TypeError(f"{what} must be an int; got {_seen(value)}.{hint}{fix}")
+        value = int(number)
     if minimum is not None and value < minimum:
-        raise ValueError(f"{prefix}{name} must be >= {minimum}; got {name}={value}.")
+        rule = "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{what} must be {rule}; got {value}.{fix}")
     return value
 
 
-def check_bool(value, name: str, *, where: str = "") -> bool:
-    """`value` as a Python bool (NumPy bools accepted)."""
+def check_real(
+    value: Any, what: str, *, positive: bool = False, minimum: float | None = None, fix: str = ""
+) -> float:
+    """**Returns:** `value` as a Python `float`, after checking it is a finite real number
+    (int or float, not a bool), `> 0` if `positive`, `>= minimum` if given."""
+    number = _real(value)
+    if number is None:
+        raise TypeError(f"{what} must be a real number; got {_seen(value)}.{fix}")
+    value = number
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be finite; got {value}.{fix}")
+    if positive and not value > 0:
+        raise ValueError(f"{what} must be > 0; got {value}.{fix}")
+    if minimum is not None and not value >= minimum:
+        raise ValueError(f"{what} must be >= {minimum}; got {value}.{fix}")
+    return value
+
+
+def check_bool(value: Any, what: str, *, fix: str = "") -> bool:
+    """**Returns:** `value` as a Python `bool`, after checking it is one (NumPy bools too)."""
     if not isinstance(value, bool | np.bool_):
-        prefix = f"{where}: " if where else ""
-        raise TypeError(
-            f"{prefix}{name} must be True or False; got {value!r} of type {type(value).__name__}."
-        )
+        raise TypeError(f"{what} must be True or False; got {_seen(value)}.{fix}")
     return bool(value)
 
 
-def check_number(
-    value, name: str, *, positive: bool = False, allow_none: bool = False, where: str = ""
-) -> float | None:
-    """`value` as a finite Python float (`> 0` with `positive`), or None with `allow_none`."""
-    prefix = f"{where}: " if where else ""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{prefix}{name} must be a number; got {value!r} of type {type(value).__name__}."
-        )
-    value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        rule = "a finite number > 0" if positive else "a finite number"
-        raise ValueError(f"{prefix}{name} must be {rule}; got {name}={value}.")
-    return value
+def check_instance(value: Any, what: str, cls: type, fix: str, *, none_ok: bool = False) -> None:
+    """Raise `TypeError` unless `value` is a `cls` (or `None` when `none_ok`)."""
+    if (value is None and none_ok) or isinstance(value, cls):
+        return
+    allowed = f"a {cls.__name__}" + (" or None" if none_ok else "")
+    raise TypeError(f"{what} must be {allowed}; got {_seen(value)}. {fix}")
+
+
+def check_spec(spec: Any, owner: str) -> None:
+    """Raise `TypeError` unless `spec` is a `ShardingSpec` or `None`, saying how to build one."""
+    if spec is None or isinstance(spec, ShardingSpec):
+        return
+    if isinstance(spec, str) and spec in STRATEGIES:
+        build = f"ShardingSpec(mesh, strategy={spec!r})"
+    elif isinstance(spec, jax.sharding.Mesh):
+        build = "ShardingSpec(mesh) (the mesh goes inside the spec)"
+    else:
+        build = "ShardingSpec(mesh, strategy='ring')"
+    raise TypeError(
+        f"{owner} needs spec=a ShardingSpec or None (one device); got {_seen(spec)}. Build one "
+        f"with {build}, where mesh = jax.make_mesh((2, 4), ('data', 'context')) for example."
+    )

@@ -95,7 +95,7 @@ def _check_layout_args(where: str, x, spec, axis):
         )
     if not isinstance(x, np.ndarray | jax.Array):
         x = np.asarray(x)
-    axis = check_int(axis, "axis", where=where)
+    axis = check_int(axis, f"{where}: axis", minimum=None)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(
             f"{where}: axis={axis} is out of range for an array of rank {x.ndim} (shape "

@@ -21,7 +21,7 @@ from typing import Any, Literal, final
 import jax
 import numpy as np
 
-from eqx_longctx.nn._checks import check_int
+from eqx_longctx._checks import check_int
 
 from ._hf_config import CONFIG_FILE, checkpoint_dir, read_json
 

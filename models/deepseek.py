@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
+from eqx_longctx._checks import check_instance
 from eqx_longctx._types import Hidden, Positions, SegmentIds
 from eqx_longctx.nn import (
     AbstractDecoder,
@@ -41,13 +42,7 @@ from eqx_longctx.nn import (
     check_decoder_config,
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
-from eqx_longctx.nn._checks import (
-    check_choice,
-    check_fields,
-    check_instance,
-    check_model_args,
-    check_preset,
-)
+from eqx_longctx.nn._checks import check_choice, check_fields, check_model_args, check_preset
 from eqx_longctx.nn._moe import GROUPED_MATMULS, check_routing
 
 from . import _hf, _hf_config

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
+from eqx_longctx._checks import check_instance
 from eqx_longctx.nn import (
     AbstractDecoder,
     DecoderBlock,
@@ -33,7 +34,7 @@ from eqx_longctx.nn import (
     check_decoder_config,
 )
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
-from eqx_longctx.nn._checks import check_fields, check_instance, check_model_args, check_preset
+from eqx_longctx.nn._checks import check_fields, check_model_args, check_preset
 
 from . import _hf, _hf_config
 

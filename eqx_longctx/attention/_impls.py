@@ -99,7 +99,7 @@ def flash_attention(
     where = "flash_attention"
     window = check_options(where, None, causal, scale, window)
     for name, value in (("block_q", block_q), ("block_k", block_k), ("tile_bytes", tile_bytes)):
-        check_int(value, name, minimum=1, where=where)
+        check_int(value, f"{where}: {name}")
     q, k, v = as_float_arrays(where, q=q, k=k, v=v)
     check_attention_inputs(q, k, v, None, self_attention=False)
     if (q_segment_ids is None) != (kv_segment_ids is None):

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, no_type_check
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_bool, check_int, check_number
+from .._checks import check_bool, check_int, check_real
 from .._hlo import COLLECTIVES
 from .._sharding import ShardingSpec
 from ._tiles import DEFAULT_BLOCK_Q, TILE_BYTES, Tiling, head_tile
@@ -133,16 +133,16 @@ def plan(
         raise TypeError(f"{where} needs a ShardingSpec; got {type(spec).__name__}.")
     shape = dict(batch=batch, seq=seq, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     for name, value in shape.items():
-        check_int(value, name, minimum=1, where=where)
+        check_int(value, f"{where}: {name}")
     if v_head_dim is not None:
-        check_int(v_head_dim, "v_head_dim", minimum=1, where=where)
+        check_int(v_head_dim, f"{where}: v_head_dim")
     for name, value in (("segment_ids", segment_ids), ("backward", backward)):
-        check_bool(value, name, where=where)
+        check_bool(value, f"{where}: {name}")
     window = check_options(where, None, causal, None, window)
-    check_number(memory_budget_bytes, "memory_budget_bytes", positive=True, allow_none=True,
-                 where=where)  # fmt: skip
-    check_number(flops_per_s, "flops_per_s", positive=True, where=where)
-    check_number(bytes_per_s, "bytes_per_s", positive=True, where=where)
+    if memory_budget_bytes is not None:
+        check_real(memory_budget_bytes, f"{where}: memory_budget_bytes", positive=True)
+    check_real(flops_per_s, f"{where}: flops_per_s", positive=True)
+    check_real(bytes_per_s, f"{where}: bytes_per_s", positive=True)
     try:
         e = int(np.dtype(dtype).itemsize)
     except TypeError as err:

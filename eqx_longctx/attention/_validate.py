@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_bool, check_int, check_number
-from .._sharding import ShardingSpec
+from .._checks import check_bool, check_int, check_real, check_spec
 
 
 def as_float_arrays(where: str, **arrays):
@@ -53,16 +52,13 @@ def as_ids(x, name: str):
 
 def check_options(where: str, spec, causal, scale, window=None) -> int | None:
     """The keyword options every attention entry point shares; **returns** the window."""
-    if spec is not None and not isinstance(spec, ShardingSpec):
-        raise TypeError(
-            f"{where}: spec must be an eqx_longctx.ShardingSpec or None; got {spec!r} of type "
-            f"{type(spec).__name__}. Build one with ShardingSpec(mesh, strategy='ring')."
-        )
-    check_bool(causal, "causal", where=where)
-    check_number(scale, "scale", allow_none=True, where=where)
+    check_spec(spec, where)
+    check_bool(causal, f"{where}: causal")
+    if scale is not None:
+        check_real(scale, f"{where}: scale")
     if window is None:
         return None
-    window = check_int(window, "window", where=where)
+    window = check_int(window, f"{where}: window", minimum=None)
     if window <= 0:
         raise ValueError(
             f"{where}: window must be >= 1 (query i sees keys j with 0 <= i - j < window); got "

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._checks import check_bool, check_instance, check_int, check_real, check_spec
 from .._sharding import ShardingSpec
 from .._types import Heads, Hidden, Positions, SegmentIds
 from ..attention import latent_attention
-from ._checks import check_bool, check_instance, check_int, check_real, check_spec
 from ._norm import RMSNorm
 
 

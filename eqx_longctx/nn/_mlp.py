@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden
-from ._checks import check_spec
 
 
 @final

@@ -24,9 +24,9 @@ from jax import lax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden
-from ._checks import check_spec
 from ._mlp import SwiGLU
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")

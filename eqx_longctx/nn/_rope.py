@@ -20,8 +20,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import check_instance, check_int, check_real
 from .._types import Heads, Positions
-from ._checks import check_instance, check_int, check_real
 
 
 @final

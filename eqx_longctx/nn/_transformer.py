@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import PRNGKeyArray
 
+from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ._attention import SelfAttention
-from ._checks import check_spec
 from ._mlp import SwiGLU
 from ._norm import RMSNorm
 from ._rope import RoPE

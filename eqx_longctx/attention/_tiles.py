@@ -51,9 +51,9 @@ class _Config(NamedTuple):
 class QueryTiles(NamedTuple):
     """The query side of blockwise attention, tiled once and attended to many K/V blocks in
     turn (the hops of a ring), so that queries, output and query gradient are not re-tiled
-    for every K/V block. `attend_tiles` and `attend_tiles_backward` compute what
-    `flash_attention` and `flash_attention_backward` do, in block-major layouts; use
-    `split_q`, `split_rows`, `merge_q`, `merge_rows` and `dq` to convert."""
+    for every K/V block: `XlaBlockImpl`'s `qt` (see the contract in `_block.py`).
+    `XlaBlockImpl.attend` and `.attend_backward` work in block-major layouts; `split_q`,
+    `split_rows`, `merge_q`, `merge_rows` and `dq` convert."""
 
     q: jax.ShapeDtypeStruct
     positions: Array

@@ -414,3 +414,30 @@ def test_tpu_interpret_mode_matches_oracle_without_races(name):
     check_lse(lse, ref_lse, dtype)
     for name_, g, r in zip("qkv", grads, ref_grads, strict=True):
         check_close(g, r, dtype, f"d{name_}")
+
+
+@pytest.mark.parametrize(
+    "dtype, segments, window", [(jnp.bfloat16, True, 300), (jnp.float32, False, None)]
+)
+def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, window):
+    """Forward, dQ and dK/dV lower through Pallas' Mosaic (TPU) lowering, block shapes and
+    index maps included, without a TPU (`jax.export` for platform "tpu"). GQA, v_head_dim
+    != head_dim and a ragged length are in the shape."""
+    b, s, hq, hk, d, dv = 1, 1000, 4, 2, 128, 256
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    ids = jax.ShapeDtypeStruct((b, s), jnp.int32)
+
+    def grads(q, k, v, qp, kp, qs, ks):
+        def loss(q, k, v):
+            out, lse = pallas_flash_attention(
+                q, k, v, qp, kp, qs if segments else None, ks if segments else None,
+                causal=True, window=window, block_q=256, block_k=512, interpret=False,
+            )  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    exported = jax.export.export(jax.jit(grads), platforms=("tpu",))(
+        spec(b, s, hq, d), spec(b, s, hk, d), spec(b, s, hk, dv), ids, ids, ids, ids
+    )
+    assert exported.mlir_module().count("tpu_custom_call") == 3

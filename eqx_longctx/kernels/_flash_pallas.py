@@ -135,13 +135,16 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
     def kv_index(bi, i, j, kv_block):
         return kv_block[(bi * nq + i) * nk + j]
 
+    def kv_map(bi, h, i, j, kind, kvb):
+        # GQA/MQA: the group's K/V head, never a repeated copy. Skipped pairs re-point at
+        # the resident block (`Schedule.kv_block`), so Pallas issues no DMA for them.
+        return bi, lax.div(h, g), kv_index(bi, i, j, kvb), 0
+
     in_specs = [
         pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)),
-        pl.BlockSpec((None, None, bk, d),
-                     lambda bi, h, i, j, kind, kvb: (bi, h // g, kv_index(bi, i, j, kvb), 0)),
-        pl.BlockSpec((None, None, bk, dv),
-                     lambda bi, h, i, j, kind, kvb: (bi, h // g, kv_index(bi, i, j, kvb), 0)),
-    ]  # fmt: skip
+        pl.BlockSpec((None, None, bk, d), kv_map),
+        pl.BlockSpec((None, None, bk, dv), kv_map),
+    ]
     q_col = pl.BlockSpec((None, bq, NUM_LANES), lambda bi, h, i, j, kind, kvb: (bi, i, 0))
     kv_row = pl.BlockSpec(
         (None, NUM_SUBLANES, bk), lambda bi, h, i, j, kind, kvb: (bi, 0, kv_index(bi, i, j, kvb))

@@ -156,7 +156,8 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         (None, None, bq, width), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)
     )
     kv_spec = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, None, bk, width), lambda bi, h, i, j, kind, kvb: (bi, h // g, kvj(bi, i, j, kvb), 0)
+        (None, None, bk, width),
+        lambda bi, h, i, j, kind, kvb: (bi, lax.div(h, g), kvj(bi, i, j, kvb), 0),
     )
     row_spec = pl.BlockSpec(
         (None, None, NUM_SUBLANES, bq), lambda bi, h, i, j, kind, kvb: (bi, h, 0, i)

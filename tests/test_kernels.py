@@ -83,8 +83,9 @@ def make_case(case, seed=0):
     layout = case.get("layout", "arange")
     if layout == "arange":
         qp, kp = np.arange(sq), np.arange(sk)
-    elif layout == "shuffled":  # self-attention over a random token order
-        qp = kp = np.random.default_rng(seed).permutation(sq)
+    elif layout == "shuffled":  # self-attention over a random token order, one per row
+        rng = np.random.default_rng(seed)
+        qp = kp = np.stack([rng.permutation(sq) for _ in range(b)])
     elif layout == "zigzag":  # one rank of a zig-zag layout attending its own tokens
         qp = kp = zigzag(2 * sq, 2, 0)
     elif layout == "ring_hop":  # rank 0's queries, rank 1's keys (one ring hop)

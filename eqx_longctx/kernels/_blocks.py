@@ -238,7 +238,9 @@ def rows_to_kernel(x, sq_padded: int):
 
 
 class Schedule(NamedTuple):
-    """Scalar-prefetch tables, flattened `[batch * nq * nk]` int32 for SMEM.
+    """Scalar-prefetch tables, flattened `[batch * nq * nk]` for SMEM, in the smallest
+    integer type that holds them (int8 classes; int8/int16/int32 block indices), as splash
+    attention does: SMEM is small and these grow with `(tokens / block)^2`.
 
     `kind[(b * nq + i) * nk + j]` is `EMPTY`/`PARTIAL`/`FULL`; `kv_block[...]` (same
     indexing) is the key block the forward and dQ passes fetch at `(i, j)` and
@@ -288,12 +290,21 @@ def _fetch_index(live):
     return jnp.where(last >= 0, last, jnp.where(nxt < n, nxt, 0)).astype(jnp.int32)
 
 
+def _smallest_int(x, max_value: int):
+    for dtype in (jnp.int8, jnp.int16):
+        if max_value <= jnp.iinfo(dtype).max:
+            return x.astype(dtype)
+    return x
+
+
 def schedule(cfg: Config, ids: Ids) -> Schedule:
+    """Classify the block pairs and derive the fetch indices (see `Schedule`)."""
     kind = classify(cfg, ids)
     live = kind != EMPTY
-    kv_block = _fetch_index(live)
-    q_block = _fetch_index(live.transpose(0, 2, 1))
-    return Schedule(kind.reshape(-1), kv_block.reshape(-1), q_block.reshape(-1))
+    nq, nk = kind.shape[1:]
+    kv_block = _smallest_int(_fetch_index(live).reshape(-1), nk - 1)
+    q_block = _smallest_int(_fetch_index(live.transpose(0, 2, 1)).reshape(-1), nq - 1)
+    return Schedule(kind.astype(jnp.int8).reshape(-1), kv_block, q_block)
 
 
 def visible(cfg: Config, q_pos, kv_pos, q_seg, kv_seg):

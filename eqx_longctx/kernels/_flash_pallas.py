@@ -67,7 +67,7 @@ def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_r
         q_seg_ref = kv_seg_ref = None
         o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kind = kind_ref[(b * nq + i) * nk + j]
+    kind = kind_ref[(b * nq + i) * nk + j].astype(jnp.int32)
     bk = k_ref.shape[0]
 
     @pl.when(j == 0)
@@ -133,7 +133,7 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
     nq, nk, g = sq // bq, sk // bk, hq // hk
 
     def kv_index(bi, i, j, kv_block):
-        return kv_block[(bi * nq + i) * nk + j]
+        return kv_block[(bi * nq + i) * nk + j].astype(jnp.int32)
 
     def kv_map(bi, h, i, j, kind, kvb):
         # GQA/MQA: the group's K/V head, never a repeated copy. Skipped pairs re-point at

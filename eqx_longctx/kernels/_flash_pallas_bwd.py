@@ -62,7 +62,7 @@ def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         q_seg_ref = kv_seg_ref = None
         (dq_ref,) = rest
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kind = kind_ref[(b * nq + i) * nk + j]
+    kind = kind_ref[(b * nq + i) * nk + j].astype(jnp.int32)
     bk = k_ref.shape[0]
 
     @pl.when(j == 0)
@@ -100,7 +100,7 @@ def _dkv_kernel(kind_ref, q_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         kv_seg_ref = q_seg_ref = None
         dk_ref, dv_ref = rest
     b, j, gi, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    kind = kind_ref[(b * nq + i) * nk + j]
+    kind = kind_ref[(b * nq + i) * nk + j].astype(jnp.int32)
     bq = q_ref.shape[0]
 
     @pl.when((gi == 0) & (i == 0))
@@ -150,7 +150,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
 
     # dQ: grid (b, h, i, j).
     def kvj(bi, i, j, kvb):
-        return kvb[(bi * nq + i) * nk + j]
+        return kvb[(bi * nq + i) * nk + j].astype(jnp.int32)
 
     q_spec = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bq, width), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)
@@ -194,7 +194,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
 
     # dK/dV: grid (b, kv head, j, group member, i).
     def qi(bi, j, i, qb):
-        return qb[(bi * nk + j) * nq + i]
+        return qb[(bi * nk + j) * nq + i].astype(jnp.int32)
 
     q_spec2 = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bq, width),

@@ -75,10 +75,18 @@ def default_interpret():
     return jax.devices()[0].platform != "tpu"
 
 
-def race_detecting_interpret() -> pltpu.InterpretParams:
+def race_detecting_interpret(num_cores: int = 1) -> pltpu.InterpretParams:
     """TPU interpret mode that simulates VMEM/SMEM, scalar prefetch and DMAs, fills fresh
-    buffers with NaN and checks for data races (about 100x slower than `interpret=True`)."""
-    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    buffers with NaN and checks for data races (slower than `interpret=True`).
+
+    **Arguments:**
+
+    - `num_cores`: TensorCores per chip to simulate; 2 (megacore, v4/v5p) splits the
+      "parallel" grid axes between them, in a random order.
+    """
+    return pltpu.InterpretParams(
+        detect_races=True, uninitialized_memory="nan", num_cores_or_threads=num_cores
+    )
 
 
 class Config(NamedTuple):

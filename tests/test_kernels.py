@@ -6,6 +6,8 @@ the window; it shares no code with the kernels. Kernels run in Pallas' interpret
 simulates VMEM/SMEM, scalar prefetch and DMAs and checks for data races.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -460,4 +462,38 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, window):
     exported = jax.export.export(jax.jit(grads), platforms=("tpu",))(
         spec(b, s, hq, d), spec(b, s, hk, d), spec(b, s, hk, dv), ids, ids, ids, ids
     )
+    assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
+def test_inside_shard_map():
+    """Strategies call the kernels inside `jax.shard_map`: interpret mode with
+    `check_vma=False` (JAX 0.10's interpreter rejects scalar prefetch under
+    `check_vma=True`), and the TPU lowering with `check_vma=True` (the kernel outputs vary
+    over the axes their inputs vary over)."""
+    from jax.sharding import PartitionSpec as P
+
+    case = dict(sq=128, sk=128, b=4, hq=2, hk=1)
+    q, k, v, qp, kp, _, _ = make_case(case)
+    mesh = jax.make_mesh((4,), ("ctx",), devices=jax.devices()[:4])
+
+    def local(q, k, v, qp, kp, interpret=None):
+        def loss(q, k, v):
+            out, lse = pallas_flash_attention(
+                q, k, v, qp, kp, causal=True, block_q=128, block_k=128, interpret=interpret
+            )
+            return jnp.sum(out) + jnp.sum(lse), out
+
+        (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+        return out, *grads
+
+    specs = (P("ctx"),) * 5
+    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[:4],
+                                    check_vma=False))  # fmt: skip
+    args = [jax.device_put(x, jax.NamedSharding(mesh, P("ctx"))) for x in (q, k, v, qp, kp)]
+    for a, b in zip(sharded(*args), jax.jit(local)(q, k, v, qp, kp), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+    compiled = functools.partial(local, interpret=False)
+    with_vma = jax.jit(jax.shard_map(compiled, mesh=mesh, in_specs=specs, out_specs=specs[:4]))
+    exported = jax.export.export(with_vma, platforms=("tpu",))(*args)
     assert exported.mlir_module().count("tpu_custom_call") == 3

@@ -335,3 +335,14 @@ def visible(cfg: Config, q_pos, kv_pos, q_seg, kv_seg):
 def pad_heads_major(x, block: int):
     """`[b, h, s, d]` zero-padded along `s` to a multiple of `block`."""
     return _pad(x, -x.shape[2] % block, 2, 0)
+
+
+def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """A kernel output's type. Inside `jax.shard_map(..., check_vma=True)` Pallas needs to
+    be told over which manual mesh axes the output varies: those any input varies over."""
+    mats = [jax.typeof(x).manual_axis_type for x in inputs]
+    varying = frozenset().union(*(m.varying for m in mats))
+    if not varying:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    mat = type(mats[0])(varying=varying)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)

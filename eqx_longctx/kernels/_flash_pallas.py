@@ -43,6 +43,7 @@ from ._blocks import (
     check_inputs,
     lanes,
     make_config,
+    out_struct,
     pad_heads_major,
     pad_ids,
     schedule,
@@ -159,8 +160,8 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
         pl.BlockSpec((None, None, NUM_SUBLANES, bq), lambda bi, h, i, j, kind, kvb: (bi, h, 0, i)),
     ]  # fmt: skip
     out_shape = [
-        jax.ShapeDtypeStruct((b, hq, sq, dv), qh.dtype),
-        jax.ShapeDtypeStruct((b, hq, NUM_SUBLANES, sq), jnp.float32),
+        out_struct((b, hq, sq, dv), qh.dtype, *sched, *operands),
+        out_struct((b, hq, NUM_SUBLANES, sq), jnp.float32, *sched, *operands),
     ]
     scratch = [
         pltpu.VMEM((bq, NUM_LANES), jnp.float32),

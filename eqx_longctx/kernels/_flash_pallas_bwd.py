@@ -18,7 +18,6 @@ Empty block pairs are skipped, full pairs skip the mask, as in the forward.
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -46,6 +45,7 @@ from ._blocks import (
     check_inputs,
     lanes,
     make_config,
+    out_struct,
     pad_heads_major,
     rows_to_kernel,
     sublanes,
@@ -179,7 +179,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
             in_specs=in_specs,
             out_specs=q_spec(d),
         ),
-        out_shape=jax.ShapeDtypeStruct((b, hq, sq, d), jnp.float32),
+        out_shape=out_struct((b, hq, sq, d), jnp.float32, *sched, *operands),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
@@ -226,8 +226,8 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
             out_specs=[kv_spec2(d), kv_spec2(dv)],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((b, hk, sk, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hk, sk, dv), jnp.float32),
+            out_struct((b, hk, sk, d), jnp.float32, *sched, *operands),
+            out_struct((b, hk, sk, dv), jnp.float32, *sched, *operands),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")

@@ -55,6 +55,13 @@ _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 _NN = (((1,), (0,)), ((), ()))
 
 
+def _dot(a, b, dims):
+    """Matmul with float32 accumulation; float32 operands ask for a float32 contraction
+    explicitly instead of relying on the backend's default precision."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _tile_lanes(x, width: int):
     """`[rows, 128]` with equal lanes -> `[rows, width]`."""
     return jnp.tile(x, (1, pl.cdiv(width, NUM_LANES)))[:, :width]
@@ -78,7 +85,7 @@ def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_r
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def step(masked: bool):
-        s = lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
+        s = _dot(q_ref[...], k_ref[...], _NT)
         s = s * cfg.scale
         if masked:
             mask = visible(
@@ -99,9 +106,7 @@ def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_r
         alpha = jnp.exp(m_prev - m_safe)
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
         m_ref[...] = m_next
-        pv = lax.dot_general(
-            p.astype(v_ref.dtype), v_ref[...], _NN, preferred_element_type=jnp.float32
-        )
+        pv = _dot(p.astype(v_ref.dtype), v_ref[...], _NN)
         acc_ref[...] = _tile_lanes(alpha, acc_ref.shape[1]) * acc_ref[...] + pv
 
     pl.when(kind == FULL)(lambda: step(False))

@@ -51,7 +51,7 @@ from ._blocks import (
     sublanes,
     visible,
 )
-from ._flash_pallas import _NN, _NT, _heads_major_like, _tile_lanes, prepare, to_seq_major
+from ._flash_pallas import _NN, _NT, _dot, _heads_major_like, _tile_lanes, prepare, to_seq_major
 
 
 def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -71,7 +71,7 @@ def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
 
     def step(masked: bool):
         k = k_ref[...]
-        s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32)
+        s = _dot(q_ref[...], k, _NT)
         p = jnp.exp(s * cfg.scale - lse_ref[0][:, None])
         if masked:
             mask = visible(
@@ -83,9 +83,9 @@ def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
             )
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
-        dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
+        dp = _dot(do_ref[...], v_ref[...], _NT)
         ds = p * (dp - delta_ref[0][:, None])
-        dq = lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
+        dq = _dot(ds.astype(k.dtype), k, _NN)
         dq_ref[...] += dq * cfg.scale
 
     pl.when(kind == FULL)(lambda: step(False))
@@ -110,7 +110,7 @@ def _dkv_kernel(kind_ref, q_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
 
     def step(masked: bool):
         q, do = q_ref[...], do_ref[...]
-        s_t = lax.dot_general(k_ref[...], q, _NT, preferred_element_type=jnp.float32)
+        s_t = _dot(k_ref[...], q, _NT)
         p_t = jnp.exp(s_t * cfg.scale - lse_ref[:1, :])
         if masked:
             mask = visible(
@@ -122,12 +122,10 @@ def _dkv_kernel(kind_ref, q_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
             )
             if mask is not None:
                 p_t = jnp.where(mask, p_t, 0.0)
-        dv_ref[...] += lax.dot_general(
-            p_t.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32
-        )
-        dp_t = lax.dot_general(v_ref[...], do, _NT, preferred_element_type=jnp.float32)
+        dv_ref[...] += _dot(p_t.astype(do.dtype), do, _NN)
+        dp_t = _dot(v_ref[...], do, _NT)
         ds_t = p_t * (dp_t - delta_ref[:1, :])
-        dk = lax.dot_general(ds_t.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
+        dk = _dot(ds_t.astype(q.dtype), q, _NN)
         dk_ref[...] += dk * cfg.scale
 
     pl.when(kind == FULL)(lambda: step(False))

@@ -10,6 +10,17 @@ skip the mask, partial pairs build it from the per-token positions and segment i
 GQA/MQA: query head `h` reads K/V head `h // (q_heads // kv_heads)` through the index map,
 so K/V are never repeated in memory. The value head dim may differ from the key's (MLA).
 
+Layouts, for TPU tiles of 8 sublanes x 128 lanes (the ones splash attention uses): q, k, v
+heads-major `[b, h, s, d]` in `(block, d)` blocks; the query side's positions and segment
+ids as lane-broadcast columns `[b, s, 128]` (blocks `(block_q, 128)`) and the key side's as
+sublane-broadcast rows `[b, 8, s]` (blocks `(8, block_k)`), so a mask is one broadcast
+comparison with no relayout; the logsumexp lane-dense, `[b, h, 8, s]`.
+
+Cost of skipping: an empty pair still costs its grid step's fixed overhead (no DMA, no
+compute). Splash attention shrinks the grid to the longest row of non-empty pairs, which
+needs the mask at trace time; here the classification is data (positions are arrays), so
+the grid always spans every pair.
+
 Reference: Dao 2023, "FlashAttention-2" (arXiv:2307.08691), Algorithm 1.
 """
 

@@ -24,7 +24,7 @@ from eqx_longctx.kernels import (
     pallas_flash_forward_heads_major,
     race_detecting_interpret,
 )
-from eqx_longctx.kernels._blocks import EMPTY, FULL, Config, Ids, classify, schedule
+from eqx_longctx.kernels._blocks import EMPTY, FULL, PARTIAL, Config, Ids, classify, schedule
 
 # ---------------------------------------------------------------------------- the oracle
 
@@ -111,6 +111,7 @@ def kwargs(case):
         scale=case.get("scale", case.get("d", 64) ** -0.5),
         block_q=case.get("bq", 128),
         block_k=case.get("bk", 128),
+        max_live_blocks=case.get("max_live"),
     )
 
 
@@ -123,7 +124,7 @@ def oracle_kwargs(case):
 CASES = {
     "causal": dict(sq=256, sk=256),
     "noncausal_ragged": dict(sq=200, sk=328, causal=False),
-    "window_gqa": dict(sq=384, sk=384, hq=4, hk=2, window=100),
+    "window_gqa": dict(sq=384, sk=384, hq=4, hk=2, window=100, max_live=2),
     "segments_mqa_ragged": dict(sq=320, sk=320, hq=4, hk=1, bq=256, segments=([100, 60, 160],) * 2),
     "zigzag_mla": dict(sq=256, sk=256, d=64, dv=128, bk=256, layout="zigzag"),
     "shuffled_segments": dict(sq=256, sk=256, b=2, layout="shuffled", segments=([128, 128],) * 2),
@@ -132,7 +133,9 @@ CASES = {
     "bf16_segments_gqa": dict(
         sq=256, sk=256, hq=4, hk=2, dtype=jnp.bfloat16, segments=[[70, 186]] * 2
     ),
-    "bf16_window_ragged": dict(sq=200, sk=200, window=64, dtype=jnp.bfloat16, d=128, dv=128),
+    "bf16_window_ragged": dict(
+        sq=200, sk=200, window=64, dtype=jnp.bfloat16, d=128, dv=128, max_live=2
+    ),
 }
 
 
@@ -321,15 +324,42 @@ def test_classification_is_exact_where_it_claims(seed):
             assert (np.asarray(count)[kind == FULL] == size).all()
     ar = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, s))
     cfg = Config(True, None, 1.0, blk, blk, False, True)
-    sched = schedule(cfg, Ids(ar, ar, None, None))
     n = s // blk
     expected = np.tril(np.full((n, n), FULL), -1) + np.eye(n, dtype=int)  # diagonal PARTIAL
-    np.testing.assert_array_equal(np.asarray(sched.kind).reshape(n, n), expected)
-    # Skipped steps re-point at the last fetched block: no new DMA.
-    kv_block = np.asarray(sched.kv_block).reshape(n, n)
-    np.testing.assert_array_equal(kv_block[2], [0, 1, 2, 2, 2, 2, 2, 2])
-    q_block = np.asarray(sched.q_block).reshape(n, n)
-    np.testing.assert_array_equal(q_block[2], [2, 2, 2, 3, 4, 5, 6, 7])
+    np.testing.assert_array_equal(classify(cfg, Ids(ar, ar, None, None))[0], expected)
+
+
+def test_schedule_lists_live_pairs_first_and_flags_overflow():
+    """Non-empty pairs first, in order; later steps are EMPTY and re-point at the block
+    fetched last (no new DMA); a bound below the live count sets `overflow`."""
+    s, blk, n = 1024, 128, 8
+    ar = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, s))
+    sched = schedule(Config(True, None, 1.0, blk, blk, False, True), Ids(ar, ar, None, None))
+    rows = lambda x: np.asarray(x).reshape(n, -1)  # noqa: E731
+    np.testing.assert_array_equal(rows(sched.kv_block)[2], [0, 1, 2, 2, 2, 2, 2, 2])
+    np.testing.assert_array_equal(rows(sched.row_kind)[2], [FULL, FULL, PARTIAL] + [EMPTY] * 5)
+    np.testing.assert_array_equal(rows(sched.q_block)[2], [2, 3, 4, 5, 6, 7, 7, 7])
+    np.testing.assert_array_equal(rows(sched.col_kind)[2], [PARTIAL] + [FULL] * 5 + [EMPTY] * 2)
+    assert not sched.overflow
+    # A window of 200 tokens: at most 3 key blocks per query block and 3 query blocks per
+    # key block, so 3 steps suffice and 2 do not.
+    for steps, overflow in ((3, False), (2, True)):
+        cfg = Config(True, 200, 1.0, blk, blk, False, True, max_live_blocks=steps)
+        sched = schedule(cfg, Ids(ar, ar, None, None))
+        assert rows(sched.kv_block).shape == (n, steps)
+        assert bool(sched.overflow) == overflow
+    np.testing.assert_array_equal(rows(sched.kv_block)[5], [3, 4])
+
+
+def test_max_live_blocks_too_small_gives_nan():
+    case = dict(CASES["window_gqa"], max_live=1)
+    q, k, v, qp, kp, qs, ks = make_case(case)
+    (out, lse), grads = outputs_and_grads(
+        lambda q, k, v: pallas_flash_attention(q, k, v, qp, kp, qs, ks, **kwargs(case)),
+        *loss_weights(case), q, k, v,
+    )  # fmt: skip
+    for x in (out, lse, *grads):
+        assert np.isnan(np.asarray(x)).all()
 
 
 def test_default_block_sizes():
@@ -349,6 +379,7 @@ def test_default_block_sizes():
         (dict(window=0), r"window must be a positive int.*window=0"),
         (dict(window=-3), r"window must be a positive int.*window=-3"),
         (dict(window=16, causal=False), r"window=16 needs causal=True"),
+        (dict(max_live_blocks=0), r"max_live_blocks must be a positive int.*=0"),
     ],
 )
 def test_bad_static_arguments_raise(change, match):
@@ -454,6 +485,7 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, window):
             out, lse = pallas_flash_attention(
                 q, k, v, qp, kp, qs if segments else None, ks if segments else None,
                 causal=True, window=window, block_q=256, block_k=512, interpret=False,
+                max_live_blocks=None if window is None else 3,
             )  # fmt: skip
             return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 

@@ -43,6 +43,7 @@ def pallas_flash_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret=None,
+    max_live_blocks: int | None = None,
 ) -> tuple[AttnOut, LogSumExp]:
     """Differentiable flash attention on Pallas TPU kernels (FlashAttention-2,
     arXiv:2307.08691): `pallas_flash_forward` with a backward through
@@ -55,7 +56,8 @@ def pallas_flash_attention(
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     check_inputs(q, k, v, *masks)
     cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
-                      block_q=block_q, block_k=block_k, interpret=interpret)  # fmt: skip
+                      block_q=block_q, block_k=block_k, interpret=interpret,
+                      max_live_blocks=max_live_blocks)  # fmt: skip
     t = to_seq_major
     out, lse = _attention(  # pyright: ignore[reportGeneralTypeIssues]  (custom_vjp typing)
         cfg, t(q), t(k), t(v), *masks

@@ -30,7 +30,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -99,6 +98,12 @@ class Config(NamedTuple):
     block_k: int
     use_segments: bool
     interpret: object
+    max_live_blocks: int | None = None
+
+    def steps(self, n: int) -> int:
+        """Grid steps along a sequential axis over `n` blocks: `n`, or the caller's bound
+        on non-empty pairs (`max_live_blocks`) when smaller."""
+        return n if self.max_live_blocks is None else min(n, self.max_live_blocks)
 
 
 def check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
@@ -148,8 +153,9 @@ def check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_i
 
 
 def make_config(
-    q, k, q_segment_ids, *, causal, window, scale, block_q, block_k, interpret
-) -> Config:
+    q, k, q_segment_ids, *, causal, window, scale, block_q, block_k, interpret,
+    max_live_blocks=None,
+) -> Config:  # fmt: skip
     """Validate the static parameters and clamp the blocks to the (padded) sequences.
 
     Block lengths must be positive multiples of 128 (the TPU lane width): the forward keeps
@@ -186,9 +192,17 @@ def make_config(
     bk = min(int(block_k), round_up(k.shape[1]))
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
     use_segments = q_segment_ids is not None or q.shape[1] % bq != 0 or k.shape[1] % bk != 0
+    if max_live_blocks is not None and (
+        not isinstance(max_live_blocks, int | np.integer) or max_live_blocks <= 0
+    ):
+        raise ValueError(
+            "max_live_blocks must be a positive int (a bound on the non-empty partner "
+            f"blocks of any query or key block) or None; got max_live_blocks={max_live_blocks!r}."
+        )
     interpret = default_interpret() if interpret is None else interpret
     return Config(bool(causal), None if window is None else int(window), scale, bq, bk,
-                  use_segments, interpret)  # fmt: skip
+                  use_segments, interpret,
+                  None if max_live_blocks is None else int(max_live_blocks))  # fmt: skip
 
 
 def _pad(x, pad: int, axis: int, value=None):
@@ -246,20 +260,25 @@ def rows_to_kernel(x, sq_padded: int):
 
 
 class Schedule(NamedTuple):
-    """Scalar-prefetch tables, flattened `[batch * nq * nk]` for SMEM, in the smallest
-    integer type that holds them (int8 classes; int8/int16/int32 block indices), as splash
-    attention does: SMEM is small and these grow with `(tokens / block)^2`.
+    """Scalar-prefetch tables, flattened for SMEM, in the smallest integer type that holds
+    them (int8 classes; int8/int16/int32 block indices), as splash attention does: SMEM is
+    small and these grow with `(tokens / block)^2`.
 
-    `kind[(b * nq + i) * nk + j]` is `EMPTY`/`PARTIAL`/`FULL`; `kv_block[...]` (same
-    indexing) is the key block the forward and dQ passes fetch at `(i, j)` and
-    `q_block[(b * nk + j) * nq + i]` the query block the dK/dV pass fetches: `j` (resp.
-    `i`) itself unless the pair is empty, in which case the last non-empty block before it
-    (else the next one), so that a skipped step re-uses the resident block and issues no DMA.
+    Query block `i`'s non-empty key blocks come first, in order: at step `t` of the forward
+    and dQ passes (`nt = cfg.steps(nk)` steps) it fetches key block
+    `kv_block[(b * nq + i) * nt + t]`, a pair of class `row_kind[same]`. Likewise the dK/dV
+    pass at step `t` of key block `j` (`cfg.steps(nq)` steps) fetches query block
+    `q_block[(b * nk + j) * nt + t]`, of class `col_kind[same]`. Steps past the last
+    non-empty pair are `EMPTY` and re-point at the block fetched last, so they issue no DMA.
+    `overflow` is True when some block has more non-empty partners than steps (only
+    possible with `max_live_blocks`); the wrappers then return NaN.
     """
 
-    kind: jax.Array
+    row_kind: jax.Array
     kv_block: jax.Array
+    col_kind: jax.Array
     q_block: jax.Array
+    overflow: jax.Array
 
 
 def _ranges(x, block: int):
@@ -288,14 +307,20 @@ def classify(cfg: Config, ids: Ids) -> jax.Array:
     return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
 
 
-def _fetch_index(live):
-    """Per step of the last axis: itself if live, else the last live index before it, else
-    the next live one after it, else 0."""
-    n = live.shape[-1]
-    ar = jnp.arange(n, dtype=jnp.int32)
-    last = lax.cummax(jnp.where(live, ar, -1), axis=live.ndim - 1)
-    nxt = lax.cummin(jnp.where(live, ar, n), axis=live.ndim - 1, reverse=True)
-    return jnp.where(last >= 0, last, jnp.where(nxt < n, nxt, 0)).astype(jnp.int32)
+def _compact(kind, steps: int):
+    """Per row of `kind` `[b, n, m]`: the indices of its non-empty entries first (in order)
+    and their classes, cut to `steps`; later steps repeat the last index as `EMPTY`.
+
+    **Returns:** `(classes, indices, overflow)`, the first two `[b, n, steps]`.
+    """
+    live = kind != EMPTY
+    order = jnp.argsort(~live, axis=-1, stable=True)[..., :steps].astype(jnp.int32)
+    count = live.sum(-1, keepdims=True)
+    valid = jnp.arange(steps) < count
+    last = jnp.take_along_axis(order, jnp.clip(count - 1, 0, steps - 1), axis=-1)
+    index = jnp.where(valid, order, last)
+    classes = jnp.where(valid, jnp.take_along_axis(kind, order, axis=-1), EMPTY)
+    return classes, index, jnp.any(count > steps)
 
 
 def _smallest_int(x, max_value: int):
@@ -306,13 +331,24 @@ def _smallest_int(x, max_value: int):
 
 
 def schedule(cfg: Config, ids: Ids) -> Schedule:
-    """Classify the block pairs and derive the fetch indices (see `Schedule`)."""
+    """Classify the block pairs and derive the fetch order (see `Schedule`)."""
     kind = classify(cfg, ids)
-    live = kind != EMPTY
     nq, nk = kind.shape[1:]
-    kv_block = _smallest_int(_fetch_index(live).reshape(-1), nk - 1)
-    q_block = _smallest_int(_fetch_index(live.transpose(0, 2, 1)).reshape(-1), nq - 1)
-    return Schedule(kind.astype(jnp.int8).reshape(-1), kv_block, q_block)
+    row_kind, kv_block, row_over = _compact(kind, cfg.steps(nk))
+    col_kind, q_block, col_over = _compact(kind.transpose(0, 2, 1), cfg.steps(nq))
+    flat = lambda x: x.reshape(-1)  # noqa: E731
+    return Schedule(
+        flat(row_kind).astype(jnp.int8),
+        _smallest_int(flat(kv_block), nk - 1),
+        flat(col_kind).astype(jnp.int8),
+        _smallest_int(flat(q_block), nq - 1),
+        row_over | col_over,
+    )
+
+
+def poison_if(overflow, *arrays):
+    """NaN everywhere when the schedule dropped non-empty pairs (`Schedule.overflow`)."""
+    return tuple(jnp.where(overflow, jnp.nan, x) for x in arrays)
 
 
 def visible(cfg: Config, q_pos, kv_pos, q_seg, kv_seg):

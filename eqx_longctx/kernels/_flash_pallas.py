@@ -1,7 +1,7 @@
 """Flash-attention forward as a Pallas TPU kernel: online softmax over key blocks.
 
 One grid step attends one query block of one query head to one key block:
-grid `(batch, q_heads, nq, nk)`, the key axis innermost and sequential ("arbitrary"), the
+grid `(batch, q_heads, nq, steps)`, the key axis innermost and sequential ("arbitrary"), the
 running max `m`, denominator `l` and float32 accumulator in VMEM scratch. The wrapper's
 block-pair classification (`_blocks.schedule`) arrives by scalar prefetch: empty pairs are
 skipped (their K/V fetch re-points at the resident block, so no DMA is issued), full pairs
@@ -19,7 +19,8 @@ comparison with no relayout; the logsumexp lane-dense, `[b, h, 8, s]`.
 Cost of skipping: an empty pair still costs its grid step's fixed overhead (no DMA, no
 compute). Splash attention shrinks the grid to the longest row of non-empty pairs, which
 needs the mask at trace time; here the classification is data (positions are arrays), so
-the grid always spans every pair.
+the key axis has one step per key block unless the caller bounds the non-empty pairs per
+block (`max_live_blocks`); a query block's non-empty key blocks come first either way.
 
 Reference: Dao 2023, "FlashAttention-2" (arXiv:2307.08691), Algorithm 1.
 """
@@ -57,6 +58,7 @@ from ._blocks import (
     out_struct,
     pad_heads_major,
     pad_ids,
+    poison_if,
     schedule,
     sublanes,
     visible,
@@ -79,14 +81,14 @@ def _tile_lanes(x, width: int):
 
 
 def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, *rest,
-                cfg: Config, nq: int, nk: int):  # fmt: skip
+                cfg: Config, nq: int, nt: int):  # fmt: skip
     if cfg.use_segments:
         q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     else:
         q_seg_ref = kv_seg_ref = None
         o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kind = kind_ref[(b * nq + i) * nk + j].astype(jnp.int32)
+    kind = kind_ref[(b * nq + i) * nt + j].astype(jnp.int32)
     bk = k_ref.shape[0]
 
     @pl.when(j == 0)
@@ -123,7 +125,7 @@ def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_r
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
 
-    @pl.when(j == nk - 1)
+    @pl.when(j == nt - 1)
     def _finish():
         denom = l_ref[...]
         # Rows that saw no key (denominator exactly 0): out 0, lse -inf. NaN stays NaN.
@@ -148,9 +150,10 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
     hk, sk, dv = kh.shape[1], kh.shape[2], vh.shape[3]
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk, g = sq // bq, sk // bk, hq // hk
+    nt = cfg.steps(nk)
 
     def kv_index(bi, i, j, kv_block):
-        return kv_block[(bi * nq + i) * nk + j].astype(jnp.int32)
+        return kv_block[(bi * nq + i) * nt + j].astype(jnp.int32)
 
     def kv_map(bi, h, i, j, kind, kvb):
         # GQA/MQA: the group's K/V head, never a repeated copy. Skipped pairs re-point at
@@ -191,10 +194,10 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
         bytes_accessed=itemsize * (qh.size + b * hq * sq * dv + nq * g * (kh.size + vh.size)),
     )
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, nq=nq, nk=nk),
+        functools.partial(_fwd_kernel, cfg=cfg, nq=nq, nt=nt),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(b, hq, nq, nk),
+            grid=(b, hq, nq, nt),
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=scratch,
@@ -206,7 +209,7 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
         interpret=cfg.interpret,
         cost_estimate=cost,
         name="eqx_longctx_flash_fwd",
-    )(sched.kind, sched.kv_block, *operands)
+    )(sched.row_kind, sched.kv_block, *operands)
 
 
 def prepare(cfg: Config, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
@@ -242,13 +245,17 @@ def flash_forward_heads_major(
         cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids
     )
     out, lse = forward_padded(cfg, qp, kp, vp, ids, sched)
-    return out[:, :, :sq], lse[:, :, 0, :sq]
+    out, lse = out[:, :, :sq], lse[:, :, 0, :sq]
+    if cfg.max_live_blocks is not None:
+        out, lse = poison_if(sched.overflow, out, lse)
+    return out, lse
 
 
 def pallas_flash_forward_heads_major(
     qh, kh, vh, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, *,
     causal: bool, window: int | None = None, scale: float | None = None,
     block_q: int | None = None, block_k: int | None = None, interpret=None,
+    max_live_blocks: int | None = None,
 ):  # fmt: skip
     """`pallas_flash_forward` in the heads-major layout the kernels use, so that a caller
     that attends the same queries to many K/V blocks (the ring) transposes them once.
@@ -265,6 +272,7 @@ def pallas_flash_forward_heads_major(
     cfg = make_config(
         _heads_major_like(qh), _heads_major_like(kh), q_segment_ids, causal=causal,
         window=window, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret,
+        max_live_blocks=max_live_blocks,
     )  # fmt: skip
     return flash_forward_heads_major(cfg, qh, kh, vh, *masks)
 
@@ -284,6 +292,7 @@ def pallas_flash_forward(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret=None,
+    max_live_blocks: int | None = None,
 ) -> tuple[AttnOut, LogSumExp]:
     """Flash-attention forward (Pallas TPU kernel) with masks from positions and segments.
 
@@ -307,6 +316,11 @@ def pallas_flash_forward(
       generation (`default_block_sizes`). Shorter sequences use one block.
     - `interpret`: `None` (compiled on TPU, `interpret=True` elsewhere), a bool, or
       `pltpu.InterpretParams` (see `race_detecting_interpret`).
+    - `max_live_blocks`: optional static bound on the non-empty partner blocks of any block
+      (key blocks per query block, query blocks per key block). The sequential grid axes
+      then take that many steps instead of one per block, as splash attention shrinks its
+      grid (e.g. a sliding window of `w` keys needs about `w / block_k + 2`). If some block
+      has more, every output is NaN rather than silently wrong.
 
     **Returns:** `(out, lse)`: `out` `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no key
@@ -315,7 +329,8 @@ def pallas_flash_forward(
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     check_inputs(q, k, v, *masks)
     cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
-                      block_q=block_q, block_k=block_k, interpret=interpret)  # fmt: skip
+                      block_q=block_q, block_k=block_k, interpret=interpret,
+                      max_live_blocks=max_live_blocks)  # fmt: skip
     t = to_seq_major
     out, lse = flash_forward_heads_major(cfg, t(q), t(k), t(v), *masks)
     return to_seq_major(out), to_seq_major(lse)

@@ -5,8 +5,8 @@ form `ds = p * (dp - delta)` with `dp = dout v^T` and `delta = rowsum(dout * out
 (FlashAttention-2, arXiv:2307.08691, Algorithm 2, split in two passes so neither needs
 atomics):
 
-- dQ: grid `(batch, q_heads, nq, nk)`, key blocks sequential; `dq += scale * ds k`.
-- dK/dV: grid `(batch, kv_heads, nk, group, nq)`, the query heads of the GQA group and
+- dQ: grid `(batch, q_heads, nq, steps)`, key blocks sequential; `dq += scale * ds k`.
+- dK/dV: grid `(batch, kv_heads, nk, group, steps)`, the query heads of the GQA group and
   the query blocks sequential, accumulating into the K/V head's `dk`, `dv`. Scores are
   formed keys-major (`[block_k, block_q]`, queries in lanes), so the row statistics are
   read lane-dense and both products are plain matmuls.
@@ -47,6 +47,7 @@ from ._blocks import (
     make_config,
     out_struct,
     pad_heads_major,
+    poison_if,
     rows_to_kernel,
     sublanes,
     visible,
@@ -55,14 +56,14 @@ from ._flash_pallas import _NN, _NT, _dot, _heads_major_like, _tile_lanes, prepa
 
 
 def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               q_pos_ref, kv_pos_ref, *rest, cfg: Config, nq: int, nk: int):  # fmt: skip
+               q_pos_ref, kv_pos_ref, *rest, cfg: Config, nq: int, nt: int):  # fmt: skip
     if cfg.use_segments:
         q_seg_ref, kv_seg_ref, dq_ref = rest
     else:
         q_seg_ref = kv_seg_ref = None
         (dq_ref,) = rest
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kind = kind_ref[(b * nq + i) * nk + j].astype(jnp.int32)
+    kind = kind_ref[(b * nq + i) * nt + j].astype(jnp.int32)
     bk = k_ref.shape[0]
 
     @pl.when(j == 0)
@@ -93,14 +94,14 @@ def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
 
 
 def _dkv_kernel(kind_ref, q_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                kv_pos_ref, q_pos_ref, *rest, cfg: Config, nq: int, nk: int):  # fmt: skip
+                kv_pos_ref, q_pos_ref, *rest, cfg: Config, nk: int, nt: int):  # fmt: skip
     if cfg.use_segments:
         kv_seg_ref, q_seg_ref, dk_ref, dv_ref = rest
     else:
         kv_seg_ref = q_seg_ref = None
         dk_ref, dv_ref = rest
     b, j, gi, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    kind = kind_ref[(b * nq + i) * nk + j].astype(jnp.int32)
+    kind = kind_ref[(b * nk + j) * nt + i].astype(jnp.int32)
     bq = q_ref.shape[0]
 
     @pl.when((gi == 0) & (i == 0))
@@ -142,13 +143,13 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
     hk, sk, dv = kh.shape[1], kh.shape[2], vh.shape[3]
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk, g = sq // bq, sk // bk, hq // hk
-    params = dict(cfg=cfg, nq=nq, nk=nk)
+    ntk, ntq = cfg.steps(nk), cfg.steps(nq)
     flops = 2 * b * hq * sq * sk * (d + dv)
     itemsize = qh.dtype.itemsize
 
     # dQ: grid (b, h, i, j).
     def kvj(bi, i, j, kvb):
-        return kvb[(bi * nq + i) * nk + j].astype(jnp.int32)
+        return kvb[(bi * nq + i) * ntk + j].astype(jnp.int32)
 
     q_spec = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bq, width), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)
@@ -170,10 +171,10 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         in_specs += [q_col, kv_row]
         operands += [lanes(ids.q_seg), sublanes(ids.kv_seg)]
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **params),
+        functools.partial(_dq_kernel, cfg=cfg, nq=nq, nt=ntk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(b, hq, nq, nk),
+            grid=(b, hq, nq, ntk),
             in_specs=in_specs,
             out_specs=q_spec(d),
         ),
@@ -188,11 +189,11 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
             bytes_accessed=itemsize * nq * g * (kh.size + vh.size) + 4 * 2 * qh.size,
         ),
         name="eqx_longctx_flash_bwd_dq",
-    )(sched.kind, sched.kv_block, *operands)
+    )(sched.row_kind, sched.kv_block, *operands)
 
     # dK/dV: grid (b, kv head, j, group member, i).
     def qi(bi, j, i, qb):
-        return qb[(bi * nk + j) * nq + i].astype(jnp.int32)
+        return qb[(bi * nk + j) * ntq + i].astype(jnp.int32)
 
     q_spec2 = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bq, width),
@@ -216,10 +217,10 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         in_specs += [kv_col, q_row]
         operands += [lanes(ids.kv_seg), sublanes(ids.q_seg)]
     dk, dv_ = pl.pallas_call(
-        functools.partial(_dkv_kernel, **params),
+        functools.partial(_dkv_kernel, cfg=cfg, nk=nk, nt=ntq),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(b, hk, nk, g, nq),
+            grid=(b, hk, nk, g, ntq),
             in_specs=in_specs,
             out_specs=[kv_spec2(d), kv_spec2(dv)],
         ),
@@ -237,7 +238,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
             bytes_accessed=itemsize * nk * (qh.size + do.size) + 4 * (kh.size + vh.size),
         ),
         name="eqx_longctx_flash_bwd_dkv",
-    )(sched.kind, sched.q_block, *operands)
+    )(sched.col_kind, sched.q_block, *operands)
     return dq, dk, dv_
 
 
@@ -254,13 +255,17 @@ def flash_backward_heads_major(cfg: Config, qh, kh, vh, q_positions, kv_position
     dq, dk, dv = backward_padded(
         cfg, qp, kp, vp, ids, sched, do, rows_to_kernel(lse, sqp), rows_to_kernel(delta, sqp)
     )
-    return dq[:, :, :sq], dk[:, :, :sk], dv[:, :, :sk]
+    dq, dk, dv = dq[:, :, :sq], dk[:, :, :sk], dv[:, :, :sk]
+    if cfg.max_live_blocks is not None:
+        dq, dk, dv = poison_if(sched.overflow, dq, dk, dv)
+    return dq, dk, dv
 
 
 def pallas_flash_backward_heads_major(
     qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids, dout, lse, delta, *,
     causal: bool, window: int | None = None, scale: float | None = None,
     block_q: int | None = None, block_k: int | None = None, interpret=None,
+    max_live_blocks: int | None = None,
 ):  # fmt: skip
     """`pallas_flash_backward` in the heads-major layout: `qh`, `kh`, `vh`, `dout` as in
     `pallas_flash_forward_heads_major`, `lse`, `delta` `[batch, q_heads, seq]`.
@@ -275,6 +280,7 @@ def pallas_flash_backward_heads_major(
     cfg = make_config(
         _heads_major_like(qh), _heads_major_like(kh), q_segment_ids, causal=causal,
         window=window, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret,
+        max_live_blocks=max_live_blocks,
     )  # fmt: skip
     return flash_backward_heads_major(cfg, qh, kh, vh, *masks, dout, lse, delta)
 
@@ -308,6 +314,7 @@ def pallas_flash_backward(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret=None,
+    max_live_blocks: int | None = None,
 ):
     """Flash-attention gradients of `q` against this `k`/`v` block (Pallas TPU kernels).
 
@@ -330,7 +337,8 @@ def pallas_flash_backward(
     check_inputs(q, k, v, *masks)
     _check_row_shapes(q, v, dout, lse, delta)
     cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
-                      block_q=block_q, block_k=block_k, interpret=interpret)  # fmt: skip
+                      block_q=block_q, block_k=block_k, interpret=interpret,
+                      max_live_blocks=max_live_blocks)  # fmt: skip
     t = to_seq_major
     dq, dk, dv = flash_backward_heads_major(
         cfg, t(q), t(k), t(v), *masks, t(dout), t(lse), t(delta)

@@ -315,7 +315,7 @@ def pallas_flash_backward(
     block_k: int | None = None,
     interpret=None,
     max_live_blocks: int | None = None,
-):
+) -> tuple[Query, Key, Value]:
     """Flash-attention gradients of `q` against this `k`/`v` block (Pallas TPU kernels).
 
     With `lse` the logsumexp of each query row over *all* the keys it attends (possibly

@@ -1,0 +1,384 @@
+"""Block sizes, input validation, padding and block-pair classification of the Pallas kernels.
+
+Everything here runs in the wrapper, outside the kernels: it checks what the caller passed,
+pads the sequences to block multiples, lays the per-token positions and segment ids out the
+way the TPU kernels read them, and classifies every (query block, key block) pair from
+per-block ranges so the kernels skip empty pairs and drop the mask arithmetic on full ones.
+
+## Block-pair classification
+
+For a batch row and a pair (query block `i`, key block `j`), let `qp`/`kp` be the minimum
+and maximum query/key positions in the blocks and `qs`/`ks` the minimum and maximum segment
+ids. A token pair is visible iff `(not causal or q_pos >= kv_pos)` and
+`(window is None or q_pos - kv_pos < window)` and `(no segments or q_seg == kv_seg)`.
+
+- `EMPTY` (0), no pair can be visible, if any of: `causal` and `max qp < min kp`;
+  `window` and `min qp - max kp >= window`; segments and the ranges `[min qs, max qs]` and
+  `[min ks, max ks]` do not overlap.
+- `FULL` (2), every pair is visible, if not empty and all of: not `causal` or
+  `min qp >= max kp`; no `window` or `max qp - min kp < window`; no segments or both blocks
+  hold one and the same segment id (`min qs == max qs == min ks == max ks`).
+- `PARTIAL` (1) otherwise: the kernel computes the mask per token pair.
+
+Ranges are conservative, so `EMPTY` and `FULL` are exact claims and `PARTIAL` may include
+pairs that turn out empty or full. Padding tokens get segment ids that match nothing
+(`_PAD_Q_SEGMENT`, `_PAD_KV_SEGMENT`), so a block that holds padding is never `FULL`.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+NUM_LANES = 128
+NUM_SUBLANES = 8
+# Padded query rows and padded keys get segment ids no real token has (nor each other).
+_PAD_Q_SEGMENT = int(np.iinfo(np.int32).min)
+_PAD_KV_SEGMENT = _PAD_Q_SEGMENT + 1
+
+# (block_q, block_k) starting points per TPU generation (`jax.devices()[0].device_kind`):
+# a 512 x 1024 block of float32 scores is 2 MiB, which leaves room in the default scoped
+# VMEM (16 MiB on v5e, 32 MiB on v5p/v6e) for the score temporaries and double-buffered
+# inputs. Not tuned; `benchmarks/kernels.py` measures them.
+DEFAULT_BLOCK_SIZES = {
+    "TPU v4": (512, 512),
+    "TPU v5 lite": (512, 512),
+    "TPU v5e": (512, 512),
+    "TPU v5": (512, 1024),
+    "TPU v5p": (512, 1024),
+    "TPU v6 lite": (512, 1024),
+    "TPU v6e": (512, 1024),
+}
+FALLBACK_BLOCK_SIZES = (512, 512)
+
+
+def default_block_sizes(device_kind: str | None = None) -> tuple[int, int]:
+    """`(block_q, block_k)` for a TPU generation.
+
+    **Arguments:**
+
+    - `device_kind`: e.g. `"TPU v5 lite"`; default `jax.devices()[0].device_kind`.
+
+    **Returns:** the entry of `DEFAULT_BLOCK_SIZES`, or `FALLBACK_BLOCK_SIZES` for any other
+    device (CPU included).
+    """
+    kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+    return DEFAULT_BLOCK_SIZES.get(kind, FALLBACK_BLOCK_SIZES)
+
+
+def default_interpret():
+    """`False` on a TPU; `True` (Pallas' fast interpreter) anywhere else."""
+    return jax.devices()[0].platform != "tpu"
+
+
+def race_detecting_interpret(num_cores: int = 1) -> pltpu.InterpretParams:
+    """TPU interpret mode that simulates VMEM/SMEM, scalar prefetch and DMAs, fills fresh
+    buffers with NaN and checks for data races (slower than `interpret=True`).
+
+    **Arguments:**
+
+    - `num_cores`: TensorCores per chip to simulate; 2 (megacore, v4/v5p) splits the
+      "parallel" grid axes between them, in a random order.
+    """
+    return pltpu.InterpretParams(
+        detect_races=True, uninitialized_memory="nan", num_cores_or_threads=num_cores
+    )
+
+
+class Config(NamedTuple):
+    """Static parameters of one kernel call (hashable: a `custom_vjp` nondiff argument)."""
+
+    causal: bool
+    window: int | None
+    scale: float
+    block_q: int
+    block_k: int
+    use_segments: bool
+    interpret: object
+    max_live_blocks: int | None = None
+
+    def steps(self, n: int) -> int:
+        """Grid steps along a sequential axis over `n` blocks: `n`, or the caller's bound
+        on non-empty pairs (`max_live_blocks`) when smaller."""
+        return n if self.max_live_blocks is None else min(n, self.max_live_blocks)
+
+
+def check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """Shape and dtype rules shared by the forward and backward wrappers."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            "q, k, v must be [batch, seq, heads, dim]; got "
+            f"q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}."
+        )
+    b, sq, hq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[:3] != v.shape[:3] or k.shape[3] != d:
+        raise ValueError(
+            "k and v must share batch, kv_seq and kv_heads with each other, and batch and "
+            f"head_dim with q; got q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}."
+        )
+    hk = k.shape[2]
+    if hq % hk:
+        raise ValueError(
+            f"q_heads must be a multiple of kv_heads (GQA/MQA); got q_heads={hq}, "
+            f"kv_heads={hk}. Repeat or regroup the K/V heads."
+        )
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(
+            "q, k, v must share one dtype, float32 or bfloat16; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}. Cast them first."
+        )
+    sk = k.shape[1]
+    if q_positions.shape != (b, sq) or kv_positions.shape != (b, sk):
+        raise ValueError(
+            f"q_positions must be [batch, seq]={(b, sq)} and kv_positions [batch, kv_seq]="
+            f"{(b, sk)}; got {q_positions.shape} and {kv_positions.shape}."
+        )
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(
+            "q_segment_ids and kv_segment_ids go together (or both None); got "
+            f"q_segment_ids={'None' if q_segment_ids is None else 'array'}, "
+            f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
+        )
+    if q_segment_ids is not None and (
+        q_segment_ids.shape != (b, sq) or kv_segment_ids.shape != (b, sk)
+    ):
+        raise ValueError(
+            f"q_segment_ids must be [batch, seq]={(b, sq)} and kv_segment_ids [batch, kv_seq]="
+            f"{(b, sk)}; got {q_segment_ids.shape} and {kv_segment_ids.shape}."
+        )
+
+
+def make_config(
+    q, k, q_segment_ids, *, causal, window, scale, block_q, block_k, interpret,
+    max_live_blocks=None,
+) -> Config:  # fmt: skip
+    """Validate the static parameters and clamp the blocks to the (padded) sequences.
+
+    Block lengths must be positive multiples of 128 (the TPU lane width): the forward keeps
+    keys in lanes, and the dK/dV pass keys-major scores `[block_k, block_q]` with queries in
+    lanes and stores the row statistics lane-dense. A sequence shorter than a block gets one
+    block of its length rounded up to 128.
+    """
+    defaults = default_block_sizes()
+    block_q = defaults[0] if block_q is None else block_q
+    block_k = defaults[1] if block_k is None else block_k
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(blk, int | np.integer) or blk <= 0 or blk % NUM_LANES:
+            fix = 512
+            if isinstance(blk, int | np.integer) and blk > 0:
+                fix = -(-int(blk) // NUM_LANES) * NUM_LANES
+            raise ValueError(
+                f"{name} must be a positive multiple of {NUM_LANES} (the TPU lane width: keys "
+                f"and, in the backward, queries sit in lanes); got {name}={blk!r}. Use e.g. "
+                f"{name}={fix}."
+            )
+    if window is not None:
+        if not isinstance(window, int | np.integer) or window <= 0:
+            raise ValueError(
+                f"window must be a positive int (keys with q_pos - kv_pos < window are "
+                f"visible) or None; got window={window!r}."
+            )
+        if not causal:
+            raise ValueError(
+                f"window={window} needs causal=True (a sliding window looks back only); got "
+                "causal=False. Pass causal=True, or window=None for full attention."
+            )
+    round_up = lambda n: -(-n // NUM_LANES) * NUM_LANES  # noqa: E731
+    bq = min(int(block_q), round_up(q.shape[1]))
+    bk = min(int(block_k), round_up(k.shape[1]))
+    scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
+    use_segments = q_segment_ids is not None or q.shape[1] % bq != 0 or k.shape[1] % bk != 0
+    if max_live_blocks is not None and (
+        not isinstance(max_live_blocks, int | np.integer) or max_live_blocks <= 0
+    ):
+        raise ValueError(
+            "max_live_blocks must be a positive int (a bound on the non-empty partner "
+            f"blocks of any query or key block) or None; got max_live_blocks={max_live_blocks!r}."
+        )
+    interpret = default_interpret() if interpret is None else interpret
+    return Config(bool(causal), None if window is None else int(window), scale, bq, bk,
+                  use_segments, interpret,
+                  None if max_live_blocks is None else int(max_live_blocks))  # fmt: skip
+
+
+def _pad(x, pad: int, axis: int, value=None):
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    if value is None:
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+class Ids(NamedTuple):
+    """Padded positions and segment ids `[batch, padded_seq]` int32 (segments may be None)."""
+
+    q_pos: jax.Array
+    kv_pos: jax.Array
+    q_seg: jax.Array | None
+    kv_seg: jax.Array | None
+
+
+def pad_ids(cfg: Config, sq, sk, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """Pad to block multiples: positions repeat the last one (tight block ranges), segment
+    ids of padding match nothing; segments are synthesised when only padding needs them."""
+    pq, pk = -sq % cfg.block_q, -sk % cfg.block_k
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    q_pos = _pad(i32(q_positions), pq, 1)
+    kv_pos = _pad(i32(kv_positions), pk, 1)
+    if not cfg.use_segments:
+        return Ids(q_pos, kv_pos, None, None)
+    b = q_positions.shape[0]
+    if q_segment_ids is None:
+        q_segment_ids = jnp.zeros((b, sq), jnp.int32)
+        kv_segment_ids = jnp.zeros((b, sk), jnp.int32)
+    q_seg = _pad(i32(q_segment_ids), pq, 1, _PAD_Q_SEGMENT)
+    kv_seg = _pad(i32(kv_segment_ids), pk, 1, _PAD_KV_SEGMENT)
+    return Ids(q_pos, kv_pos, q_seg, kv_seg)
+
+
+def lanes(x):
+    """`[b, s]` -> `[b, s, 128]`: one value per row of a `[s, 128]` tile (a column)."""
+    return jnp.broadcast_to(x[:, :, None], (*x.shape, NUM_LANES))
+
+
+def sublanes(x):
+    """`[b, s]` -> `[b, 8, s]`: one value per lane of an `[8, s]` tile (a row)."""
+    return jnp.broadcast_to(x[:, None, :], (x.shape[0], NUM_SUBLANES, x.shape[1]))
+
+
+def rows_to_kernel(x, sq_padded: int):
+    """Heads-major row statistics `[b, h, s]` -> the kernels' lane-dense
+    `[b, h, 8, padded_s]` float32 (zero padding: padded rows see no key)."""
+    x = _pad(x.astype(jnp.float32), sq_padded - x.shape[2], 2, 0.0)
+    return jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], NUM_SUBLANES, x.shape[2]))
+
+
+class Schedule(NamedTuple):
+    """Scalar-prefetch tables, flattened for SMEM, in the smallest integer type that holds
+    them (int8 classes; int8/int16/int32 block indices), as splash attention does: SMEM is
+    small and these grow with `(tokens / block)^2`.
+
+    Query block `i`'s non-empty key blocks come first, in order: at step `t` of the forward
+    and dQ passes (`nt = cfg.steps(nk)` steps) it fetches key block
+    `kv_block[(b * nq + i) * nt + t]`, a pair of class `row_kind[same]`. Likewise the dK/dV
+    pass at step `t` of key block `j` (`cfg.steps(nq)` steps) fetches query block
+    `q_block[(b * nk + j) * nt + t]`, of class `col_kind[same]`. Steps past the last
+    non-empty pair are `EMPTY` and re-point at the block fetched last, so they issue no DMA.
+    `overflow` is True when some block has more non-empty partners than steps (only
+    possible with `max_live_blocks`); the wrappers then return NaN.
+    """
+
+    row_kind: jax.Array
+    kv_block: jax.Array
+    col_kind: jax.Array
+    q_block: jax.Array
+    overflow: jax.Array
+
+
+def _ranges(x, block: int):
+    x = x.reshape(x.shape[0], -1, block)
+    return x.min(-1), x.max(-1)
+
+
+def classify(cfg: Config, ids: Ids) -> jax.Array:
+    """`[batch, nq, nk]` int32 pair classes (see the module docstring for the rule)."""
+    qp_lo, qp_hi = (r[:, :, None] for r in _ranges(ids.q_pos, cfg.block_q))
+    kp_lo, kp_hi = (r[:, None, :] for r in _ranges(ids.kv_pos, cfg.block_k))
+    shape = (qp_lo.shape[0], qp_lo.shape[1], kp_lo.shape[2])
+    empty = jnp.zeros(shape, bool)
+    full = jnp.ones(shape, bool)
+    if cfg.causal:
+        empty |= qp_hi < kp_lo
+        full &= qp_lo >= kp_hi
+    if cfg.window is not None:
+        empty |= qp_lo - kp_hi >= cfg.window
+        full &= qp_hi - kp_lo < cfg.window
+    if ids.q_seg is not None:
+        qs_lo, qs_hi = (r[:, :, None] for r in _ranges(ids.q_seg, cfg.block_q))
+        ks_lo, ks_hi = (r[:, None, :] for r in _ranges(ids.kv_seg, cfg.block_k))
+        empty |= (qs_hi < ks_lo) | (qs_lo > ks_hi)
+        full &= (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
+    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
+
+
+def _compact(kind, steps: int):
+    """Per row of `kind` `[b, n, m]`: the indices of its non-empty entries first (in order)
+    and their classes, cut to `steps`; later steps repeat the last index as `EMPTY`.
+
+    **Returns:** `(classes, indices, overflow)`, the first two `[b, n, steps]`.
+    """
+    live = kind != EMPTY
+    order = jnp.argsort(~live, axis=-1, stable=True)[..., :steps].astype(jnp.int32)
+    count = live.sum(-1, keepdims=True)
+    valid = jnp.arange(steps) < count
+    last = jnp.take_along_axis(order, jnp.clip(count - 1, 0, steps - 1), axis=-1)
+    index = jnp.where(valid, order, last)
+    classes = jnp.where(valid, jnp.take_along_axis(kind, order, axis=-1), EMPTY)
+    return classes, index, jnp.any(count > steps)
+
+
+def _smallest_int(x, max_value: int):
+    for dtype in (jnp.int8, jnp.int16):
+        if max_value <= jnp.iinfo(dtype).max:
+            return x.astype(dtype)
+    return x
+
+
+def schedule(cfg: Config, ids: Ids) -> Schedule:
+    """Classify the block pairs and derive the fetch order (see `Schedule`)."""
+    kind = classify(cfg, ids)
+    nq, nk = kind.shape[1:]
+    row_kind, kv_block, row_over = _compact(kind, cfg.steps(nk))
+    col_kind, q_block, col_over = _compact(kind.transpose(0, 2, 1), cfg.steps(nq))
+    flat = lambda x: x.reshape(-1)  # noqa: E731
+    return Schedule(
+        flat(row_kind).astype(jnp.int8),
+        _smallest_int(flat(kv_block), nk - 1),
+        flat(col_kind).astype(jnp.int8),
+        _smallest_int(flat(q_block), nq - 1),
+        row_over | col_over,
+    )
+
+
+def poison_if(overflow, *arrays):
+    """NaN everywhere when the schedule dropped non-empty pairs (`Schedule.overflow`)."""
+    return tuple(jnp.where(overflow, jnp.nan, x) for x in arrays)
+
+
+def visible(cfg: Config, q_pos, kv_pos, q_seg, kv_seg):
+    """The visibility rule on arrays that broadcast to one score tile (inside a kernel), or
+    None when every pair is visible."""
+    mask = None
+
+    def conj(a, b):
+        return b if a is None else a & b
+
+    if cfg.causal:
+        mask = conj(mask, q_pos >= kv_pos)
+    if cfg.window is not None:
+        mask = conj(mask, q_pos - kv_pos < cfg.window)
+    if cfg.use_segments:
+        mask = conj(mask, q_seg == kv_seg)
+    return mask
+
+
+def pad_heads_major(x, block: int):
+    """`[b, h, s, d]` zero-padded along `s` to a multiple of `block`."""
+    return _pad(x, -x.shape[2] % block, 2, 0)
+
+
+def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """A kernel output's type. Inside `jax.shard_map(..., check_vma=True)` Pallas needs to
+    be told over which manual mesh axes the output varies: those any input varies over."""
+    mats = [jax.typeof(x).manual_axis_type for x in inputs]
+    varying = frozenset().union(*(m.varying for m in mats))
+    if not varying:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    mat = type(mats[0])(varying=varying)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)

@@ -1,0 +1,336 @@
+"""Flash-attention forward as a Pallas TPU kernel: online softmax over key blocks.
+
+One grid step attends one query block of one query head to one key block:
+grid `(batch, q_heads, nq, steps)`, the key axis innermost and sequential ("arbitrary"), the
+running max `m`, denominator `l` and float32 accumulator in VMEM scratch. The wrapper's
+block-pair classification (`_blocks.schedule`) arrives by scalar prefetch: empty pairs are
+skipped (their K/V fetch re-points at the resident block, so no DMA is issued), full pairs
+skip the mask, partial pairs build it from the per-token positions and segment ids.
+
+GQA/MQA: query head `h` reads K/V head `h // (q_heads // kv_heads)` through the index map,
+so K/V are never repeated in memory. The value head dim may differ from the key's (MLA).
+
+Layouts, for TPU tiles of 8 sublanes x 128 lanes (the ones splash attention uses): q, k, v
+heads-major `[b, h, s, d]` in `(block, d)` blocks; the query side's positions and segment
+ids as lane-broadcast columns `[b, s, 128]` (blocks `(block_q, 128)`) and the key side's as
+sublane-broadcast rows `[b, 8, s]` (blocks `(8, block_k)`), so a mask is one broadcast
+comparison with no relayout; the logsumexp lane-dense, `[b, h, 8, s]`.
+
+Cost of skipping: an empty pair still costs its grid step's fixed overhead (no DMA, no
+compute). Splash attention shrinks the grid to the longest row of non-empty pairs, which
+needs the mask at trace time; here the classification is data (positions are arrays), so
+the key axis has one step per key block unless the caller bounds the non-empty pairs per
+block (`max_live_blocks`); a query block's non-empty key blocks come first either way.
+
+Reference: Dao 2023, "FlashAttention-2" (arXiv:2307.08691), Algorithm 1.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .._types import (
+    AttnOut,
+    Key,
+    KvPositions,
+    KvSegmentIds,
+    LogSumExp,
+    Positions,
+    Query,
+    SegmentIds,
+    Value,
+)
+from ._blocks import (
+    FULL,
+    NUM_LANES,
+    NUM_SUBLANES,
+    PARTIAL,
+    Config,
+    Ids,
+    Schedule,
+    check_inputs,
+    lanes,
+    make_config,
+    out_struct,
+    pad_heads_major,
+    pad_ids,
+    poison_if,
+    schedule,
+    sublanes,
+    visible,
+)
+
+_NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
+_NN = (((1,), (0,)), ((), ()))
+
+
+def _dot(a, b, dims):
+    """Matmul with float32 accumulation; float32 operands ask for a float32 contraction
+    explicitly instead of relying on the backend's default precision."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _tile_lanes(x, width: int):
+    """`[rows, 128]` with equal lanes -> `[rows, width]`."""
+    return jnp.tile(x, (1, pl.cdiv(width, NUM_LANES)))[:, :width]
+
+
+def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, *rest,
+                cfg: Config, nq: int, nt: int):  # fmt: skip
+    if cfg.use_segments:
+        q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+    else:
+        q_seg_ref = kv_seg_ref = None
+        o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    kind = kind_ref[(b * nq + i) * nt + j].astype(jnp.int32)
+    bk = k_ref.shape[0]
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def step(masked: bool):
+        s = _dot(q_ref[...], k_ref[...], _NT)
+        s = s * cfg.scale
+        if masked:
+            mask = visible(
+                cfg,
+                _tile_lanes(q_pos_ref[...], bk),
+                kv_pos_ref[:1, :],
+                None if q_seg_ref is None else _tile_lanes(q_seg_ref[...], bk),
+                None if kv_seg_ref is None else kv_seg_ref[:1, :],
+            )
+            if mask is not None:
+                s = jnp.where(mask, s, -jnp.inf)
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+        # A row that has seen only masked keys keeps m = -inf; shift it by 0 so that
+        # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN. NaN scores still give NaN.
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        p = jnp.exp(s - _tile_lanes(m_safe, bk))
+        alpha = jnp.exp(m_prev - m_safe)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
+        m_ref[...] = m_next
+        pv = _dot(p.astype(v_ref.dtype), v_ref[...], _NN)
+        acc_ref[...] = _tile_lanes(alpha, acc_ref.shape[1]) * acc_ref[...] + pv
+
+    pl.when(kind == FULL)(lambda: step(False))
+    pl.when(kind == PARTIAL)(lambda: step(True))
+
+    @pl.when(j == nt - 1)
+    def _finish():
+        denom = l_ref[...]
+        # Rows that saw no key (denominator exactly 0): out 0, lse -inf. NaN stays NaN.
+        seen = denom != 0.0
+        l_t = _tile_lanes(denom, acc_ref.shape[1])
+        out = jnp.where(l_t != 0.0, acc_ref[...] / jnp.where(l_t != 0.0, l_t, 1.0), 0.0)
+        o_ref[...] = out.astype(o_ref.dtype)
+        lse = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+        # [bq, 128] (equal lanes) -> [128, bq]: the row statistic lane-dense.
+        lse_ref[...] = lse.T[:NUM_SUBLANES, :]
+
+
+def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
+    """The forward kernel on padded heads-major inputs.
+
+    **Arguments:** `qh` `[b, q_heads, sq, d]`, `kh` `[b, kv_heads, sk, d]`, `vh`
+    `[b, kv_heads, sk, dv]` with `sq`, `sk` multiples of the blocks; padded `ids`; `sched`.
+
+    **Returns:** `(out [b, q_heads, sq, dv], lse [b, q_heads, 8, sq] float32)`.
+    """
+    b, hq, sq, d = qh.shape
+    hk, sk, dv = kh.shape[1], kh.shape[2], vh.shape[3]
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk, g = sq // bq, sk // bk, hq // hk
+    nt = cfg.steps(nk)
+
+    def kv_index(bi, i, j, kv_block):
+        return kv_block[(bi * nq + i) * nt + j].astype(jnp.int32)
+
+    def kv_map(bi, h, i, j, kind, kvb):
+        # GQA/MQA: the group's K/V head, never a repeated copy. Skipped pairs re-point at
+        # the resident block (`Schedule.kv_block`), so Pallas issues no DMA for them.
+        return bi, lax.div(h, g), kv_index(bi, i, j, kvb), 0
+
+    in_specs = [
+        pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)),
+        pl.BlockSpec((None, None, bk, d), kv_map),
+        pl.BlockSpec((None, None, bk, dv), kv_map),
+    ]
+    q_col = pl.BlockSpec((None, bq, NUM_LANES), lambda bi, h, i, j, kind, kvb: (bi, i, 0))
+    kv_row = pl.BlockSpec(
+        (None, NUM_SUBLANES, bk), lambda bi, h, i, j, kind, kvb: (bi, 0, kv_index(bi, i, j, kvb))
+    )
+    operands = [qh, kh, vh, lanes(ids.q_pos), sublanes(ids.kv_pos)]
+    in_specs += [q_col, kv_row]
+    if cfg.use_segments:
+        operands += [lanes(ids.q_seg), sublanes(ids.kv_seg)]
+        in_specs += [q_col, kv_row]
+    out_specs = [
+        pl.BlockSpec((None, None, bq, dv), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)),
+        pl.BlockSpec((None, None, NUM_SUBLANES, bq), lambda bi, h, i, j, kind, kvb: (bi, h, 0, i)),
+    ]  # fmt: skip
+    out_shape = [
+        out_struct((b, hq, sq, dv), qh.dtype, *sched, *operands),
+        out_struct((b, hq, NUM_SUBLANES, sq), jnp.float32, *sched, *operands),
+    ]
+    scratch = [
+        pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+        pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+        pltpu.VMEM((bq, dv), jnp.float32),
+    ]
+    itemsize = qh.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=2 * b * hq * sq * sk * (d + dv),
+        transcendentals=b * hq * sq * sk,
+        bytes_accessed=itemsize * (qh.size + b * hq * sq * dv + nq * g * (kh.size + vh.size)),
+    )
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, nq=nq, nt=nt),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b, hq, nq, nt),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+        ),
+        interpret=cfg.interpret,
+        cost_estimate=cost,
+        name="eqx_longctx_flash_fwd",
+    )(sched.row_kind, sched.kv_block, *operands)
+
+
+def prepare(cfg: Config, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """Pad heads-major q/k/v and the ids to block multiples and build the schedule."""
+    ids = pad_ids(cfg, qh.shape[2], kh.shape[2], q_positions, kv_positions, q_segment_ids,
+                  kv_segment_ids)  # fmt: skip
+    padded = (
+        pad_heads_major(qh, cfg.block_q),
+        pad_heads_major(kh, cfg.block_k),
+        pad_heads_major(vh, cfg.block_k),
+    )
+    return padded, ids, schedule(cfg, ids)
+
+
+def to_seq_major(x):
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _heads_major_like(x):
+    """A `[b, h, s, d]` array described as `[b, s, h, d]` (for the shared checks)."""
+    if x.ndim != 4:
+        return x
+    return jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype)
+
+
+def flash_forward_heads_major(
+    cfg: Config, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids
+):
+    """Forward on heads-major inputs with a validated `cfg`: `(out [b, h, s, dv], lse
+    [b, h, s])`."""
+    sq = qh.shape[2]
+    (qp, kp, vp), ids, sched = prepare(
+        cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids
+    )
+    out, lse = forward_padded(cfg, qp, kp, vp, ids, sched)
+    out, lse = out[:, :, :sq], lse[:, :, 0, :sq]
+    if cfg.max_live_blocks is not None:
+        out, lse = poison_if(sched.overflow, out, lse)
+    return out, lse
+
+
+def pallas_flash_forward_heads_major(
+    qh, kh, vh, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, *,
+    causal: bool, window: int | None = None, scale: float | None = None,
+    block_q: int | None = None, block_k: int | None = None, interpret=None,
+    max_live_blocks: int | None = None,
+):  # fmt: skip
+    """`pallas_flash_forward` in the heads-major layout the kernels use, so that a caller
+    that attends the same queries to many K/V blocks (the ring) transposes them once.
+
+    **Arguments:** `qh` `[batch, q_heads, seq, head_dim]`, `kh` `[batch, kv_heads, kv_seq,
+    head_dim]`, `vh` `[batch, kv_heads, kv_seq, v_head_dim]`; the rest as in
+    `pallas_flash_forward`.
+
+    **Returns:** `(out [batch, q_heads, seq, v_head_dim], lse [batch, q_heads, seq])`.
+    """
+    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    hm = _heads_major_like
+    check_inputs(hm(qh), hm(kh), hm(vh), *masks)
+    cfg = make_config(
+        _heads_major_like(qh), _heads_major_like(kh), q_segment_ids, causal=causal,
+        window=window, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret,
+        max_live_blocks=max_live_blocks,
+    )  # fmt: skip
+    return flash_forward_heads_major(cfg, qh, kh, vh, *masks)
+
+
+def pallas_flash_forward(
+    q: Query,
+    k: Key,
+    v: Value,
+    q_positions: Positions,
+    kv_positions: KvPositions,
+    q_segment_ids: SegmentIds | None = None,
+    kv_segment_ids: KvSegmentIds | None = None,
+    *,
+    causal: bool,
+    window: int | None = None,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret=None,
+    max_live_blocks: int | None = None,
+) -> tuple[AttnOut, LogSumExp]:
+    """Flash-attention forward (Pallas TPU kernel) with masks from positions and segments.
+
+    A query sees a key iff `(not causal or q_pos >= kv_pos)` and `(window is None or
+    q_pos - kv_pos < window)` and `(no segments or q_seg == kv_seg)`. Positions are any
+    token indices (zig-zag or striped layouts, ring hops), not necessarily `0..n-1`.
+    FlashAttention-2 (arXiv:2307.08691) online softmax with float32 accumulation.
+
+    **Arguments:**
+
+    - `q`: `[batch, seq, q_heads, head_dim]`, float32 or bfloat16.
+    - `k`, `v`: `[batch, kv_seq, kv_heads, head_dim]` and `[..., v_head_dim]`, same dtype;
+      `q_heads` a multiple of `kv_heads` (GQA/MQA read K/V heads by index, never repeated).
+    - `q_positions`, `kv_positions`: `[batch, seq]` / `[batch, kv_seq]` ints.
+    - `q_segment_ids`, `kv_segment_ids`: `[batch, seq]` / `[batch, kv_seq]` ints, or both
+      `None`. Ids must be above `-2**31 + 1` (the two lowest values mark padding).
+    - `causal`: the `q_pos >= kv_pos` rule.
+    - `window`: positive sliding window (needs `causal=True`), or `None`.
+    - `scale`: score scale; default `head_dim ** -0.5`.
+    - `block_q`, `block_k`: block lengths, positive multiples of 128; default per TPU
+      generation (`default_block_sizes`). Shorter sequences use one block.
+    - `interpret`: `None` (compiled on TPU, `interpret=True` elsewhere), a bool, or
+      `pltpu.InterpretParams` (see `race_detecting_interpret`).
+    - `max_live_blocks`: optional static bound on the non-empty partner blocks of any block
+      (key blocks per query block, query blocks per key block). The sequential grid axes
+      then take that many steps instead of one per block, as splash attention shrinks its
+      grid (e.g. a sliding window of `w` keys needs about `w / block_k + 2`). If some block
+      has more, every output is NaN rather than silently wrong.
+
+    **Returns:** `(out, lse)`: `out` `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
+    the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no key
+    get `out = 0`, `lse = -inf`; a NaN on a visible pair makes its row NaN.
+    """
+    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    check_inputs(q, k, v, *masks)
+    cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
+                      block_q=block_q, block_k=block_k, interpret=interpret,
+                      max_live_blocks=max_live_blocks)  # fmt: skip
+    t = to_seq_major
+    out, lse = flash_forward_heads_major(cfg, t(q), t(k), t(v), *masks)
+    return to_seq_major(out), to_seq_major(lse)

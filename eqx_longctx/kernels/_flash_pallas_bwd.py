@@ -1,0 +1,346 @@
+"""Flash-attention backward as two Pallas TPU kernels: dQ, then dK/dV.
+
+Both recompute the probabilities `p = exp(scale * q k^T - lse)` from the row logsumexp and
+form `ds = p * (dp - delta)` with `dp = dout v^T` and `delta = rowsum(dout * out) - dlse`
+(FlashAttention-2, arXiv:2307.08691, Algorithm 2, split in two passes so neither needs
+atomics):
+
+- dQ: grid `(batch, q_heads, nq, steps)`, key blocks sequential; `dq += scale * ds k`.
+- dK/dV: grid `(batch, kv_heads, nk, group, steps)`, the query heads of the GQA group and
+  the query blocks sequential, accumulating into the K/V head's `dk`, `dv`. Scores are
+  formed keys-major (`[block_k, block_q]`, queries in lanes), so the row statistics are
+  read lane-dense and both products are plain matmuls.
+
+`lse` and `delta` are the *global* row statistics: when this call sees only some of a row's
+keys (a ring hop), `dk`, `dv` are still exact for these keys and `dq` is their share.
+Empty block pairs are skipped, full pairs skip the mask, as in the forward.
+"""
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .._types import (
+    AttnOut,
+    Key,
+    KvPositions,
+    KvSegmentIds,
+    LogSumExp,
+    Positions,
+    Query,
+    SegmentIds,
+    Value,
+)
+from ._blocks import (
+    FULL,
+    NUM_LANES,
+    NUM_SUBLANES,
+    PARTIAL,
+    Config,
+    Ids,
+    Schedule,
+    check_inputs,
+    lanes,
+    make_config,
+    out_struct,
+    pad_heads_major,
+    poison_if,
+    rows_to_kernel,
+    sublanes,
+    visible,
+)
+from ._flash_pallas import _NN, _NT, _dot, _heads_major_like, _tile_lanes, prepare, to_seq_major
+
+
+def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               q_pos_ref, kv_pos_ref, *rest, cfg: Config, nq: int, nt: int):  # fmt: skip
+    if cfg.use_segments:
+        q_seg_ref, kv_seg_ref, dq_ref = rest
+    else:
+        q_seg_ref = kv_seg_ref = None
+        (dq_ref,) = rest
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    kind = kind_ref[(b * nq + i) * nt + j].astype(jnp.int32)
+    bk = k_ref.shape[0]
+
+    @pl.when(j == 0)
+    def _init():
+        dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+
+    def step(masked: bool):
+        k = k_ref[...]
+        s = _dot(q_ref[...], k, _NT)
+        p = jnp.exp(s * cfg.scale - lse_ref[0][:, None])
+        if masked:
+            mask = visible(
+                cfg,
+                _tile_lanes(q_pos_ref[...], bk),
+                kv_pos_ref[:1, :],
+                None if q_seg_ref is None else _tile_lanes(q_seg_ref[...], bk),
+                None if kv_seg_ref is None else kv_seg_ref[:1, :],
+            )
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
+        dp = _dot(do_ref[...], v_ref[...], _NT)
+        ds = p * (dp - delta_ref[0][:, None])
+        dq = _dot(ds.astype(k.dtype), k, _NN)
+        dq_ref[...] += dq * cfg.scale
+
+    pl.when(kind == FULL)(lambda: step(False))
+    pl.when(kind == PARTIAL)(lambda: step(True))
+
+
+def _dkv_kernel(kind_ref, q_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                kv_pos_ref, q_pos_ref, *rest, cfg: Config, nk: int, nt: int):  # fmt: skip
+    if cfg.use_segments:
+        kv_seg_ref, q_seg_ref, dk_ref, dv_ref = rest
+    else:
+        kv_seg_ref = q_seg_ref = None
+        dk_ref, dv_ref = rest
+    b, j, gi, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    kind = kind_ref[(b * nk + j) * nt + i].astype(jnp.int32)
+    bq = q_ref.shape[0]
+
+    @pl.when((gi == 0) & (i == 0))
+    def _init():
+        dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
+        dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
+
+    def step(masked: bool):
+        q, do = q_ref[...], do_ref[...]
+        s_t = _dot(k_ref[...], q, _NT)
+        p_t = jnp.exp(s_t * cfg.scale - lse_ref[:1, :])
+        if masked:
+            mask = visible(
+                cfg,
+                q_pos_ref[:1, :],
+                _tile_lanes(kv_pos_ref[...], bq),
+                None if q_seg_ref is None else q_seg_ref[:1, :],
+                None if kv_seg_ref is None else _tile_lanes(kv_seg_ref[...], bq),
+            )
+            if mask is not None:
+                p_t = jnp.where(mask, p_t, 0.0)
+        dv_ref[...] += _dot(p_t.astype(do.dtype), do, _NN)
+        dp_t = _dot(v_ref[...], do, _NT)
+        ds_t = p_t * (dp_t - delta_ref[:1, :])
+        dk = _dot(ds_t.astype(q.dtype), q, _NN)
+        dk_ref[...] += dk * cfg.scale
+
+    pl.when(kind == FULL)(lambda: step(False))
+    pl.when(kind == PARTIAL)(lambda: step(True))
+
+
+def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse, delta):
+    """Both backward kernels on padded heads-major inputs (`do` `[b, q_heads, sq, dv]` in
+    the inputs' dtype, `lse`/`delta` `[b, q_heads, 8, sq]` float32).
+
+    **Returns:** float32 `(dq, dk, dv)`, padded, heads-major.
+    """
+    b, hq, sq, d = qh.shape
+    hk, sk, dv = kh.shape[1], kh.shape[2], vh.shape[3]
+    bq, bk = cfg.block_q, cfg.block_k
+    nq, nk, g = sq // bq, sk // bk, hq // hk
+    ntk, ntq = cfg.steps(nk), cfg.steps(nq)
+    flops = 2 * b * hq * sq * sk * (d + dv)
+    itemsize = qh.dtype.itemsize
+
+    # dQ: grid (b, h, i, j).
+    def kvj(bi, i, j, kvb):
+        return kvb[(bi * nq + i) * ntk + j].astype(jnp.int32)
+
+    q_spec = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, None, bq, width), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)
+    )
+    kv_spec = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, None, bk, width),
+        lambda bi, h, i, j, kind, kvb: (bi, lax.div(h, g), kvj(bi, i, j, kvb), 0),
+    )
+    row_spec = pl.BlockSpec(
+        (None, None, NUM_SUBLANES, bq), lambda bi, h, i, j, kind, kvb: (bi, h, 0, i)
+    )
+    q_col = pl.BlockSpec((None, bq, NUM_LANES), lambda bi, h, i, j, kind, kvb: (bi, i, 0))
+    kv_row = pl.BlockSpec(
+        (None, NUM_SUBLANES, bk), lambda bi, h, i, j, kind, kvb: (bi, 0, kvj(bi, i, j, kvb))
+    )
+    in_specs = [q_spec(d), kv_spec(d), kv_spec(dv), q_spec(dv), row_spec, row_spec, q_col, kv_row]
+    operands = [qh, kh, vh, do, lse, delta, lanes(ids.q_pos), sublanes(ids.kv_pos)]
+    if cfg.use_segments:
+        in_specs += [q_col, kv_row]
+        operands += [lanes(ids.q_seg), sublanes(ids.kv_seg)]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, nq=nq, nt=ntk),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b, hq, nq, ntk),
+            in_specs=in_specs,
+            out_specs=q_spec(d),
+        ),
+        out_shape=out_struct((b, hq, sq, d), jnp.float32, *sched, *operands),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+        ),
+        interpret=cfg.interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=flops + 2 * b * hq * sq * sk * d,
+            transcendentals=b * hq * sq * sk,
+            bytes_accessed=itemsize * nq * g * (kh.size + vh.size) + 4 * 2 * qh.size,
+        ),
+        name="eqx_longctx_flash_bwd_dq",
+    )(sched.row_kind, sched.kv_block, *operands)
+
+    # dK/dV: grid (b, kv head, j, group member, i).
+    def qi(bi, j, i, qb):
+        return qb[(bi * nk + j) * ntq + i].astype(jnp.int32)
+
+    q_spec2 = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, None, bq, width),
+        lambda bi, hki, j, gi, i, kind, qb: (bi, hki * g + gi, qi(bi, j, i, qb), 0),
+    )
+    kv_spec2 = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, None, bk, width), lambda bi, hki, j, gi, i, kind, qb: (bi, hki, j, 0)
+    )
+    row_spec2 = pl.BlockSpec(
+        (None, None, NUM_SUBLANES, bq),
+        lambda bi, hki, j, gi, i, kind, qb: (bi, hki * g + gi, 0, qi(bi, j, i, qb)),
+    )
+    kv_col = pl.BlockSpec((None, bk, NUM_LANES), lambda bi, hki, j, gi, i, kind, qb: (bi, j, 0))
+    q_row = pl.BlockSpec(
+        (None, NUM_SUBLANES, bq), lambda bi, hki, j, gi, i, kind, qb: (bi, 0, qi(bi, j, i, qb))
+    )
+    in_specs = [q_spec2(d), kv_spec2(d), kv_spec2(dv), q_spec2(dv), row_spec2, row_spec2,
+                kv_col, q_row]  # fmt: skip
+    operands = [qh, kh, vh, do, lse, delta, lanes(ids.kv_pos), sublanes(ids.q_pos)]
+    if cfg.use_segments:
+        in_specs += [kv_col, q_row]
+        operands += [lanes(ids.kv_seg), sublanes(ids.q_seg)]
+    dk, dv_ = pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, nk=nk, nt=ntq),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b, hk, nk, g, ntq),
+            in_specs=in_specs,
+            out_specs=[kv_spec2(d), kv_spec2(dv)],
+        ),
+        out_shape=[
+            out_struct((b, hk, sk, d), jnp.float32, *sched, *operands),
+            out_struct((b, hk, sk, dv), jnp.float32, *sched, *operands),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
+        ),
+        interpret=cfg.interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=flops + 2 * b * hq * sq * sk * (d + dv),
+            transcendentals=b * hq * sq * sk,
+            bytes_accessed=itemsize * nk * (qh.size + do.size) + 4 * (kh.size + vh.size),
+        ),
+        name="eqx_longctx_flash_bwd_dkv",
+    )(sched.col_kind, sched.q_block, *operands)
+    return dq, dk, dv_
+
+
+def flash_backward_heads_major(cfg: Config, qh, kh, vh, q_positions, kv_positions,
+                               q_segment_ids, kv_segment_ids, dout, lse, delta):  # fmt: skip
+    """Backward on heads-major inputs with a validated `cfg`; `dout` `[b, h, s, dv]`,
+    `lse`, `delta` `[b, h, s]`. **Returns:** float32 heads-major `(dq, dk, dv)`."""
+    sq, sk = qh.shape[2], kh.shape[2]
+    (qp, kp, vp), ids, sched = prepare(
+        cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids
+    )
+    do = pad_heads_major(dout.astype(qh.dtype), cfg.block_q)
+    sqp = qp.shape[2]
+    dq, dk, dv = backward_padded(
+        cfg, qp, kp, vp, ids, sched, do, rows_to_kernel(lse, sqp), rows_to_kernel(delta, sqp)
+    )
+    dq, dk, dv = dq[:, :, :sq], dk[:, :, :sk], dv[:, :, :sk]
+    if cfg.max_live_blocks is not None:
+        dq, dk, dv = poison_if(sched.overflow, dq, dk, dv)
+    return dq, dk, dv
+
+
+def pallas_flash_backward_heads_major(
+    qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids, dout, lse, delta, *,
+    causal: bool, window: int | None = None, scale: float | None = None,
+    block_q: int | None = None, block_k: int | None = None, interpret=None,
+    max_live_blocks: int | None = None,
+):  # fmt: skip
+    """`pallas_flash_backward` in the heads-major layout: `qh`, `kh`, `vh`, `dout` as in
+    `pallas_flash_forward_heads_major`, `lse`, `delta` `[batch, q_heads, seq]`.
+
+    **Returns:** float32 `(dq, dk, dv)`, heads-major.
+    """
+    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    hm = _heads_major_like
+    check_inputs(hm(qh), hm(kh), hm(vh), *masks)
+    _check_row_shapes(_heads_major_like(qh), _heads_major_like(vh), to_seq_major(dout),
+                      to_seq_major(lse), to_seq_major(delta))  # fmt: skip
+    cfg = make_config(
+        _heads_major_like(qh), _heads_major_like(kh), q_segment_ids, causal=causal,
+        window=window, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret,
+        max_live_blocks=max_live_blocks,
+    )  # fmt: skip
+    return flash_backward_heads_major(cfg, qh, kh, vh, *masks, dout, lse, delta)
+
+
+def _check_row_shapes(q, v, dout, lse, delta):
+    b, sq, hq, _ = q.shape
+    want = (b, sq, hq, v.shape[-1])
+    if dout.shape != want or lse.shape != want[:3] or delta.shape != want[:3]:
+        raise ValueError(
+            f"dout must be [batch, seq, q_heads, v_head_dim]={want} and lse, delta "
+            f"[batch, seq, q_heads]={want[:3]}; got dout {dout.shape}, lse {lse.shape}, "
+            f"delta {delta.shape}."
+        )
+
+
+def pallas_flash_backward(
+    q: Query,
+    k: Key,
+    v: Value,
+    q_positions: Positions,
+    kv_positions: KvPositions,
+    q_segment_ids: SegmentIds | None,
+    kv_segment_ids: KvSegmentIds | None,
+    dout: AttnOut,
+    lse: LogSumExp,
+    delta: LogSumExp,
+    *,
+    causal: bool,
+    window: int | None = None,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret=None,
+    max_live_blocks: int | None = None,
+) -> tuple[Query, Key, Value]:
+    """Flash-attention gradients of `q` against this `k`/`v` block (Pallas TPU kernels).
+
+    With `lse` the logsumexp of each query row over *all* the keys it attends (possibly
+    spread over several calls, as in ring attention) and `delta = rowsum(dout * out) - dlse`,
+    the recomputed probabilities are exact, so `dk`, `dv` are this block's full gradients
+    and `dq` is its share of the query gradient (sum the shares over the blocks).
+
+    **Arguments:**
+
+    - `q`, `k`, `v`, positions, segment ids and the keywords: as in `pallas_flash_forward`.
+    - `dout`: `[batch, seq, q_heads, v_head_dim]`, the output's cotangent.
+    - `lse`: `[batch, seq, q_heads]` float32, the global row logsumexp (`-inf` for rows that
+      see no key).
+    - `delta`: `[batch, seq, q_heads]` float32, `rowsum(dout * out) - dlse`.
+
+    **Returns:** `(dq, dk, dv)` float32, shaped like `q`, `k`, `v`.
+    """
+    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    check_inputs(q, k, v, *masks)
+    _check_row_shapes(q, v, dout, lse, delta)
+    cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
+                      block_q=block_q, block_k=block_k, interpret=interpret,
+                      max_live_blocks=max_live_blocks)  # fmt: skip
+    t = to_seq_major
+    dq, dk, dv = flash_backward_heads_major(
+        cfg, t(q), t(k), t(v), *masks, t(dout), t(lse), t(delta)
+    )
+    return t(dq), t(dk), t(dv)

@@ -43,7 +43,8 @@ class ShardingSpec(eqx.Module):
       two together).
     - `tensor_axis`: mesh axis for heads / MLP hidden units, or `None`.
     - `impl`: the block-attention implementation every layer under this spec runs:
-      `"auto"` (Pallas kernels on TPU, XLA elsewhere), `"xla"` or `"pallas"`.
+      `"auto"` (Pallas kernels on TPU, XLA elsewhere), `"xla"`, `"pallas"`, or an
+      `AbstractBlockImpl` instance of your own.
     """
 
     mesh: Mesh = eqx.field(static=True)
@@ -53,7 +54,7 @@ class ShardingSpec(eqx.Module):
     context_axis: str = eqx.field(static=True, default="context")
     ulysses_axis: str | None = eqx.field(static=True, default=None)
     tensor_axis: str | None = eqx.field(static=True, default=None)
-    impl: str = eqx.field(static=True, default="auto")
+    impl: Any = eqx.field(static=True, default="auto")  # a name, or an AbstractBlockImpl
 
     @no_type_check  # validated eagerly, with errors that say what to fix
     def __init__(
@@ -65,7 +66,7 @@ class ShardingSpec(eqx.Module):
         context_axis: str = "context",
         ulysses_axis: str | None = None,
         tensor_axis: str | None = None,
-        impl: str = "auto",
+        impl: Any = "auto",
     ):
         if not isinstance(mesh, Mesh):
             raise ValueError(
@@ -84,7 +85,7 @@ class ShardingSpec(eqx.Module):
         self.impl = impl
 
     def __check_init__(self):
-        for role in ("strategy", "load_balance", "context_axis", "impl"):
+        for role in ("strategy", "load_balance", "context_axis"):
             value = getattr(self, role)
             if not isinstance(value, str):
                 fix = {
@@ -92,7 +93,6 @@ class ShardingSpec(eqx.Module):
                     "device, call attention with spec=None instead)",
                     "strategy": f"choose one of {STRATEGIES}",
                     "load_balance": f"choose one of {LOAD_BALANCES}",
-                    "impl": f"choose one of {IMPLS}",
                 }[role]
                 raise TypeError(
                     f"ShardingSpec: {role} must be a str; got {value!r} of type "
@@ -109,7 +109,12 @@ class ShardingSpec(eqx.Module):
             raise ValueError(
                 f"ShardingSpec: unknown strategy {self.strategy!r}; choose one of {STRATEGIES}."
             )
-        if self.impl not in IMPLS:
+        if not isinstance(self.impl, str) and not hasattr(self.impl, "tile_queries"):
+            raise TypeError(
+                f"ShardingSpec: impl must be one of {IMPLS} or an AbstractBlockImpl; got "
+                f"{self.impl!r} of type {type(self.impl).__name__}."
+            )
+        if isinstance(self.impl, str) and self.impl not in IMPLS:
             raise ValueError(
                 f"ShardingSpec: unknown impl {self.impl!r}; choose one of {IMPLS} ('auto' runs "
                 "the Pallas kernels on TPU and the XLA path elsewhere)."

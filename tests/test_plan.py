@@ -16,6 +16,7 @@ from helpers import assert_close
 import eqx_longctx as el
 from eqx_longctx._hlo import collective_bytes, collectives
 from eqx_longctx.attention import _context_parallel
+from eqx_longctx.attention._block import BlockOptions
 from eqx_longctx.attention._plan import STRATEGY_ORDER, choose_strategy, explain, plan
 from eqx_longctx.attention._ring import _kv_identity
 from eqx_longctx.plan import compiled_attention, compiled_memory, main
@@ -281,7 +282,8 @@ def test_auto_with_a_ulysses_axis_runs_over_both_sequence_axes():
     )
     assert_close(back(out), expected, what="auto")
     for name in STRATEGY_ORDER:  # whatever auto could pick runs correctly on this spec
-        run = functools.partial(_context_parallel, spec, name, causal=True, scale=None)
+        options = BlockOptions.make(True, None, None, q.shape[-1])
+        run = functools.partial(_context_parallel, spec, name, options=options, impl="xla")
         out = jax.jit(lambda q, k, v, s, run=run: run(q, (k, v), _kv_identity, (), s))(
             to(q), to(k), to(v), to(seg)
         )

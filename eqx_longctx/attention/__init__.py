@@ -216,8 +216,9 @@ class _Expand(eqx.Module):
         return eqx.combine(params, self.static)(source)
 
 
-def _impl_name(impl, spec) -> str:
-    """The implementation to run: `impl`, else the spec's; checked against `IMPLS`."""
+def _impl_name(impl, spec) -> Any:
+    """The implementation to run: `impl`, else the spec's (a name checked against `IMPLS`,
+    or an `AbstractBlockImpl`)."""
     if impl is None:
         impl = "auto" if spec is None else spec.impl
     platform = jax.devices()[0].platform if spec is None else spec.platform

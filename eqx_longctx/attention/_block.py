@@ -120,12 +120,15 @@ def _bwd(impl, options, residuals, cotangents):
 _block_attention.defvjp(_fwd, _bwd)
 
 
-def resolve_impl(impl: str, platform: str) -> str:
-    """`"auto"` is `"pallas"` on TPU and `"xla"` elsewhere; **returns** the name to run."""
-    if impl not in IMPLS:
+def resolve_impl(impl, platform: str):
+    """`"auto"` is `"pallas"` on TPU and `"xla"` elsewhere; **returns** the name to run, or
+    `impl` itself when it is an `AbstractBlockImpl` (a third implementation plugs in so)."""
+    if isinstance(impl, AbstractBlockImpl):
+        return impl
+    if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(
-            f"impl must be one of {IMPLS}; got impl={impl!r}. 'auto' runs the Pallas kernels on "
-            "TPU and the XLA path elsewhere."
+            f"impl must be one of {IMPLS} or an AbstractBlockImpl; got impl={impl!r}. 'auto' "
+            "runs the Pallas kernels on TPU and the XLA path elsewhere."
         )
     if impl == "auto":
         return "pallas" if platform == "tpu" else "xla"

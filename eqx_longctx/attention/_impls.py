@@ -24,7 +24,7 @@ from ._validate import (
 
 
 def make_impl(
-    impl: str,
+    impl: "str | AbstractBlockImpl",
     *,
     platform: str,
     tiling: Tiling = DEFAULT_TILING,
@@ -34,12 +34,15 @@ def make_impl(
 
     **Arguments:**
 
-    - `impl`: `"xla"`, `"pallas"` or `"auto"` (Pallas on TPU, XLA elsewhere).
+    - `impl`: `"xla"`, `"pallas"` or `"auto"` (Pallas on TPU, XLA elsewhere), or an
+      `AbstractBlockImpl` instance, returned as is.
     - `platform`: the devices' platform.
     - `tiling`: the XLA path's block length and score-tile bytes.
     - `interpret`: run Pallas kernels in interpret mode (default: off TPU only).
     """
     name = resolve_impl(impl, platform)
+    if isinstance(name, AbstractBlockImpl):
+        return name
     if name == "xla":
         return XlaBlockImpl(tiling)
     from ..kernels import PallasBlockImpl

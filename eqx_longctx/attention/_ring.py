@@ -31,7 +31,7 @@ from ._block import AbstractBlockImpl, BlockOptions, pairs_are_empty
 
 class _RingConfig(NamedTuple):
     axis: AxisName
-    impl: AbstractBlockImpl  # the block function: XLA or Pallas, the ring cannot tell
+    impl: AbstractBlockImpl  # the block function; which implementation, the ring cannot tell
     options: BlockOptions
     # expand(params, source) -> (k, v): how a travelling K/V source becomes keys and values.
     expand: Callable

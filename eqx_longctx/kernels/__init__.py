@@ -22,3 +22,4 @@ from ._flash_pallas_bwd import pallas_flash_backward as pallas_flash_backward
 from ._flash_pallas_bwd import (
     pallas_flash_backward_heads_major as pallas_flash_backward_heads_major,
 )
+from ._impl import PallasBlockImpl as PallasBlockImpl

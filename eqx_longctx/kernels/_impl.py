@@ -1,0 +1,103 @@
+"""`PallasBlockImpl`: the block contract (`eqx_longctx/attention/_block.py`) on the Pallas
+TPU kernels, so every strategy runs them without knowing it.
+
+The query side is transposed once into the kernels' heads-major layout (`[batch, heads,
+seq, dim]`); each K/V block is transposed as it arrives. Row statistics (`lse`, `delta`)
+are `[batch, heads, seq]`, the query-gradient accumulator is heads-major float32.
+"""
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ..attention._block import AbstractBlockImpl, BlockOptions
+from ._blocks import Config, default_block_sizes, make_config
+from ._flash_pallas import flash_forward_heads_major
+from ._flash_pallas_bwd import flash_backward_heads_major
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _swap(x):
+    """`[b, s, h, ...]` <-> `[b, h, s, ...]`."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+class _Queries(NamedTuple):
+    qh: jax.Array  # [b, h, s, d]
+    positions: jax.Array
+    segment_ids: jax.Array | None
+    cfg: Config
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return self.qh.shape[:-1]
+
+    def split_q(self, x):
+        return _swap(x)
+
+    def split_rows(self, x):
+        return _swap(x)
+
+    def merge_q(self, x):
+        return _swap(x)
+
+    def merge_rows(self, x):
+        return _swap(x)
+
+    def zeros_dq(self):
+        return jnp.zeros(self.qh.shape, jnp.float32)
+
+    def dq(self, acc):
+        return _swap(acc)
+
+
+class PallasBlockImpl(AbstractBlockImpl):
+    """The Pallas TPU flash-attention kernels behind the block contract.
+
+    **Arguments:**
+
+    - `block_q`, `block_k`: kernel block lengths (multiples of 128).
+    - `interpret`: `False` compiles for TPU; `True` runs Pallas' interpreter (any backend).
+    """
+
+    block_q: int = eqx.field(static=True)
+    block_k: int = eqx.field(static=True)
+    interpret: Any = eqx.field(static=True, default=False)
+
+    @staticmethod
+    def for_platform(platform: str, interpret: Any = None) -> "PallasBlockImpl":
+        """Default blocks for the local TPU generation; interpret mode off TPU."""
+        block_q, block_k = default_block_sizes()
+        interpret = platform != "tpu" if interpret is None else interpret
+        return PallasBlockImpl(block_q, block_k, interpret)
+
+    def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
+        if jnp.dtype(q.dtype) not in _DTYPES:
+            raise ValueError(
+                f"impl='pallas' runs float32 or bfloat16 inputs; got {q.dtype}. Cast q, k, v "
+                "with .astype(jnp.float32) (or bfloat16), or use impl='xla'."
+            )
+        cfg = make_config(
+            q, kv_like, segment_ids, causal=options.causal, window=options.window,
+            scale=options.scale, block_q=self.block_q, block_k=self.block_k,
+            interpret=self.interpret,
+        )  # fmt: skip
+        return _Queries(_swap(q), positions, segment_ids, cfg)
+
+    def attend(self, qt: _Queries, k, v, kv_positions, kv_segment_ids):
+        return flash_forward_heads_major(
+            qt.cfg, qt.qh, _swap(k), _swap(v), qt.positions, kv_positions, qt.segment_ids,
+            kv_segment_ids,
+        )  # fmt: skip
+
+    def attend_backward(
+        self, qt: _Queries, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq
+    ):
+        dq_j, dk, dv = flash_backward_heads_major(
+            qt.cfg, qt.qh, _swap(k), _swap(v), qt.positions, kv_positions, qt.segment_ids,
+            kv_segment_ids, dout, lse, delta,
+        )  # fmt: skip
+        return dq + dq_j, _swap(dk), _swap(dv)

@@ -197,3 +197,11 @@ def test_auto_is_xla_off_tpu():
     tpu = make_impl("auto", platform="tpu")
     assert isinstance(tpu, PallasBlockImpl) and tpu.interpret is False
     assert make_impl("pallas", platform="cpu").interpret is True
+
+
+def test_pallas_block_sizes_are_validated():
+    q = np.ones((1, 256, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="block_q must be a positive multiple of 128"):
+        el.flash_attention(q, q, q, impl="pallas", block_q=100)
+    out, lse = el.flash_attention(q, q, q, impl="pallas", block_q=128, block_k=256)
+    assert_close(out, reference_attention(q, q, q))

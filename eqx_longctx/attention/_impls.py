@@ -29,6 +29,7 @@ def make_impl(
     platform: str,
     tiling: Tiling = DEFAULT_TILING,
     interpret: bool | None = None,
+    pallas_blocks: tuple[int | None, int | None] = (None, None),
 ) -> AbstractBlockImpl:
     """The block implementation `impl` names, for devices of `platform` (`"cpu"`, `"tpu"`...).
 
@@ -39,6 +40,8 @@ def make_impl(
     - `platform`: the devices' platform.
     - `tiling`: the XLA path's block length and score-tile bytes.
     - `interpret`: run Pallas kernels in interpret mode (default: off TPU only).
+    - `pallas_blocks`: the kernels' `(block_q, block_k)`; `None` takes the TPU generation's
+      default.
     """
     name = resolve_impl(impl, platform)
     if isinstance(name, AbstractBlockImpl):
@@ -47,7 +50,13 @@ def make_impl(
         return XlaBlockImpl(tiling)
     from ..kernels import PallasBlockImpl
 
-    return PallasBlockImpl.for_platform(platform, interpret=interpret)
+    impl = PallasBlockImpl.for_platform(platform, interpret=interpret)
+    block_q, block_k = pallas_blocks
+    return PallasBlockImpl(
+        impl.block_q if block_q is None else block_q,
+        impl.block_k if block_k is None else block_k,
+        impl.interpret,
+    )
 
 
 @no_type_check  # validated eagerly, with errors that say what to fix
@@ -64,8 +73,8 @@ def flash_attention(
     window: int | None = None,
     scale: float | None = None,
     impl: str = "auto",
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_k: int = DEFAULT_BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
     tile_bytes: int = TILE_BYTES,
 ) -> tuple[AttnOut, LogSumExp]:
     """Attention of `q` over `k`/`v` with masks computed from positions and segment ids.
@@ -89,8 +98,10 @@ def flash_attention(
     - `causal`, `window`, `scale`: as in `attention`.
     - `impl`: `"auto"` (the Pallas kernels on TPU, XLA elsewhere), `"xla"` or `"pallas"`
       (on a CPU the kernels run in Pallas interpret mode).
-    - `block_q`, `block_k`, `tile_bytes`: the XLA path's tiles (block lengths; bytes one
-      block of float32 scores may take, heads tiled to fit).
+    - `block_q`, `block_k`: block lengths (`None`: 512 on the XLA path, the TPU
+      generation's default for the kernels, which need multiples of 128).
+    - `tile_bytes`: bytes one block of float32 scores may take on the XLA path (heads are
+      tiled to fit).
 
     **Returns:** `(out, lse)`: out `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no
@@ -102,7 +113,8 @@ def flash_attention(
     where = "flash_attention"
     window = check_options(where, None, causal, scale, window)
     for name, value in (("block_q", block_q), ("block_k", block_k), ("tile_bytes", tile_bytes)):
-        check_int(value, f"{where}: {name}")
+        if value is not None:
+            check_int(value, f"{where}: {name}")
     q, k, v = as_float_arrays(where, q=q, k=k, v=v)
     check_attention_inputs(q, k, v, None, self_attention=False)
     if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -127,7 +139,7 @@ def flash_attention(
             x = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
         masks.append(x)
     platform = jax.devices()[0].platform
-    tiling = Tiling(block_q, tile_bytes, block_k)
-    block_impl = make_impl(impl, platform=platform, tiling=tiling)
+    tiling = Tiling(block_q or DEFAULT_BLOCK_Q, tile_bytes, block_k or DEFAULT_BLOCK_K)
+    block_impl = make_impl(impl, platform=platform, tiling=tiling, pallas_blocks=(block_q, block_k))
     options = BlockOptions.make(causal, window, scale, q.shape[-1])
     return block_attention(block_impl, q, k, v, *masks, options)

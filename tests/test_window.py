@@ -26,7 +26,9 @@ def _inputs(seed=0, s=S):
 
 def _value_and_grads(f, q, k, v, ct):
     loss = lambda q, k, v: jnp.sum(f(q, k, v) * ct)  # noqa: E731
-    return f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(lambda q, k, v: (f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(
+        q, k, v
+    )
 
 
 def _check(f, window, packed, seed=0, what=""):
@@ -43,8 +45,10 @@ def _check(f, window, packed, seed=0, what=""):
         assert_close(g, r, what=f"{what} d{name}")
 
 
-@pytest.mark.parametrize("window", [1, 3, 16, 17, 40, 64, 200])
-@pytest.mark.parametrize("block", [8, 16, 48])
+@pytest.mark.parametrize(
+    "window,block",
+    [(1, 8), (3, 16), (16, 16), (17, 48), (40, 8), (64, 48), (200, 16), (5, 48)],
+)
 def test_local_window_against_oracle(window, block):
     def f(q, k, v, seg):
         out, _ = flash_attention(

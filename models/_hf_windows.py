@@ -68,16 +68,9 @@ def windows_from_hf(
     return window, tuple(types)
 
 
-def family_to_hf(sliding_window: int | None, layer_types, qk_norm: bool, bias: bool) -> str:
-    """The model type `to_hf` writes: `qk_norm` gives Qwen3, q/k/v biases Qwen2, sliding
-    windows in every layer Mistral, neither Llama."""
-    if qk_norm and bias:
-        raise ValueError(
-            "to_hf: no supported Hugging Face family has both q/k norm and q/k/v-only biases "
-            "(Qwen3 has the norm, Qwen2 the biases); got qk_norm=True, attention_bias=True."
-        )
-    if qk_norm or bias:
-        return "qwen3" if qk_norm else "qwen2"
+def llama_or_mistral(sliding_window: int | None, layer_types) -> str:
+    """The model type `to_hf` writes for a model without q/k/v biases or q/k norm: Llama
+    without windows, Mistral with one in every layer."""
     if layer_types is not None:
         raise ValueError(
             "to_hf: a model without q/k/v biases or q/k norm is written as Llama (no windows) "

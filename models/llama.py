@@ -7,9 +7,11 @@ RMSNorm -> SwiGLU -> residual) -> RMSNorm -> LM head (or the tied embedding) -> 
 logits. References: Touvron et al. 2023, "Llama 2" (arXiv:2307.09288); Llama Team 2024,
 "The Llama 3 Herd of Models" (arXiv:2407.21783).
 
-The same decoder with q/k/v biases is Qwen2 (Yang et al. 2024, arXiv:2407.10671) and with
-per-head q/k RMSNorm Qwen3 (Qwen Team 2025, arXiv:2505.09388): `from_hf` and `to_hf` read
-and write the Hugging Face checkpoints of all three families.
+The same decoder with q/k/v biases is Qwen2 (Yang et al. 2024, arXiv:2407.10671), with
+per-head q/k RMSNorm Qwen3 (Qwen Team 2025, arXiv:2505.09388), and with a sliding window in
+every layer Mistral (Jiang et al. 2023, "Mistral 7B", arXiv:2310.06825); Qwen2/Qwen3 may
+mix sliding and full layers (`layer_types`). `from_hf` and `to_hf` read and write the
+Hugging Face checkpoints of all four families.
 """
 
 import dataclasses
@@ -315,8 +317,8 @@ _HF_KEYS = {
 }
 _HF_MAX_LEN = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # defaults
 _HF_OVERRIDES = ("remat", "compute_dtype", "max_seq_len")
-# Old conversions saved RoPE frequencies as buffers; they are recomputed from config.json.
 _HFKind = Literal["same", "flat", "linear"]
+# Old conversions saved RoPE frequencies as buffers; they are recomputed from config.json.
 _HF_IGNORE = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -399,30 +401,31 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
 
 def _hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
     """Zoo parameter path -> Hugging Face tensor."""
-    T, layer = _hf.HFTensor, "model.layers.{layer}."
+    T = _hf.HFTensor
     table = {"embed": T("model.embed_tokens.weight"), "norm.weight": T("model.norm.weight")}
     if not c.tie_embeddings:
         table["lm_head"] = T("lm_head.weight", "linear")
+    # (path in a block, Hugging Face name in model.layers.{layer}, kind, n_in)
+    block: list[tuple[str, str, _HFKind, int]] = [
+        ("attn_norm.weight", "input_layernorm.weight", "same", 1),
+        ("mlp_norm.weight", "post_attention_layernorm.weight", "same", 1),
+        ("attn.wo", "self_attn.o_proj.weight", "linear", 2),
+    ]
+    for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+        block.append((f"attn.w{ours}", f"self_attn.{theirs}.weight", "linear", 1))
+        if c.attention_bias:
+            block.append((f"attn.b{ours}", f"self_attn.{theirs}.bias", "flat", 1))
+    for ours in ("gate", "up", "down"):
+        block.append((f"mlp.w_{ours}", f"mlp.{ours}_proj.weight", "linear", 1))
+    if c.qk_norm:
+        for ours in ("q_norm", "k_norm"):
+            block.append((f"attn.{ours}.weight", f"self_attn.{ours}.weight", "same", 1))
     runs = _runs(c.windows)
     for i, (start, _, _) in enumerate(runs):  # one LayerStack per run (see `Llama`)
         stack = "layers.layers." if len(runs) == 1 else f"layers.{i}.layers."
         offsets = (("layer", start),) if start else ()
-
-        def add(ours: str, theirs: str, kind: _HFKind = "same", n_in: int = 1):
-            table[stack + ours] = T(layer + theirs, kind, n_in, offsets)  # noqa: B023
-
-        add("attn_norm.weight", "input_layernorm.weight")
-        add("mlp_norm.weight", "post_attention_layernorm.weight")
-        for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
-            add(f"attn.{ours}", f"self_attn.{theirs}.weight", "linear")
-            if c.attention_bias:
-                add(f"attn.b{ours[1]}", f"self_attn.{theirs}.bias", "flat")
-        add("attn.wo", "self_attn.o_proj.weight", "linear", n_in=2)
-        for ours in ("gate", "up", "down"):
-            add(f"mlp.w_{ours}", f"mlp.{ours}_proj.weight", "linear")
-        if c.qk_norm:
-            for ours in ("q_norm", "k_norm"):
-                add(f"attn.{ours}.weight", f"self_attn.{ours}.weight")
+        for ours, theirs, kind, n_in in block:
+            table[stack + ours] = T(f"model.layers.{{layer}}.{theirs}", kind, n_in, offsets)
     return table
 
 
@@ -512,8 +515,17 @@ def _rope_from_hf(hf: dict, file: str) -> tuple[float, Llama3RopeScaling | None]
 
 
 def _config_to_hf(c: LlamaConfig) -> dict:
-    model_type = _hf_windows.family_to_hf(
-        c.sliding_window, c.layer_types, c.qk_norm, c.attention_bias
+    if c.qk_norm and c.attention_bias:
+        raise ValueError(
+            "to_hf: no supported Hugging Face family has both q/k norm and q/k/v-only biases "
+            "(Qwen3 has the norm, Qwen2 the biases); got qk_norm=True, attention_bias=True."
+        )
+    model_type = (
+        "qwen3"
+        if c.qk_norm
+        else "qwen2"
+        if c.attention_bias
+        else _hf_windows.llama_or_mistral(c.sliding_window, c.layer_types)
     )
     scaling = c.rope_scaling
     hf = {

@@ -286,6 +286,11 @@ PRESETS: dict[str, LlamaConfig] = {
         norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192), max_seq_len=131072,
     ),
+    # Mistral 7B v0.1: a 4096-token sliding window in every layer.
+    "mistral-7b": LlamaConfig(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768, sliding_window=4096,
+    ),
 }
 # fmt: on
 

@@ -8,8 +8,9 @@ What transformers (5.x) does with these keys, which this module reproduces:
 - Qwen2 / Qwen3: the window is `sliding_window` (default 4096) if `use_sliding_window`
   (default false), else none. `layer_types`, when given, says which layers slide;
   otherwise layer `i` slides when there is a window and `i >= max_window_layers` (default
-  28): the layers *below* `max_window_layers` attend fully. A sliding layer without a
-  window is an error in transformers (`Could not find a sliding_window argument`).
+  28, here also for `null`): the layers *below* `max_window_layers` attend fully. A
+  sliding layer without a window is an error in transformers (`Could not find a
+  sliding_window argument`).
 """
 
 from collections.abc import Mapping
@@ -50,7 +51,8 @@ def windows_from_hf(
     window = hf.get("sliding_window", HF_DEFAULT_WINDOW) if hf.get("use_sliding_window") else None
     types = hf.get("layer_types")
     if types is None:
-        first = hf.get("max_window_layers", HF_DEFAULT_MAX_WINDOW_LAYERS)
+        first = hf.get("max_window_layers")
+        first = HF_DEFAULT_MAX_WINDOW_LAYERS if first is None else first
         types = [
             "sliding_attention" if window is not None and i >= first else "full_attention"
             for i in range(n_layers)
@@ -60,8 +62,8 @@ def windows_from_hf(
             f"layer_types marks sliding layers but use_sliding_window="
             f"{hf.get('use_sliding_window', False)} and sliding_window="
             f"{hf.get('sliding_window', HF_DEFAULT_WINDOW)} give them no window (transformers "
-            "fails on this config). Set use_sliding_window to true, or mark every layer "
-            "'full_attention'."
+            "fails on this config). Set use_sliding_window to true and sliding_window to the "
+            "window, or mark every layer 'full_attention'."
         )
     if "sliding_attention" not in types:
         window = None  # a window no layer uses (e.g. max_window_layers >= num_hidden_layers)

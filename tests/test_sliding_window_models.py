@@ -299,6 +299,8 @@ def test_hf_window_semantics(checkpoints, tmp_path):
     assert from_hf(qwen).config.windows == (None,) * 3
     edit_config(qwen, max_window_layers=0, sliding_window=None)  # absent: 4096
     assert from_hf(qwen).config.windows == (4096,) * 3
+    edit_config(qwen, null=["max_window_layers"])  # null: 28, above every layer
+    assert from_hf(qwen).config.windows == (None,) * 3
     mistral = copy_of(checkpoints, "mistral", tmp_path)
     edit_config(mistral, sliding_window=None)
     assert from_hf(mistral).config.sliding_window == 4096

@@ -7,14 +7,18 @@ RMSNorm -> SwiGLU -> residual) -> RMSNorm -> LM head (or the tied embedding) -> 
 logits. References: Touvron et al. 2023, "Llama 2" (arXiv:2307.09288); Llama Team 2024,
 "The Llama 3 Herd of Models" (arXiv:2407.21783).
 
-The same decoder with q/k/v biases is Qwen2 (Yang et al. 2024, arXiv:2407.10671) and with
-per-head q/k RMSNorm Qwen3 (Qwen Team 2025, arXiv:2505.09388): `from_hf` and `to_hf` read
-and write the Hugging Face checkpoints of all three families.
+The same decoder with q/k/v biases is Qwen2 (Yang et al. 2024, arXiv:2407.10671), with
+per-head q/k RMSNorm Qwen3 (Qwen Team 2025, arXiv:2505.09388), and with a sliding window in
+every layer Mistral (Jiang et al. 2023, "Mistral 7B", arXiv:2310.06825); Qwen2/Qwen3 may
+mix sliding and full layers (`layer_types`). `from_hf` and `to_hf` read and write the
+Hugging Face checkpoints of all four families.
 """
 
 import dataclasses
+import functools
+import itertools
 import math
-from typing import cast, final, no_type_check
+from typing import Literal, cast, final, no_type_check
 
 import equinox as eqx
 import jax
@@ -34,9 +38,14 @@ from eqx_longctx.nn import (
     check_decoder_config,
 )
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
-from eqx_longctx.nn._checks import check_fields, check_model_args, check_preset
+from eqx_longctx.nn._checks import (
+    check_fields,
+    check_layer_windows,
+    check_model_args,
+    check_preset,
+)
 
-from . import _hf, _hf_config
+from . import _hf, _hf_config, _hf_windows
 
 
 def _is_none(x) -> bool:
@@ -71,6 +80,11 @@ class LlamaConfig:
       are always float32.
     - `init_std`: standard deviation of the normal initialisation; output projections use
       `init_std / sqrt(2 * n_layers)`.
+    - `sliding_window`: window `W` of the sliding layers (query `i` sees keys `j` with
+      `0 <= i - j < W`, Hugging Face's rule), or `None`.
+    - `layer_types`: `"full_attention"` or `"sliding_attention"` per layer, as in
+      transformers; `None` = every layer slides if `sliding_window` is set (Mistral), else
+      none. Stored as `None` when all layers are of one kind. See `windows`.
     """
 
     vocab_size: int
@@ -91,6 +105,8 @@ class LlamaConfig:
     param_dtype: str | type | np.dtype = "float32"
     compute_dtype: str | type | np.dtype = "float32"
     init_std: float = 0.02
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self):
         check_decoder_config(self, scaling_cls=Llama3RopeScaling)
@@ -99,6 +115,7 @@ class LlamaConfig:
             optional_ints=("n_kv_heads", "head_dim"),
             bools=("attention_bias", "qk_norm"),
         )
+        check_layer_windows(self)
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         n_kv_heads = cast(int, self.n_kv_heads)
@@ -123,6 +140,16 @@ class LlamaConfig:
                 f"head_dim={self.head_dim}."
             )
 
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The attention window of each layer (`None` = full causal attention)."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.n_layers
+        return tuple(
+            self.sliding_window if kind == "sliding_attention" else None
+            for kind in self.layer_types
+        )
+
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "LlamaConfig":
         """A preset from `PRESETS` with some fields replaced.
@@ -143,12 +170,32 @@ class LlamaConfig:
         return dataclasses.replace(preset, **overrides)
 
 
+def _runs(windows: tuple[int | None, ...]) -> list[tuple[int, int, int | None]]:
+    """`(first layer, number of layers, window)` of each run of consecutive layers with
+    the same window."""
+    runs, start = [], 0
+    for window, group in itertools.groupby(windows):
+        n = len(list(group))
+        runs.append((start, n, window))
+        start += n
+    return runs
+
+
 @final
 class Llama(AbstractDecoder):
-    """The Llama decoder. Call it as `model(tokens, positions, segment_ids) -> logits`."""
+    """The Llama decoder. Call it as `model(tokens, positions, segment_ids) -> logits`.
+
+    The attention window is static (it decides which blocks the attention skips), so the
+    layers cannot all share one scanned body when their windows differ. `layers` is one
+    `LayerStack` when every layer has the same window (any model without sliding layers,
+    or Mistral's); with mixed `layer_types` it is a tuple of `LayerStack`s, one per run of
+    consecutive layers with the same window, applied in order (e.g. Qwen2's full layers
+    below `max_window_layers`, then its sliding ones: two scans). A pattern that alternates
+    every layer thus compiles one body per layer.
+    """
 
     embed: Float[Array, "vocab embed"]
-    layers: LayerStack
+    layers: LayerStack | tuple[LayerStack, ...]
     norm: RMSNorm
     lm_head: Float[Array, "embed vocab"] | None
     config: LlamaConfig = eqx.field(static=True)
@@ -170,7 +217,7 @@ class Llama(AbstractDecoder):
         rope = RoPE(head_dim, c.rope_theta, c.rope_scaling)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)
 
-        def make_layer(k):
+        def make_layer(k, window):
             block = DecoderBlock(
                 c.dim,
                 c.n_heads,
@@ -181,6 +228,7 @@ class Llama(AbstractDecoder):
                 key=k,
                 norm_eps=c.norm_eps,
                 qkv_bias=c.attention_bias,
+                window=window,
                 init_std=c.init_std,
                 out_init_std=out_std,
                 dtype=dtype,
@@ -195,7 +243,13 @@ class Llama(AbstractDecoder):
             )
 
         self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
-        self.layers = LayerStack(make_layer, c.n_layers, key=k_layers, remat=c.remat)
+        runs = _runs(c.windows)
+        keys = [k_layers] if len(runs) == 1 else list(jax.random.split(k_layers, len(runs)))
+        stacks = tuple(
+            LayerStack(functools.partial(make_layer, window=window), n, key=k, remat=c.remat)
+            for (_, n, window), k in zip(runs, keys, strict=True)
+        )
+        self.layers = stacks[0] if len(stacks) == 1 else stacks
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
         if c.tie_embeddings:
             self.lm_head = None
@@ -205,7 +259,9 @@ class Llama(AbstractDecoder):
         self.spec = spec
 
     def run_layers(self, x, positions, segment_ids):
-        return self.layers(x, positions, segment_ids)
+        for stack in self.layers if isinstance(self.layers, tuple) else (self.layers,):
+            x = stack(x, positions, segment_ids)
+        return x
 
 
 # fmt: off
@@ -230,6 +286,11 @@ PRESETS: dict[str, LlamaConfig] = {
         norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192), max_seq_len=131072,
     ),
+    # Mistral 7B v0.1: a 4096-token sliding window in every layer.
+    "mistral-7b": LlamaConfig(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768, sliding_window=4096,
+    ),
 }
 # fmt: on
 
@@ -240,6 +301,7 @@ PRESETS: dict[str, LlamaConfig] = {
 
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
@@ -250,15 +312,17 @@ _HF_COMMON = _HF_REQUIRED + (
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_dropout",
 )  # fmt: skip
-_HF_SLIDING = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 # `pretraining_tp` only split the matmuls of old transformers versions: same arithmetic.
+# Mistral's reader rejects `layer_types` with its own message (transformers ignores it).
 _HF_KEYS = {
     "llama": _HF_COMMON + ("attention_bias", "mlp_bias", "pretraining_tp"),
-    "qwen2": _HF_COMMON + _HF_SLIDING,
-    "qwen3": _HF_COMMON + _HF_SLIDING + ("attention_bias",),
+    "mistral": _HF_COMMON + _hf_windows.MISTRAL_KEYS + ("layer_types",),
+    "qwen2": _HF_COMMON + _hf_windows.QWEN_KEYS,
+    "qwen3": _HF_COMMON + _hf_windows.QWEN_KEYS + ("attention_bias",),
 }
-_HF_MAX_LEN = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}  # transformers' defaults
+_HF_MAX_LEN = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # defaults
 _HF_OVERRIDES = ("remat", "compute_dtype", "max_seq_len")
+_HFKind = Literal["same", "flat", "linear"]
 # Old conversions saved RoPE frequencies as buffers; they are recomputed from config.json.
 _HF_IGNORE = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -271,14 +335,16 @@ def from_hf(
     dtype: str | type | np.dtype | None = None,
     **overrides,
 ) -> Llama:
-    """Load a Hugging Face Llama 2/3.x, Qwen2 or Qwen3 causal-LM checkpoint.
+    """Load a Hugging Face Llama 2/3.x, Mistral, Qwen2 or Qwen3 causal-LM checkpoint.
 
     Reads `config.json` and `model.safetensors` (or the shards listed by
     `model.safetensors.index.json`) with `safetensors`, without torch. Every tensor is
     checked by name, shape and dtype before any data is read; then one tensor at a time is
     read, converted to `dtype` on the host and placed on its devices. Errors about the files
     name the file, and the key or tensor. Integral floats in `config.json` (`4096.0`) are
-    read as ints.
+    read as ints. Sliding windows (Mistral's `sliding_window`; Qwen's `use_sliding_window`,
+    `sliding_window`, `max_window_layers` and `layer_types`) become `sliding_window` and
+    `layer_types` with transformers' semantics (see `models/_hf_windows.py`).
 
     **Arguments:**
 
@@ -315,7 +381,9 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     """Write `model` as a Hugging Face checkpoint (`config.json` + safetensors).
 
     The family follows the config: `qk_norm` gives Qwen3, `attention_bias` Qwen2, neither
-    Llama. `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
+    Llama, or Mistral when every layer has the sliding window (mixed `layer_types` need
+    Qwen2 or Qwen3). `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the
+    result, and `from_hf` reads back the same `LlamaConfig`.
 
     **Arguments:**
 
@@ -338,28 +406,31 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
 
 def _hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
     """Zoo parameter path -> Hugging Face tensor."""
-    T, layer = _hf.HFTensor, "model.layers.{layer}."
-    table = {
-        "embed": T("model.embed_tokens.weight"),
-        "norm.weight": T("model.norm.weight"),
-        "layers.layers.attn_norm.weight": T(layer + "input_layernorm.weight"),
-        "layers.layers.mlp_norm.weight": T(layer + "post_attention_layernorm.weight"),
-        "layers.layers.attn.wq": T(layer + "self_attn.q_proj.weight", "linear"),
-        "layers.layers.attn.wk": T(layer + "self_attn.k_proj.weight", "linear"),
-        "layers.layers.attn.wv": T(layer + "self_attn.v_proj.weight", "linear"),
-        "layers.layers.attn.wo": T(layer + "self_attn.o_proj.weight", "linear", n_in=2),
-        "layers.layers.mlp.w_gate": T(layer + "mlp.gate_proj.weight", "linear"),
-        "layers.layers.mlp.w_up": T(layer + "mlp.up_proj.weight", "linear"),
-        "layers.layers.mlp.w_down": T(layer + "mlp.down_proj.weight", "linear"),
-    }
+    T = _hf.HFTensor
+    table = {"embed": T("model.embed_tokens.weight"), "norm.weight": T("model.norm.weight")}
     if not c.tie_embeddings:
         table["lm_head"] = T("lm_head.weight", "linear")
-    if c.attention_bias:
-        for ours, theirs in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
-            table[f"layers.layers.attn.{ours}"] = T(layer + f"self_attn.{theirs}.bias", "flat")
+    # (path in a block, Hugging Face name in model.layers.{layer}, kind, n_in)
+    block: list[tuple[str, str, _HFKind, int]] = [
+        ("attn_norm.weight", "input_layernorm.weight", "same", 1),
+        ("mlp_norm.weight", "post_attention_layernorm.weight", "same", 1),
+        ("attn.wo", "self_attn.o_proj.weight", "linear", 2),
+    ]
+    for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+        block.append((f"attn.w{ours}", f"self_attn.{theirs}.weight", "linear", 1))
+        if c.attention_bias:
+            block.append((f"attn.b{ours}", f"self_attn.{theirs}.bias", "flat", 1))
+    for ours in ("gate", "up", "down"):
+        block.append((f"mlp.w_{ours}", f"mlp.{ours}_proj.weight", "linear", 1))
     if c.qk_norm:
         for ours in ("q_norm", "k_norm"):
-            table[f"layers.layers.attn.{ours}.weight"] = T(layer + f"self_attn.{ours}.weight")
+            block.append((f"attn.{ours}.weight", f"self_attn.{ours}.weight", "same", 1))
+    runs = _runs(c.windows)
+    for i, (start, _, _) in enumerate(runs):  # one LayerStack per run (see `Llama`)
+        stack = "layers.layers." if len(runs) == 1 else f"layers.{i}.layers."
+        offsets = (("layer", start),) if start else ()
+        for ours, theirs, kind, n_in in block:
+            table[stack + ours] = T(f"model.layers.{{layer}}.{theirs}", kind, n_in, offsets)
     return table
 
 
@@ -377,8 +448,10 @@ def _config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
         ints=(
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "sliding_window",
         ),
         reals=("rms_norm_eps", "rope_theta"),
+        non_negative_ints=("max_window_layers",),
         bools=("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
         objects=("rope_scaling", "rope_parameters"),
         lists=("layer_types",),
@@ -398,13 +471,9 @@ def _config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
         raise _hf_config.unsupported(
             "attention_dropout", hf["attention_dropout"], "the zoo's attention has no dropout."
         )
-    layer_types = set(hf.get("layer_types") or ()) - {"full_attention"}
-    if hf.get("use_sliding_window") or layer_types:
-        raise _hf_config.unsupported(
-            "use_sliding_window/layer_types",
-            (hf.get("use_sliding_window"), sorted(layer_types)),
-            "sliding-window attention is not implemented; every layer attends fully.",
-        )
+    sliding_window, layer_types = _hf_windows.windows_from_hf(
+        hf, model_type, hf["num_hidden_layers"]
+    )
     rope_theta, rope_scaling = _rope_from_hf(hf, file)
     dtype = _hf_config.stored_dtype(hf)
     n_heads = hf["num_attention_heads"]
@@ -425,6 +494,8 @@ def _config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
         qk_norm=model_type == "qwen3",
         param_dtype=dtype,
         compute_dtype=dtype,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
     )
 
 
@@ -454,7 +525,13 @@ def _config_to_hf(c: LlamaConfig) -> dict:
             "to_hf: no supported Hugging Face family has both q/k norm and q/k/v-only biases "
             "(Qwen3 has the norm, Qwen2 the biases); got qk_norm=True, attention_bias=True."
         )
-    model_type = "qwen3" if c.qk_norm else "qwen2" if c.attention_bias else "llama"
+    model_type = (
+        "qwen3"
+        if c.qk_norm
+        else "qwen2"
+        if c.attention_bias
+        else _hf_windows.llama_or_mistral(c.sliding_window, c.layer_types)
+    )
     scaling = c.rope_scaling
     hf = {
         "architectures": [_HF_ARCHITECTURES[model_type]],
@@ -477,12 +554,11 @@ def _config_to_hf(c: LlamaConfig) -> dict:
         "attention_dropout": 0.0,
         "torch_dtype": c.param_dtype,
     }
-    if model_type != "qwen2":
+    if model_type in ("llama", "qwen3"):
         hf["attention_bias"] = False
     if model_type == "llama":
         hf["mlp_bias"] = False
-    else:
-        hf["use_sliding_window"] = False
+    hf.update(_hf_windows.windows_to_hf(c.sliding_window, c.layer_types, model_type, c.n_layers))
     return hf
 
 

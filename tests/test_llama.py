@@ -273,6 +273,7 @@ def test_rope_is_a_relative_rotation(scaling):
         ("llama2-7b", 6_738_415_616),
         ("llama3.2-1b", 1_235_814_400),
         ("llama3.1-8b", 8_030_261_248),
+        ("mistral-7b", 7_241_732_096),
     ],
 )
 def test_preset_parameter_counts(name, expected):
@@ -284,6 +285,7 @@ def test_preset_shapes():
     assert PRESETS["llama3.1-8b"].head_dim == 128 and not PRESETS["llama3.1-8b"].tie_embeddings
     assert PRESETS["llama3.2-1b"].head_dim == 64 and PRESETS["llama3.2-1b"].tie_embeddings
     assert PRESETS["llama2-7b"].n_kv_heads == 32 and PRESETS["llama2-7b"].rope_scaling is None
+    assert PRESETS["mistral-7b"].windows == (4096,) * 32
     tiny = LlamaConfig.from_preset("tiny", vocab_size=512, dim=128)
     assert (tiny.vocab_size, tiny.head_dim, tiny.n_kv_heads) == (512, 16, 4)
 

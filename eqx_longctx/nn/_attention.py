@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import attention
+from ..attention._validate import check_options
 from ._norm import RMSNorm
 from ._rope import RoPE
 
@@ -51,6 +51,7 @@ class SelfAttention(eqx.Module):
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
+    window: int | None = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
@@ -66,6 +67,7 @@ class SelfAttention(eqx.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
         causal: bool = True,
+        window: int | None = None,
         init_std: float = 0.02,
         out_init_std: float | None = None,
         dtype=jnp.float32,
@@ -82,12 +84,15 @@ class SelfAttention(eqx.Module):
         - `qk_norm`: RMS-normalise each query and key head before RoPE (Qwen3).
         - `norm_eps`: epsilon of those norms (unused without `qk_norm`).
         - `causal`: query `i` attends keys `j <= i` (by token index).
+        - `window`: sliding-window size `W` (needs `causal`): query `i` attends keys `j`
+          with `0 <= i - j < W`; `None` = no window. Static, so that the attention skips
+          the blocks outside the window.
         - `init_std`, `out_init_std`: standard deviations of q/k/v and of the output
           projection (default `init_std`).
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec passed to `eqx_longctx.attention`; `None` = one device.
         """
-        check_spec(spec, "SelfAttention")
+        self.window = check_options("SelfAttention", spec, causal, None, window)
         out_init_std = init_std if out_init_std is None else out_init_std
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.wq = init_std * jax.random.normal(kq, (dim, n_heads, head_dim), dtype)
@@ -165,5 +170,13 @@ class SelfAttention(eqx.Module):
             k = self.k_norm(k)
         q = self.rope(q, positions)
         k = self.rope(k, positions)
-        out = attention(q, k, v, spec=self.spec, causal=self.causal, segment_ids=segment_ids)
+        out = attention(
+            q,
+            k,
+            v,
+            spec=self.spec,
+            causal=self.causal,
+            window=self.window,
+            segment_ids=segment_ids,
+        )
         return jnp.einsum("bshd,hde->bse", out, self.wo.astype(dtype))

@@ -133,3 +133,56 @@ def check_preset(presets: Mapping[str, Any], name: Any, overrides: Mapping[str, 
             f"not fields of {type(preset).__name__}; the fields are {sorted(fields)}."
         )
     return preset
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names
+
+
+def check_layer_windows(config: Any) -> None:
+    """Validate and normalise a config's `sliding_window` and `layer_types` (call from
+    `__post_init__` after `n_layers` is checked).
+
+    `sliding_window` is `None` or an int `>= 1`; `layer_types` is `None` (every layer slides
+    when `sliding_window` is set, else none does) or one of `LAYER_TYPES` per layer, stored
+    as a tuple, and as `None` when every layer is of one kind (so that equal models have
+    equal configs). A sliding layer needs a window, and a window needs a sliding layer.
+    """
+    cls = type(config).__name__
+    window = config.sliding_window
+    if window is not None:
+        window = check_int(
+            window,
+            f"{cls}.sliding_window",
+            fix=" A sliding layer's query i sees keys j with 0 <= i - j < sliding_window; use "
+            "sliding_window=None for full attention in every layer.",
+        )
+        object.__setattr__(config, "sliding_window", window)
+    types = config.layer_types
+    if types is None:
+        return
+    if isinstance(types, str) or not isinstance(types, list | tuple):
+        raise TypeError(
+            f"{cls}.layer_types must be None or a tuple of {LAYER_TYPES}, one per layer; got "
+            f"{_seen(types)}."
+        )
+    if len(types) != config.n_layers:
+        raise ValueError(
+            f"{cls}.layer_types needs one entry per layer; got {len(types)} for "
+            f"n_layers={config.n_layers}. Give {config.n_layers} of {LAYER_TYPES}."
+        )
+    for i, kind in enumerate(types):
+        check_choice(kind, f"{cls}.layer_types[{i}]", LAYER_TYPES)
+    sliding = types.count("sliding_attention")
+    if sliding and window is None:
+        raise ValueError(
+            f"{cls}.layer_types marks {sliding} layer(s) 'sliding_attention' but "
+            "sliding_window=None gives them no window. Set sliding_window, or mark them "
+            "'full_attention'."
+        )
+    if not sliding and window is not None:
+        raise ValueError(
+            f"{cls}.sliding_window={window} is used by no layer: layer_types has no "
+            "'sliding_attention' entry. Set sliding_window=None, or mark the sliding layers."
+        )
+    uniform = sliding in (0, len(types))
+    object.__setattr__(config, "layer_types", None if uniform else tuple(types))

@@ -49,6 +49,7 @@ class DecoderBlock(eqx.Module):
         key: PRNGKeyArray,
         norm_eps: float = 1e-5,
         qkv_bias: bool = False,
+        window: int | None = None,
         init_std: float = 0.02,
         out_init_std: float | None = None,
         dtype=jnp.float32,
@@ -56,8 +57,8 @@ class DecoderBlock(eqx.Module):
     ):
         """**Arguments:**
 
-        - `dim`, `n_heads`, `n_kv_heads`, `head_dim`, `rope`, `qkv_bias`: as in
-          `SelfAttention`.
+        - `dim`, `n_heads`, `n_kv_heads`, `head_dim`, `rope`, `qkv_bias`, `window`: as in
+          `SelfAttention` (which is causal).
         - `hidden_dim`: SwiGLU width.
         - `key`: PRNG key.
         - `norm_eps`: RMSNorm epsilon.
@@ -77,6 +78,7 @@ class DecoderBlock(eqx.Module):
             rope=rope,
             key=k_attn,
             qkv_bias=qkv_bias,
+            window=window,
             init_std=init_std,
             out_init_std=out_init_std,
             dtype=dtype,

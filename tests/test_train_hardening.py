@@ -426,3 +426,10 @@ def test_resume_with_nothing_left_to_do(run_copy, datasets, steps):
     assert result.status == "nothing_to_do" and result.step == 8
     assert result.checkpoint_steps == [4, 8]
     assert (run_copy / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_override_of_a_field_the_preset_leaves_none_parses():
+    from eqx_longctx.train._config import resolve_overrides
+
+    parsed = resolve_overrides("tiny", {"sliding_window": "64", "layer_types": "none"})
+    assert parsed == {"sliding_window": 64, "layer_types": None}

@@ -347,8 +347,18 @@ def resolve_overrides(preset: str, overrides: Mapping[str, Any]) -> dict[str, An
 
 
 def _coerce(value: Any, like: Any, name: str) -> Any:
-    """Turn a CLI string into the type of the preset's value for that field."""
-    if not isinstance(value, str) or isinstance(like, str) or like is None:
+    """Turn a CLI string into the type of the preset's value for that field (where that
+    value is None, e.g. `sliding_window`: an int, a float, `none`, or the string as is)."""
+    if isinstance(value, str) and like is None:
+        if value.lower() == "none":
+            return None
+        for parse in (int, float):
+            try:
+                return parse(value)
+            except ValueError:
+                pass
+        return value
+    if not isinstance(value, str) or isinstance(like, str):
         return value
     if isinstance(like, bool):
         if value.lower() in ("1", "true", "yes"):

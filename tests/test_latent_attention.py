@@ -56,9 +56,19 @@ SPECS = [
 @pytest.mark.parametrize("strategy,shape,names,ulysses,layout", SPECS)
 @pytest.mark.parametrize("packed", [False, True])
 def test_latent_attention_matches_oracle(strategy, shape, names, ulysses, layout, packed):
+    _check_latent(strategy, shape, names, ulysses, layout, packed, "auto")
+
+
+@pytest.mark.parametrize("strategy,shape,names,ulysses,layout", [SPECS[0], SPECS[1]])
+def test_latent_attention_on_the_pallas_kernels(strategy, shape, names, ulysses, layout):
+    _check_latent(strategy, shape, names, ulysses, layout, True, "pallas")
+
+
+def _check_latent(strategy, shape, names, ulysses, layout, packed, impl):
     q, latent, up, seg = _inputs()
     seg = seg if packed else None
-    spec = el.ShardingSpec(jax.make_mesh(shape, names), strategy, layout, ulysses_axis=ulysses)
+    mesh = jax.make_mesh(shape, names)
+    spec = el.ShardingSpec(mesh, strategy, layout, ulysses_axis=ulysses, impl=impl)
     to, back = (lambda x: el.to_layout(x, spec)), (lambda x: el.from_layout(x, spec))
     ct = jax.random.normal(jax.random.PRNGKey(9), (B, S, H, DV))
 

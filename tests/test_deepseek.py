@@ -23,6 +23,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the DeepSeek parity tests need transformers (extra: hf)"
 )
 pytest.importorskip("safetensors", reason="from_hf needs safetensors (extra: hf)")
+from hf_helpers import hf_logits, max_diff, save_checkpoints  # noqa: E402, I001
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
@@ -102,18 +103,9 @@ def build_hf(family: str, seed: int = 0):
     return model
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
-
-
 @eqx.filter_jit
 def forward(model, tokens, positions=None, segment_ids=None):
     return model(tokens, positions, segment_ids)
-
-
-def max_diff(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +116,7 @@ def tokens():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokens):
     """`{family: (directory, reference logits)}`, saved once per module."""
-    out = {}
-    for family in FAMILIES:
-        model = build_hf(family)
-        path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
-        out[family] = (path, hf_logits(model, tokens))
-    return out
+    return save_checkpoints(tmp_path_factory, FAMILIES, build_hf, tokens)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ transformers = pytest.importorskip(
 pytest.importorskip("safetensors", reason="from_hf needs safetensors (extra: hf)")
 
 from helpers import make_mesh  # noqa: E402
+from hf_helpers import hf_logits, max_diff, randomize_biases_and_norms, save_checkpoints  # noqa: E402, I001
 from safetensors.numpy import load_file  # noqa: E402
 
 import eqx_longctx as el  # noqa: E402
@@ -74,27 +75,12 @@ def build_hf(family: str, seed: int = 0):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
-            elif "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-    return model
-
-
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+    return randomize_biases_and_norms(model)
 
 
 @eqx.filter_jit
 def forward(model, tokens):
     return model(tokens)
-
-
-def max_diff(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +91,7 @@ def tokens():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokens):
     """`{family: (directory, reference logits)}`, saved once per module."""
-    out = {}
-    for family in FAMILIES:
-        model = build_hf(family)
-        path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
-        out[family] = (path, hf_logits(model, tokens))
-    return out
+    return save_checkpoints(tmp_path_factory, FAMILIES, build_hf, tokens)
 
 
 def edit_config(path, **changes):

@@ -2,7 +2,8 @@
 
 On a TPU: for each sequence length (8K to 128K tokens on one chip, causal, bfloat16), the
 TFLOP/s of the forward and of forward+backward of ours and of splash attention
-(`jax.experimental.pallas.ops.tpu.splash_attention`) on the same shapes, and their ratio.
+(`jax.experimental.pallas.ops.tpu.splash_attention`) on the same shapes, and their ratio;
+and tokamax's Mosaic attention where `tokamax` is installed.
 FLOPs count only the visible pairs (the causal half, or the window): forward
 `4 * h * pairs * d` (two matmuls), forward+backward 3.5x that (FlashAttention-2's count,
 arXiv:2307.08691). With `--window`, ours gets the `max_live_blocks` bound that window
@@ -126,6 +127,33 @@ def _splash(seq, heads, head_dim, block_q, block_k, interpret, window=None):
     return fwd, fwd_bwd
 
 
+def _tokamax(seq, heads, head_dim, block_q, block_k, interpret, window=None):
+    """tokamax's Mosaic TPU attention on the same inputs, or None where tokamax is not
+    installed (`pip install tokamax`). Its `local_window_size=(W - 1, 0)` is our window."""
+    try:
+        import tokamax
+    except ImportError:
+        return None
+    local = None if window is None else (window - 1, 0)
+
+    def attend(q, k, v):
+        return tokamax.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=local, implementation="mosaic"
+        )
+
+    @jax.jit
+    def fwd(q, k, v, pos):
+        return attend(q, k, v)
+
+    @jax.jit
+    def fwd_bwd(q, k, v, pos):
+        return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), (0, 1, 2))(
+            q, k, v
+        )
+
+    return fwd, fwd_bwd
+
+
 def benchmark(args) -> None:
     kind = jax.devices()[0].device_kind
     bq, bk = default_block_sizes(kind)
@@ -139,15 +167,21 @@ def benchmark(args) -> None:
         w = seq if args.window is None else min(args.window, seq)
         pairs = seq * w - w * (w - 1) / 2  # visible (query, key) pairs
         flops = 4 * args.heads * pairs * args.head_dim
-        row = []
+        row, extra = [], []
         for which, factor in ((0, 1.0), (1, 3.5)):
             shape = (seq, args.heads, args.head_dim, bq, bk, False, args.window)
             ours, ref = _ours(*shape)[which], _splash(*shape)[which]
             t_ours = _timed(ours, *inputs, repeats=args.repeats)
             t_ref = _timed(ref, *inputs, repeats=args.repeats)
             row += [factor * flops / t_ours / 1e12, factor * flops / t_ref / 1e12, t_ref / t_ours]
+            tk = _tokamax(*shape)
+            if tk is not None:
+                t_tk = _timed(tk[which], *inputs, repeats=args.repeats)
+                extra.append(f"tokamax {'fwd' if which == 0 else 'f+b'} "
+                             f"{factor * flops / t_tk / 1e12:.1f} TFLOP/s")  # fmt: skip
         print(f"{seq:>8} | {row[0]:>16.1f} {row[1]:>7.1f} {row[2]:>6.2f} | "
-              f"{row[3]:>12.1f} {row[4]:>7.1f} {row[5]:>6.2f}")  # fmt: skip
+              f"{row[3]:>12.1f} {row[4]:>7.1f} {row[5]:>6.2f}"
+              + ("  (" + ", ".join(extra) + ")" if extra else ""))  # fmt: skip
 
 
 def smoke() -> None:

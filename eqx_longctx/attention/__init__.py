@@ -108,7 +108,7 @@ def attention(
             impl=impl,
         )
         return out
-    strategy = check_spec_inputs(spec, q, k, segment_ids)
+    strategy = check_spec_inputs(spec, q, k, segment_ids, window)
     options = BlockOptions.make(causal, window, scale, q.shape[-1])
     out = _context_parallel(spec, strategy, q, (k, v), _kv_identity, (), segment_ids, options, impl)
     return cast(Array, out)
@@ -180,7 +180,7 @@ def latent_attention(
             )
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
-    strategy = check_spec_inputs(spec, q, k_shape, segment_ids)
+    strategy = check_spec_inputs(spec, q, k_shape, segment_ids, window)
     expand = _Expand(static)
     options = BlockOptions.make(causal, window, scale, q.shape[-1])
     out = _context_parallel(spec, strategy, q, latent, expand, params, segment_ids, options, impl)

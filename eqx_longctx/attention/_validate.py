@@ -131,8 +131,9 @@ def check_token_array(x, name: str, shape: tuple[int, int]) -> None:
         )
 
 
-def check_spec_inputs(spec, q, k, segment_ids) -> str:
-    """Check shapes against a `ShardingSpec`; return the strategy to run (resolving "auto")."""
+def check_spec_inputs(spec, q, k, segment_ids, window=None) -> str:
+    """Check shapes against a `ShardingSpec`; return the strategy to run (resolving "auto",
+    whose cost model counts the sliding `window`)."""
     from .._layout import check_sequence_length
 
     b, s, hq, _ = q.shape
@@ -150,7 +151,7 @@ def check_spec_inputs(spec, q, k, segment_ids) -> str:
     if strategy == "auto":
         from ._plan import choose_strategy
 
-        strategy = choose_strategy(spec, q, k).strategy
+        strategy = choose_strategy(spec, q, k, window=window).strategy
     if strategy in ("ulysses", "usp"):
         if strategy == "ulysses":
             axis, n = "+".join(spec.sequence_axes), spec.context_parallel_size

@@ -1,6 +1,6 @@
 """Mesh shapes written as text (`"data=2,context=4"`), as the CLIs take them."""
 
-MESH_AXES = ("data", "ulysses", "context", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "ulysses", "context", "tensor")
 
 
 def parse_mesh(text: str) -> dict[str, int]:

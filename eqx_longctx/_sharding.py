@@ -41,7 +41,20 @@ class ShardingSpec(eqx.Module):
     - `ulysses_axis`: the all-to-all axis; required by `"usp"`, allowed with `"auto"` (the
       sequence is then split over both axes, and a strategy other than USP runs over the
       two together).
-    - `tensor_axis`: mesh axis for heads / MLP hidden units, or `None`.
+    - `tensor_axis`: mesh axis for tensor (Megatron) parallelism, or `None`: it splits the
+      attention heads and MLP hidden units of both the weights and the activations, and the
+      vocabulary of the embedding and output head.
+    - `fsdp_axis`: mesh axis, or tuple of axes, that parameters, gradients and optimizer
+      state are split over (ZeRO-3); each layer's weights are gathered just before use. It
+      may include the sequence axes (`("fsdp", "context")` splits the weights over every
+      chip of a context-parallel run). Default `()`: weights are not split this way.
+    - `expert_axis`: mesh axis the routed experts of MoE layers are split over (tokens are
+      dispatched to their experts' devices by all-to-all), or `None`.
+    - `rules`: overrides of the logical-axis rules table, `{logical_axis: mesh axes}` (see
+      `eqx_longctx.ShardingRules`), e.g. `{"vocab": None}` to keep the vocabulary whole.
+
+    The batch is split over `batch_axes`: `batch_axis`, every fsdp axis that is not a
+    sequence axis, and `expert_axis`.
     - `impl`: the block-attention implementation every layer under this spec runs:
       `"auto"` (Pallas kernels on TPU, XLA elsewhere), `"xla"`, `"pallas"`, or an
       `AbstractBlockImpl` instance of your own.
@@ -55,6 +68,9 @@ class ShardingSpec(eqx.Module):
     ulysses_axis: str | None = eqx.field(static=True, default=None)
     tensor_axis: str | None = eqx.field(static=True, default=None)
     impl: Any = eqx.field(static=True, default="auto")  # a name, or an AbstractBlockImpl
+    fsdp_axis: tuple[str, ...] = eqx.field(static=True, default=())
+    expert_axis: str | None = eqx.field(static=True, default=None)
+    rules: tuple[tuple[str, tuple[str, ...]], ...] = eqx.field(static=True, default=())
 
     @no_type_check  # validated eagerly, with errors that say what to fix
     def __init__(
@@ -67,6 +83,9 @@ class ShardingSpec(eqx.Module):
         ulysses_axis: str | None = None,
         tensor_axis: str | None = None,
         impl: Any = "auto",
+        fsdp_axis: Any = (),
+        expert_axis: str | None = None,
+        rules: Any = None,
     ):
         if not isinstance(mesh, Mesh):
             raise ValueError(
@@ -83,6 +102,9 @@ class ShardingSpec(eqx.Module):
         self.ulysses_axis = ulysses_axis
         self.tensor_axis = tensor_axis
         self.impl = impl
+        self.fsdp_axis = _axes_tuple("fsdp_axis", fsdp_axis)
+        self.expert_axis = expert_axis
+        self.rules = _rules_tuple(rules)
 
     def __check_init__(self):
         for role in ("strategy", "load_balance", "context_axis"):
@@ -98,7 +120,7 @@ class ShardingSpec(eqx.Module):
                     f"ShardingSpec: {role} must be a str; got {value!r} of type "
                     f"{type(value).__name__}: {fix}."
                 )
-        for role in ("batch_axis", "ulysses_axis", "tensor_axis"):
+        for role in ("batch_axis", "ulysses_axis", "tensor_axis", "expert_axis"):
             value = getattr(self, role)
             if value is not None and not isinstance(value, str):
                 raise TypeError(
@@ -130,7 +152,26 @@ class ShardingSpec(eqx.Module):
             "context_axis": self.context_axis,
             "ulysses_axis": self.ulysses_axis,
             "tensor_axis": self.tensor_axis,
+            "expert_axis": self.expert_axis,
         }
+        for axis in self.fsdp_axis:
+            if axis not in names:
+                raise ValueError(
+                    f"ShardingSpec: fsdp_axis={self.fsdp_axis!r} names {axis!r}, which is not "
+                    f"an axis of the mesh, whose axes are {tuple(names)}. Use those names."
+                )
+            if axis in (self.batch_axis, self.tensor_axis, self.expert_axis):
+                role = next(r for r, a in roles.items() if a == axis)
+                raise ValueError(
+                    f"ShardingSpec: mesh axis {axis!r} is used twice, as fsdp_axis and {role}. "
+                    "FSDP may share only the sequence axes (context/ulysses); the batch is "
+                    "already split over every fsdp axis, so drop it from one of the roles."
+                )
+        if len(set(self.fsdp_axis)) != len(self.fsdp_axis):
+            raise ValueError(
+                f"ShardingSpec: fsdp_axis={self.fsdp_axis!r} names an axis twice; name each "
+                "mesh axis once."
+            )
         for role, axis in roles.items():
             if axis is not None and axis not in names:
                 raise ValueError(
@@ -165,6 +206,21 @@ class ShardingSpec(eqx.Module):
                 f"{self.strategy!r}. Drop ulysses_axis or set strategy='usp'."
             )
 
+    def replace(self, **changes: Any) -> "ShardingSpec":
+        """**Returns:** a copy with the given fields changed (and validated again)."""
+        fields = (
+            "mesh", "strategy", "load_balance", "batch_axis", "context_axis", "ulysses_axis",
+            "tensor_axis", "impl", "fsdp_axis", "expert_axis", "rules",
+        )  # fmt: skip
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"ShardingSpec.replace: unknown fields {sorted(unknown)}.")
+        kwargs = {f: getattr(self, f) for f in fields}
+        kwargs.update(changes)
+        if "mesh" in changes and "batch_axis" not in changes and self.batch_axis is None:
+            kwargs["batch_axis"] = _DEFAULT_BATCH_AXIS
+        return ShardingSpec(**kwargs)
+
     # ---- derived sizes -------------------------------------------------------------------
 
     @property
@@ -191,29 +247,54 @@ class ShardingSpec(eqx.Module):
             n *= self.axis_size(axis)
         return n
 
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes the batch is split over: `batch_axis`, the fsdp axes that are not
+        sequence axes, then `expert_axis`."""
+        axes = () if self.batch_axis is None else (self.batch_axis,)
+        axes += tuple(a for a in self.fsdp_axis if a not in self.sequence_axes)
+        if self.expert_axis is not None:
+            axes += (self.expert_axis,)
+        return axes
+
+    @property
+    def batch_parallel_size(self) -> int:
+        """Number of batch shards (the product of the `batch_axes` sizes)."""
+        n = 1
+        for axis in self.batch_axes:
+            n *= self.axis_size(axis)
+        return n
+
+    def batch_entry(self) -> str | tuple[str, ...] | None:
+        """The batch dimension's entry in a `PartitionSpec`."""
+        axes = self.batch_axes
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
     def check_batch(self, batch: int, what: str = "the batch") -> None:
-        """Raise `ValueError` unless `batch` splits evenly over `batch_axis`."""
-        nb = self.axis_size(self.batch_axis)
+        """Raise `ValueError` unless `batch` splits evenly over the `batch_axes`."""
+        nb = self.batch_parallel_size
         if batch % nb:
+            axes = " x ".join(f"{a!r} ({self.axis_size(a)})" for a in self.batch_axes)
             raise ValueError(
-                f"batch_axis {self.batch_axis!r} has {nb} devices, so {what} must be divisible "
-                f"by {nb}; got batch={batch}. Use a batch of {-(-batch // nb) * nb}, move "
-                "devices from the batch axis to 'context', or use batch_axis=None."
+                f"the batch is split over {axes}: {nb} devices, so {what} must be divisible "
+                f"by {nb}; got batch={batch}. Use a batch of {-(-batch // nb) * nb}, or move "
+                "devices from those axes to 'context' (the fsdp axes may include 'context', "
+                "e.g. fsdp_axis=('fsdp', 'context'), which splits the weights but not the batch)."
             )
 
     # ---- shardings ---------------------------------------------------------------------
 
     def token_pspec(self) -> PartitionSpec:
         """Partition spec of `[batch, seq]` arrays (tokens, positions, segment ids)."""
-        return PartitionSpec(self.batch_axis, self.sequence_axes)
+        return PartitionSpec(self.batch_entry(), self.sequence_axes)
 
     def activation_pspec(self) -> PartitionSpec:
         """Partition spec of `[batch, seq, embed]` activations."""
-        return PartitionSpec(self.batch_axis, self.sequence_axes, None)
+        return PartitionSpec(self.batch_entry(), self.sequence_axes, None)
 
     def heads_pspec(self) -> PartitionSpec:
         """Partition spec of `[batch, seq, heads, head_dim]` arrays."""
-        return PartitionSpec(self.batch_axis, self.sequence_axes, self.tensor_axis, None)
+        return PartitionSpec(self.batch_entry(), self.sequence_axes, self.tensor_axis, None)
 
     def sharding(self, pspec: PartitionSpec) -> NamedSharding:
         return NamedSharding(self.mesh, pspec)
@@ -274,3 +355,34 @@ def _in_auto_context(mesh: Mesh) -> bool:
 def _is_explicit(mesh: Mesh | AbstractMesh) -> bool:
     types = getattr(mesh, "axis_types", ())
     return any(str(t).endswith("Explicit") for t in types)
+
+
+def _axes_tuple(role: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(a, str) for a in value):
+        return tuple(value)
+    raise TypeError(
+        f"ShardingSpec: {role} must be a mesh axis name, a tuple of names, or None; got "
+        f"{value!r} of type {type(value).__name__}."
+    )
+
+
+def _rules_tuple(rules: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    if rules is None:
+        return ()
+    if isinstance(rules, tuple) and all(isinstance(r, tuple) and len(r) == 2 for r in rules):
+        rules = dict(rules)
+    if not isinstance(rules, dict):
+        raise TypeError(
+            f"ShardingSpec: rules must be a dict {{logical_axis: mesh axes}}; got "
+            f"{type(rules).__name__} {rules!r}."
+        )
+    out = []
+    for name, axes in rules.items():
+        if not isinstance(name, str):
+            raise TypeError(f"ShardingSpec: rules keys are logical axis names; got {name!r}.")
+        out.append((name, _axes_tuple(f"rules[{name!r}]", axes)))
+    return tuple(sorted(out))

@@ -203,13 +203,8 @@ def _check(spec: ShardingSpec, result, shape: dict) -> None:
 
 
 def _with_strategy(spec: ShardingSpec, name: str) -> ShardingSpec:
-    return ShardingSpec(
-        spec.mesh,
-        strategy=name,
-        load_balance=spec.load_balance,
-        batch_axis=spec.batch_axis,
-        context_axis=spec.context_axis,
-        tensor_axis=spec.tensor_axis,
+    return spec.replace(
+        strategy=name, ulysses_axis=spec.ulysses_axis if name in ("usp", "auto") else None
     )
 
 

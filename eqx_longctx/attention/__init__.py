@@ -236,7 +236,7 @@ def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, op
     def source_pspec(x):
         if dense:
             return heads
-        return PartitionSpec(spec.batch_axis, spec.sequence_axes, *([None] * (x.ndim - 2)))
+        return PartitionSpec(spec.batch_entry(), spec.sequence_axes, *([None] * (x.ndim - 2)))
 
     source_specs = jax.tree.map(source_pspec, source)
     q = spec.place(q, heads)

@@ -152,7 +152,7 @@ def plan(
     dv = head_dim if v_head_dim is None else v_head_dim
     if memory_budget_bytes is None:
         memory_budget_bytes = _default_budget(spec)
-    nb, nt = spec.axis_size(spec.batch_axis), spec.axis_size(spec.tensor_axis)
+    nb, nt = spec.batch_parallel_size, spec.axis_size(spec.tensor_axis)
     p = _Problem(
         nb, nt, spec.context_parallel_size, batch, seq, q_heads, kv_heads, head_dim, dv, e,
         bool(causal), bool(segment_ids), block_size(spec, seq), tile_bytes(spec), window,

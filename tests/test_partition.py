@@ -223,9 +223,7 @@ def test_rules_errors():
         Llama, dataclasses.replace(CONFIG, vocab_size=259), key=jax.random.key(0)
     )
     tensor = el.ShardingSpec(mesh, tensor_axis="tensor")
-    with pytest.raises(
-        ValueError, match=r"'vocab' has size 259.*tensor=2.*multiple of 2 \(e.g. 260"
-    ):
+    with pytest.raises(ValueError, match=r"'vocab' has size 259.*tensor=2.*\(e.g. 260"):
         el.param_pspecs(odd, tensor)
     with pytest.raises(ValueError, match="rules.*'nope'.*not an axis of the mesh"):
         el.param_pspecs(model, el.ShardingSpec(mesh, rules={"vocab": "nope"}))

@@ -25,13 +25,14 @@ ROUTING = {
     "noaux_tc": dict(topk_method="noaux_tc", n_group=2, topk_group=1, norm_topk_prob=True,
                      routed_scaling_factor=2.5),
 }  # fmt: skip
-# (shape, names): every mesh has a context axis, and the batch is split over the axes
-# before it.
+# (shape, names): every mesh has a context axis; the batch is split over the axes before
+# it, and a tensor axis holds the same tokens on each of its devices.
 MESHES = {
     "expert2-context4": ((2, 4), ("expert", "context")),
     "expert4-context2": ((4, 2), ("expert", "context")),
     "data2-expert2-context2": ((2, 2, 2), ("data", "expert", "context")),
     "expert8": ((8, 1), ("expert", "context")),
+    "expert2-context2-tensor2": ((2, 2, 2), ("expert", "context", "tensor")),
 }
 CASES = pairwise_cover(
     {
@@ -45,8 +46,9 @@ CASES = pairwise_cover(
 
 def ep_spec(mesh_name: str, axes: str = "explicit", **kw) -> el.ShardingSpec:
     shape, names = MESHES[mesh_name]
+    tensor = "tensor" if "tensor" in names else None
     return el.ShardingSpec(make_mesh(shape, names, axes), "ring", "none", expert_axis="expert",
-                           **kw)  # fmt: skip
+                           tensor_axis=tensor, **kw)  # fmt: skip
 
 
 def make_moe(routing: str, spec=None, bias_scale: float = 0.1, **kw) -> MoE:

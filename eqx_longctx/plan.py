@@ -101,7 +101,7 @@ def _fake_devices(n: int) -> None:
     """Ask for `n` CPU devices; works only before JAX has initialised a backend."""
     try:
         jax.config.update("jax_platforms", "cpu")
-        if jax.config.jax_num_cpu_devices < n:  # keep a larger count asked for earlier
+        if jax.config.jax_num_cpu_devices < n:  # pyright: ignore[reportAttributeAccessIssue]
             jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
         pass  # already initialised (e.g. inside a test session): use what exists

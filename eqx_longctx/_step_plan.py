@@ -19,8 +19,10 @@ context-parallel strategy the mesh can run and every remat policy, and picks the
 - **layer backward**: the working set of the layer being differentiated: its attention
   temporaries (the attention cost model, `eqx_longctx.attention._cost`) and, when the layer
   is recomputed (`"full"`, `"dots"`, `"offload"`), the activations it rebuilds;
-- **logits and loss**: float32 logits of the local tokens (the vocabulary split over the
-  tensor axis), their softmax and their gradient.
+- **logits and loss**: float32 logits of the local tokens over the whole vocabulary (the
+  loss runs in the token layout, so a tensor axis does not split them), their softmax and
+  their gradient; with fsdp axes also the output head gathered, and its gradient before
+  the reduce-scatter.
 
 The peak is parameters + gradients + optimizer state + batch + activations + the larger of
 the layer backward and the logits. The parameters and optimizer state passed in are donated
@@ -194,6 +196,11 @@ def plan_train_step(
     # each device holds its tokens' logits over the whole vocabulary.
     logits = int(LOGIT_COPIES * b_local * s_local * config.vocab_size * _F32)
     gathered = _gathered_layer_bytes(model, spec)
+    param_itemsize = jnp.dtype(config.param_dtype).itemsize
+    if spec.fsdp_axis:  # the output head gathered over the fsdp axes, its compute-dtype
+        # copy, and its gradient before the reduce-scatter
+        head = config.vocab_size * config.dim // nt
+        logits += head * (2 * param_itemsize + dtype.itemsize)
     active = active_params(family, config) / nt
     rows = []
     for strategy in strategies:
@@ -209,9 +216,11 @@ def plan_train_step(
         for remat in remats:
             acts = host = work = 0
             for s in per_stack:
-                # Under "none" a layer also keeps its gathered weights (fsdp) and what the
-                # strategy's backward needs beyond the local kernel's residuals.
-                extra = gathered[s.path] + kept + ep * s.moe if remat == "none" else 0
+                # Under "none" a layer also keeps its gathered weights (fsdp; the copies cast
+                # to the compute dtype that its matmuls read) and what the strategy's
+                # backward needs beyond the local kernel's residuals.
+                saved_weights = gathered[s.path] * dtype.itemsize // param_itemsize  # as cast
+                extra = saved_weights + kept + ep * s.moe if remat == "none" else 0
                 acts += s.n_layers * (s.saved[remat] + extra)
                 host += s.n_layers * s.host[remat]
                 # Differentiating a layer: its gathered weights and their unreduced

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from ._activations import REMATS, stack_activations, stacks
 from ._partition import param_bytes_per_device, param_pspecs
 from ._sharding import ShardingSpec
+from ._step_explain import step_table
 from .attention._choose import plan as plan_attention
 from .attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S
 from .attention._explain import gib
@@ -123,8 +124,6 @@ class StepPlan:
 
     def explain(self) -> str:
         """The breakdown of every candidate as a table, then the choice."""
-        from ._step_explain import step_table
-
         return step_table(self)
 
 
@@ -170,6 +169,12 @@ def plan_train_step(
         raise ValueError(
             f"seq={seq} must be divisible by {need} to split over the {n_seq} sequence shards "
             f"of the mesh ({spec.load_balance} layout); use seq={-(-seq // need) * need}."
+        )
+    if hasattr(config, "kv_lora_rank") and spec.tensor_axis is not None:
+        raise ValueError(
+            f"{family}'s multi-head latent attention replicates its up-projection, so it cannot "
+            f"split heads over tensor_axis={spec.tensor_axis!r}; drop the tensor axis from the "
+            "mesh (split the experts over expert=, the weights over the fsdp axes)."
         )
     nt = spec.axis_size(spec.tensor_axis)
     b_local, s_local = batch // spec.batch_parallel_size, seq // n_seq

@@ -105,6 +105,9 @@ def test_nothing_fits_the_budget_says_what_would():
     plan = plan_train_step("llama", config, spec, batch=1, seq=8192, memory_budget_bytes=2**20)
     assert plan.chosen is None
     assert "nothing fits 1 MiB per device; the least is ring with remat=" in plan.reason
+    assert "which fits a budget of" in plan.reason and "more devices" in plan.reason
+    with pytest.raises(ValueError, match="no prediction for strategy='ring', remat='fast'"):
+        plan.row("ring", "fast")
     with pytest.raises(SystemExit):
         main(_argv("--memory-budget-gib", "0.001"))
 
@@ -190,6 +193,13 @@ def test_step_config_and_spec_errors():
     assert step_config("llama", "tiny", 4096, ["n_layers=2"]).n_layers == 2
     with pytest.raises(ValueError, match="names \\['expert'\\], which the mesh"):
         step_spec({"context": 8}, strategy="ring", load_balance="zigzag", fsdp_axes="expert")
+    deepseek = models.family("deepseek").config.from_preset("tiny", max_seq_len=8192)
+    with pytest.raises(ValueError, match="cannot split heads over tensor_axis='tensor'"):
+        spec = _spec({"tensor": 2, "context": 4}, (), "ring")
+        plan_train_step("deepseek", deepseek, spec, batch=1, seq=8192)
+    with pytest.raises(ValueError, match="strategy 'ulysses' cannot run these shapes"):
+        spec = _spec({"context": 8}, (), "ulysses")  # 4 heads over 8 devices
+        plan_train_step("deepseek", deepseek, spec, batch=1, seq=8192, strategies=("ulysses",))
     config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
     with pytest.raises(ValueError, match="seq=1000 must be divisible by 16"):
         plan_train_step("llama", config, _spec({"context": 8}, (), "ring"), batch=1, seq=1000)

@@ -20,7 +20,8 @@ def gib(x: int | float) -> str:
     """Bytes in the largest binary unit they reach, to three figures (`"1.5 GiB"`)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if x >= size:
-            return f"{x / size:.3g} {unit}"
+            v = x / size
+            return f"{v:.0f} {unit}" if v >= 1000 else f"{v:.3g} {unit}"
     return f"{int(x)} B"
 
 

@@ -24,7 +24,6 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 

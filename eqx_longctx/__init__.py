@@ -4,6 +4,13 @@ from ._hlo import collective_bytes as collective_bytes
 from ._layout import from_layout as from_layout
 from ._layout import layout_order as layout_order
 from ._layout import to_layout as to_layout
+from ._partition import ShardingRules as ShardingRules
+from ._partition import init_sharded as init_sharded
+from ._partition import logical_axes as logical_axes
+from ._partition import param_bytes_per_device as param_bytes_per_device
+from ._partition import param_pspecs as param_pspecs
+from ._partition import param_shardings as param_shardings
+from ._partition import shard_model as shard_model
 from ._sharding import ShardingSpec as ShardingSpec
 from .attention import attention as attention
 from .attention import flash_attention as flash_attention

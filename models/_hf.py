@@ -208,6 +208,18 @@ def _leaf_paths(tree) -> tuple[list[str], list[Any], Any]:
     return paths, [leaf for _, leaf in leaves], treedef
 
 
+def shardings_by_path(abstract, spec) -> Callable[[str, tuple[int, ...]], Any]:
+    """The `sharding` argument of `load_params` for a model under `spec` (or `None`): each
+    parameter's `NamedSharding` from the rules table, looked up by its path."""
+    if spec is None:
+        return lambda _path, _shape: None
+    from eqx_longctx import param_shardings
+
+    paths, _, _ = _leaf_paths(abstract)
+    table = dict(zip(paths, jax.tree.leaves(param_shardings(abstract, spec)), strict=True))
+    return lambda path, _shape: table[path]
+
+
 def _listing(names: Iterable[str], limit: int = 12) -> str:
     names = sorted(names)
     more = f" and {len(names) - limit} more" if len(names) > limit else ""

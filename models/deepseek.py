@@ -25,7 +25,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
@@ -275,6 +274,7 @@ class DeepSeek(AbstractDecoder):
                 c.first_k_dense,
                 key=k_dense,
                 remat=c.remat,
+                spec=spec,
             )
         if c.n_moe_layers:
             self.moe_layers = LayerStack(
@@ -282,6 +282,7 @@ class DeepSeek(AbstractDecoder):
                 c.n_moe_layers,
                 key=k_moe,
                 remat=c.remat,
+                spec=spec,
             )
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
         if c.tie_embeddings:
@@ -389,8 +390,9 @@ def from_hf(
     **Arguments:**
 
     - `path`: the checkpoint directory.
-    - `spec`: the sharding spec of the returned model (parameters replicated over
-      `spec.mesh`); `None` = one device.
+    - `spec`: the sharding spec of the returned model: each parameter is read straight into
+      its shards under the spec's rules table (`eqx_longctx.param_shardings`), so no
+      device ever holds the whole model; `None` = one device.
     - `dtype`: parameter dtype; default the checkpoint's (`dtype`/`torch_dtype`, else
       float32).
     - `**overrides`: `remat`, `compute_dtype` (default `dtype`), `max_seq_len` (default
@@ -403,7 +405,6 @@ def from_hf(
         spec=spec, dtype=dtype, overrides=overrides, allowed=_HF_OVERRIDES,
     )  # fmt: skip
     abstract = eqx.filter_eval_shape(DeepSeek, config, key=jax.random.key(0), spec=spec)
-    replicated = None if spec is None else cast(ShardingSpec, spec).sharding(PartitionSpec())
     n_mtp = hf.get("num_nextn_predict_layers") or 0
     mtp_layers = "|".join(str(config.n_layers + i) for i in range(n_mtp))
     ignore = [rf"model\.layers\.({mtp_layers})\..*"] if n_mtp else []
@@ -414,7 +415,7 @@ def from_hf(
             _hf_table(config),
             checkpoint,
             dtype=config.param_dtype,
-            sharding=lambda _path, _shape: replicated,
+            sharding=_hf.shardings_by_path(abstract, spec),
             ignore=ignore,
             tied=tied,
         )

@@ -24,7 +24,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
@@ -246,7 +245,9 @@ class Llama(AbstractDecoder):
         runs = _runs(c.windows)
         keys = [k_layers] if len(runs) == 1 else list(jax.random.split(k_layers, len(runs)))
         stacks = tuple(
-            LayerStack(functools.partial(make_layer, window=window), n, key=k, remat=c.remat)
+            LayerStack(
+                functools.partial(make_layer, window=window), n, key=k, remat=c.remat, spec=spec
+            )
             for (_, n, window), k in zip(runs, keys, strict=True)
         )
         self.layers = stacks[0] if len(stacks) == 1 else stacks
@@ -349,8 +350,9 @@ def from_hf(
     **Arguments:**
 
     - `path`: the checkpoint directory (e.g. from `save_pretrained` or a Hub snapshot).
-    - `spec`: the sharding spec of the returned model; its parameters are replicated over
-      `spec.mesh`. `None` = one device.
+    - `spec`: the sharding spec of the returned model; each parameter is read straight into
+      its shards under the spec's rules table (`eqx_longctx.param_shardings`): no device
+      ever holds the whole model. `None` = one device.
     - `dtype`: parameter dtype (`"float32"`, `"bfloat16"`, `"float16"`); default the
       checkpoint's (`config.json` `dtype`/`torch_dtype`, else float32).
     - `**overrides`: `remat`, `compute_dtype` (default `dtype`) or `max_seq_len` (default
@@ -363,7 +365,6 @@ def from_hf(
         spec=spec, dtype=dtype, overrides=overrides, allowed=_HF_OVERRIDES,
     )  # fmt: skip
     abstract = eqx.filter_eval_shape(Llama, config, key=jax.random.key(0), spec=spec)
-    replicated = None if spec is None else cast(ShardingSpec, spec).sharding(PartitionSpec())
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_embeddings else None
     with _hf.SafetensorsCheckpoint(path) as checkpoint:
         return _hf.load_params(
@@ -371,7 +372,7 @@ def from_hf(
             _hf_table(config),
             checkpoint,
             dtype=config.param_dtype,
-            sharding=lambda _path, _shape: replicated,
+            sharding=_hf.shardings_by_path(abstract, spec),
             ignore=_HF_IGNORE,
             tied=tied,
         )

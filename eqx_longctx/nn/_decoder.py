@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from .._partition import param_pspecs
 from .._sharding import ShardingSpec
 from .._types import Hidden, Logits, Positions, SegmentIds, Tokens
 from ._inputs import check_shapes, check_token_ids, prepare_inputs
@@ -56,7 +57,15 @@ class AbstractDecoder(eqx.Module):
 
     def embed_tokens(self, tokens: Tokens) -> Hidden:
         """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype."""
-        return jnp.take(self.embed, tokens, axis=0).astype(self.config.compute_dtype)
+        embed = self._gathered("embed")
+        return jnp.take(embed, tokens, axis=0).astype(self.config.compute_dtype)
+
+    def _gathered(self, name: str) -> Array:
+        """The embedding or output head in its compute layout (gathered over fsdp)."""
+        weight = getattr(self, name)
+        if self.spec is None or not self.spec.fsdp_axis:
+            return weight
+        return self.spec.place(weight, getattr(param_pspecs(self, gathered=True), name))
 
     def forward_embeddings(
         self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
@@ -139,8 +148,14 @@ class AbstractDecoder(eqx.Module):
         x = self.norm(self.run_layers(x.astype(dtype), positions, segment_ids))
         if self.lm_head is None:
             return jnp.einsum(
-                "bse,ve->bsv", x, self.embed.astype(dtype), preferred_element_type=jnp.float32
+                "bse,ve->bsv",
+                x,
+                self._gathered("embed").astype(dtype),
+                preferred_element_type=jnp.float32,
             )
         return jnp.einsum(
-            "bse,ev->bsv", x, self.lm_head.astype(dtype), preferred_element_type=jnp.float32
+            "bse,ev->bsv",
+            x,
+            self._gathered("lm_head").astype(dtype),
+            preferred_element_type=jnp.float32,
         )

@@ -10,6 +10,7 @@ from typing import final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._checks import check_spec
@@ -50,7 +51,8 @@ class SwiGLU(eqx.Module):
         - `out_init_std`: standard deviation of `w_down` (default `init_std`); deep stacks
           pass a smaller value so the residual stream does not grow with depth.
         - `dtype`: parameter dtype.
-        - `spec`: the sharding spec, or `None` for one device.
+        - `spec`: the sharding spec, or `None` for one device; with a `tensor_axis`, the
+          hidden activations are split over it (the weights are placed by the rules table).
         """
         check_spec(spec, "SwiGLU")
         if dim <= 0 or hidden_dim <= 0:
@@ -74,4 +76,9 @@ class SwiGLU(eqx.Module):
         dtype = x.dtype
         gate = jnp.einsum("bse,ef->bsf", x, self.w_gate.astype(dtype))
         up = jnp.einsum("bse,ef->bsf", x, self.w_up.astype(dtype))
+        if self.spec is not None and self.spec.tensor_axis is not None:
+            # Column-parallel gate/up: each device keeps its slice of the hidden units, so
+            # the down projection (row-parallel) ends in one all-reduce over tensor_axis.
+            hidden = PartitionSpec(*self.spec.activation_pspec()[:2], self.spec.tensor_axis)
+            gate, up = self.spec.place(gate, hidden), self.spec.place(up, hidden)
         return jnp.einsum("bsf,fe->bse", jax.nn.silu(gate) * up, self.w_down.astype(dtype))

@@ -9,7 +9,9 @@ Routing follows DeepSeek: softmax scores with greedy or group-limited greedy top
 sum of each group's two best scores (DeepSeek-V3, "noaux_tc"). The routed computation never
 forms a `tokens x experts x embed` tensor: the `tokens * top_k` token copies are sorted by
 expert and every expert multiplies only its own rows (`jax.lax.ragged_dot`, or a scan over
-fixed-size row tiles that each belong to one expert).
+fixed-size row tiles that each belong to one expert). With `spec.expert_axis`, the experts
+are split over that mesh axis and the token copies travel to them by all-to-all (expert
+parallelism); `_moe_dispatch.py` holds both paths.
 
 References: Dai et al. 2024, "DeepSeekMoE" (arXiv:2401.06066); DeepSeek-AI 2024,
 "DeepSeek-V2" (arXiv:2405.04434) and "DeepSeek-V3 Technical Report" (arXiv:2412.19437).
@@ -28,9 +30,14 @@ from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden
 from ._mlp import SwiGLU
+from ._moe_dispatch import (
+    GROUPED_MATMULS,
+    resolve_grouped_matmul,
+    routed_experts,
+    routed_experts_all_to_all,
+)
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-GROUPED_MATMULS = ("auto", "ragged_dot", "scan")
 
 
 def check_routing(
@@ -83,8 +90,16 @@ class MoE(eqx.Module):
       and the chosen experts are weighted by their unbiased scores.
 
     Then the weights are divided by their sum if `norm_topk_prob`, and multiplied by
-    `routed_scaling_factor`. Without expert parallelism: with a sharding spec, each device
-    routes and computes its own tokens against replicated expert weights.
+    `routed_scaling_factor`.
+
+    With a sharding spec, each device routes its own tokens. Without `spec.expert_axis`,
+    it computes them against replicated expert weights, with no communication. With it
+    (expert parallelism), the routed experts are split over that axis, `experts / D`
+    consecutive ones on each of its `D` devices, and each token copy travels by all-to-all
+    to the device of its expert and back (see `_moe_dispatch.py`). This is exact (dropless)
+    by default, at the price of a receive buffer with room for `D` times this device's
+    `tokens * top_k` copies; `capacity_factor` bounds it. The router and the shared experts
+    are not split over the expert axis.
     """
 
     router: Float[Array, "embed experts"]
@@ -101,6 +116,7 @@ class MoE(eqx.Module):
     routed_scaling_factor: float = eqx.field(static=True)
     grouped_matmul: str = eqx.field(static=True)
     tile: int = eqx.field(static=True)
+    capacity_factor: float | None = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
@@ -119,6 +135,7 @@ class MoE(eqx.Module):
         routed_scaling_factor: float = 1.0,
         grouped_matmul: str = "auto",
         tile: int = 128,
+        capacity_factor: float | None = None,
         init_std: float = 0.02,
         out_init_std: float | None = None,
         dtype=jnp.float32,
@@ -139,6 +156,12 @@ class MoE(eqx.Module):
           `"scan"` (a scan over row tiles of `tile` rows, each belonging to one expert) or
           `"auto"` (`"ragged_dot"` on TPU, else `"scan"`).
         - `tile`: rows per tile of the `"scan"` path.
+        - `capacity_factor`: under expert parallelism only: `None` (dropless, the
+          default) or how many token copies each device may send to each device of the
+          expert axis, as a multiple of the perfectly balanced load: `ceil(capacity_factor
+          * tokens * top_k / D)`, `tokens` being the device's own. Copies beyond it are
+          dropped, as in GShard and MaxText (they add nothing to the output); `D` or more
+          never drops. Without `spec.expert_axis` it has no effect.
         - `init_std`, `out_init_std`: standard deviations of the router and input
           projections, and of the output projections (default `init_std`).
         - `dtype`: parameter dtype.
@@ -175,6 +198,7 @@ class MoE(eqx.Module):
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.grouped_matmul = grouped_matmul
         self.tile = tile
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.spec = spec
 
     def __check_init__(self):
@@ -188,6 +212,21 @@ class MoE(eqx.Module):
             )
         if self.tile < 1:
             raise ValueError(f"MoE needs tile >= 1 rows; got tile={self.tile}.")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"MoE needs capacity_factor > 0 (or None: dropless); got capacity_factor="
+                f"{self.capacity_factor}."
+            )
+        spec = self.spec
+        if spec is not None and spec.expert_axis is not None:
+            size = spec.axis_size(spec.expert_axis)
+            if self.n_experts % size:
+                raise ValueError(
+                    f"MoE splits its routed experts over expert_axis {spec.expert_axis!r} of "
+                    f"size {size}, so n_experts must be divisible by {size}; got n_experts="
+                    f"{self.n_experts}. Use an expert axis whose size divides {self.n_experts}, "
+                    "or move those devices to another axis."
+                )
 
     @property
     def n_experts(self) -> int:
@@ -239,6 +278,8 @@ class MoE(eqx.Module):
         """
         if self.spec is None:
             return self._local(x)
+        if self.spec.expert_axis is not None:
+            return self._expert_parallel(x)
         spec = self.spec
         act = spec.activation_pspec()
         params, static = eqx.partition(self, eqx.is_array)
@@ -261,73 +302,58 @@ class MoE(eqx.Module):
         b, s, e = x.shape
         tokens = x.reshape(b * s, e)
         indices, weights = self.route(tokens)
-        rows = indices.reshape(-1)  # row n = token n // top_k, slot n % top_k
-        order = jnp.argsort(rows, stable=True)
-        group_sizes = jnp.bincount(rows, length=self.n_experts).astype(jnp.int32)
-        sorted_x = tokens[order // self.top_k]
-        method = self.grouped_matmul
-        if method == "auto":
-            method = "ragged_dot" if jax.default_backend() == "tpu" else "scan"
-        w = (self.w_gate, self.w_up, self.w_down)
-        w = tuple(a.astype(x.dtype) for a in w)
-        if method == "ragged_dot":
-            sorted_y = _experts_ragged_dot(sorted_x, group_sizes, *w)
-        else:
-            sorted_y = _experts_tiled(sorted_x, group_sizes, rows[order], *w, tile=self.tile)
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-        y = sorted_y[inverse].reshape(b * s, self.top_k, e)
-        out = jnp.einsum("tke,tk->te", y.astype(jnp.float32), weights).astype(x.dtype)
+        w = tuple(a.astype(x.dtype) for a in (self.w_gate, self.w_up, self.w_down))
+        method = resolve_grouped_matmul(self.grouped_matmul)
+        out = routed_experts(tokens, indices, weights, *w, method=method, tile=self.tile)
         out = out.reshape(b, s, e)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
 
+    def _expert_parallel(self, x):
+        """The routed experts split over `spec.expert_axis`, tokens sent to them by
+        all-to-all; the shared experts run outside, on the spec's sharding of `x`."""
+        spec = self.spec
+        assert spec is not None and spec.expert_axis is not None
+        axis = spec.expert_axis
+        spec.check_batch(x.shape[0], "the MoE input's batch")
+        act = spec.activation_pspec()
+        # Gathered out of any fsdp/tensor split, still split over the experts: the weights
+        # never travel, the tokens do.
+        experts = tuple(
+            spec.place(w, PartitionSpec(axis, None, None))
+            for w in (self.w_gate, self.w_up, self.w_down)
+        )
+        routed = eqx.tree_at(lambda m: (m.w_gate, m.w_up, m.w_down), self, experts)
+        if routed.shared is not None:
+            routed = eqx.tree_at(lambda m: m.shared, routed, None)
+        params, static = eqx.partition(routed, eqx.is_array)
+        in_specs = jax.tree.map(lambda _: PartitionSpec(), params)
+        in_specs = eqx.tree_at(
+            lambda m: (m.w_gate, m.w_up, m.w_down), in_specs, (PartitionSpec(axis),) * 3
+        )
+        method = resolve_grouped_matmul(self.grouped_matmul)
 
-def _swiglu_rows(x, w_gate, w_up, w_down):
-    return jnp.dot(jax.nn.silu(jnp.dot(x, w_gate)) * jnp.dot(x, w_up), w_down)
+        def local(params, x):
+            moe = eqx.combine(params, static)
+            b, s, e = x.shape
+            tokens = x.reshape(b * s, e)
+            indices, weights = moe.route(tokens)
+            w = tuple(a.astype(x.dtype) for a in (moe.w_gate, moe.w_up, moe.w_down))
+            out = routed_experts_all_to_all(
+                tokens, indices, weights, *w, axis=axis, n_experts=self.n_experts,
+                method=method, tile=self.tile, capacity_factor=self.capacity_factor,
+            )  # fmt: skip
+            return out.reshape(b, s, e)
 
-
-def _experts_ragged_dot(x, group_sizes, w_gate, w_up, w_down):
-    """`[rows, embed]` sorted by expert -> `[rows, embed]`, one ragged matmul per weight."""
-    gate = lax.ragged_dot(x, w_gate, group_sizes)
-    up = lax.ragged_dot(x, w_up, group_sizes)
-    return lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
-
-
-def _experts_tiled(x, group_sizes, row_expert, w_gate, w_up, w_down, *, tile):
-    """The same as `_experts_ragged_dot`, as a scan over tiles of `tile` rows.
-
-    Each expert's rows are padded to a whole number of tiles, so every tile belongs to one
-    expert; the number of tiles has the static bound `ceil(rows / tile) + experts`, and
-    tiles past the used ones are skipped. Tiles are at most `rows // experts` rows, so the
-    padded copy of the rows is at most twice their size.
-    """
-    n_rows, e = x.shape
-    n_experts = group_sizes.shape[0]
-    tile = max(1, min(tile, n_rows // n_experts))
-    n_tiles = -(-n_rows // tile) + min(n_experts, n_rows)
-    padded = (group_sizes + tile - 1) // tile * tile
-    padded_ends = jnp.cumsum(padded)
-    starts = jnp.cumsum(group_sizes) - group_sizes
-    rank = jnp.arange(n_rows, dtype=jnp.int32) - starts[row_expert]
-    dest = padded_ends[row_expert] - padded[row_expert] + rank
-    tiles = jnp.zeros((n_tiles * tile, e), x.dtype).at[dest].set(x).reshape(n_tiles, tile, e)
-    tile_start = jnp.arange(n_tiles, dtype=padded_ends.dtype) * tile
-    tile_expert = jnp.minimum(
-        jnp.searchsorted(padded_ends, tile_start, side="right"), n_experts - 1
-    )
-    used = tile_start < padded_ends[-1]
-
-    def body(_, inputs):
-        rows, expert, is_used = inputs
-
-        def compute(rows):
-            weights = (
-                lax.dynamic_index_in_dim(w, expert, keepdims=False) for w in (w_gate, w_up, w_down)
-            )
-            return _swiglu_rows(rows, *weights)
-
-        return None, lax.cond(is_used, compute, jnp.zeros_like, rows)
-
-    _, out = lax.scan(body, None, (tiles, tile_expert, used))
-    return out.reshape(n_tiles * tile, e)[dest]
+        mapped = jax.shard_map(
+            local,
+            mesh=spec.compute_mesh(),
+            in_specs=(in_specs, act),
+            out_specs=act,
+            check_vma=False,
+        )
+        out = mapped(params, spec.place(x, act))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out

@@ -14,9 +14,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import PRNGKeyArray
 
 from .._checks import check_spec
+from .._partition import gather_for_compute
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ._attention import SelfAttention
@@ -24,7 +26,8 @@ from ._mlp import SwiGLU
 from ._norm import RMSNorm
 from ._rope import RoPE
 
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+OFFLOAD_NAME = "layer_input"
 
 
 @final
@@ -35,7 +38,6 @@ class DecoderBlock(eqx.Module):
     attn: SelfAttention
     mlp_norm: RMSNorm
     mlp: SwiGLU
-    spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -94,7 +96,6 @@ class DecoderBlock(eqx.Module):
             dtype=dtype,
             spec=spec,
         )
-        self.spec = spec
 
     def __call__(
         self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
@@ -123,11 +124,20 @@ class LayerStack(eqx.Module):
     - `"dots"`: keep the results of matmuls without batch dimensions (the projections),
       recompute the cheap elementwise work (`jax.checkpoint_policies.
       dots_with_no_batch_dims_saveable`).
+    - `"offload"`: as `"full"`, but the layer inputs are kept in pinned host memory
+      (`jax.checkpoint_policies.save_and_offload_only_these_names`) rather than on the
+      device; needs a backend with a `pinned_host` memory space (TPU, GPU, and CPU).
+
+    With a spec whose `fsdp_axis` is set, each layer's weights are gathered over the fsdp
+    axes inside the scan, just before the layer runs: one layer's full weights at a time.
     """
+
+    __stacked_fields__ = {"layers": ("layers",)}  # `logical_axes`: the leading axis
 
     layers: eqx.Module
     n_layers: int = eqx.field(static=True)
     remat: str = eqx.field(static=True)
+    spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -136,6 +146,7 @@ class LayerStack(eqx.Module):
         *,
         key: PRNGKeyArray,
         remat: str = "none",
+        spec: ShardingSpec | None = None,
     ):
         """**Arguments:**
 
@@ -143,13 +154,16 @@ class LayerStack(eqx.Module):
           every array in the result gets a leading `layers` axis.
         - `n_layers`: number of layers (> 0).
         - `key`: PRNG key, split once per layer.
-        - `remat`: `"none"`, `"full"` or `"dots"`.
+        - `remat`: one of `REMAT_POLICIES`.
+        - `spec`: the sharding spec (its fsdp axes decide the per-layer gather), or `None`.
         """
+        check_spec(spec, "LayerStack")
         if n_layers <= 0:
             raise ValueError(f"LayerStack needs at least one layer; got n_layers={n_layers}.")
         self.layers = eqx.filter_vmap(make_layer)(jax.random.split(key, n_layers))
         self.n_layers = n_layers
         self.remat = remat
+        self.spec = spec
 
     def __check_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -180,7 +194,9 @@ class LayerStack(eqx.Module):
         params, static = eqx.partition(self.layers, eqx.is_array)
 
         def body(h, layer_params):
-            layer = eqx.combine(layer_params, static)
+            layer = gather_for_compute(eqx.combine(layer_params, static), self.spec)
+            if self.remat == "offload":
+                h = checkpoint_name(h, OFFLOAD_NAME)
             return layer(h, positions, segment_ids), None
 
         if self.remat == "full":
@@ -191,5 +207,13 @@ class LayerStack(eqx.Module):
                 prevent_cse=False,
                 policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
             )
+        elif self.remat == "offload":
+            policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=[],
+                names_which_can_be_offloaded=[OFFLOAD_NAME],
+                offload_src="device",
+                offload_dst="pinned_host",
+            )
+            body = jax.checkpoint(body, prevent_cse=False, policy=policy)
         x, _ = lax.scan(body, x, params)
         return x

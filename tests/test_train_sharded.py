@@ -139,6 +139,26 @@ def test_sharded_train_step_matches_replicated(datasets, replicated, mesh, fsdp_
     assert mu.sharding.is_equivalent_to(embed.sharding, embed.ndim)
 
 
+@pytest.mark.parametrize("fsdp_axes", [None, "fsdp,context"])
+def test_batches_split_over_the_batch_axes(datasets, fsdp_axes):
+    """The batch is split over fsdp (not a sequence axis), the sequence over context."""
+    placement = Placement(8, "fsdp=2,context=4", fsdp_axes=fsdp_axes)
+    tokens = placement.shard_batch(datasets[0].batch(0, BATCH)).tokens
+    assert isinstance(tokens, jax.Array)
+    assert {s.data.shape for s in tokens.addressable_shards} == {(BATCH // 2, SEQ // 4)}
+
+
+def test_vocabulary_that_does_not_divide_stays_whole_over_tensor():
+    """The byte tokenizer's 259 rows do not split over tensor=2: the embedding keeps them."""
+    placement = Placement(8, "tensor=2,fsdp=2,context=2", vocab_size=259)
+    assert placement.whole_vocab and "vocabulary kept whole" in placement.describe()
+    model = placement.abstract_model(
+        lambda spec: family("llama").model(LLAMA, key=jax.random.key(0), spec=spec)
+    )
+    assert model.embed.sharding.spec == PartitionSpec(None, "fsdp")
+    assert not Placement(8, "tensor=2,fsdp=2,context=2", vocab_size=260).whole_vocab
+
+
 def test_params_and_optimizer_state_split_over_every_device():
     placement = Placement(8, "fsdp=2,context=4", fsdp_axes="fsdp,context")
     model, opt_state = build(placement, LLAMA, make_optimizer(1e-2, 1, 8))
@@ -299,6 +319,7 @@ def test_config_rule(tmp_path, changes, match):
         ("fsdp=4,context=2", None, LLAMA, 6, r"--batch-size 6 must be divisible by 4"),
         ("expert=2,context=4", None, LLAMA, 8, r"expert=2 splits the routed experts .*none\."),
         ("expert=8,context=1", None, FOUR_EXPERTS, 8, r"model's 4 routed experts .* by 8"),
+        ("tensor=2,context=4", None, DEEPSEEK, 8, r"tensor=2 splits .* latent attention"),
     ],
 )  # fmt: skip
 def test_placement_rule(mesh, fsdp_axes, config, batch, match):
@@ -315,3 +336,22 @@ def test_preset_and_override_errors_name_the_family(tmp_path, datasets):
     ):
         Trainer(small_config(tmp_path, model="deepseek"), datasets=datasets)
     assert "tiny" in deepseek.presets
+
+
+def test_deepseek_experts_and_their_adam_state_split_over_the_expert_axis():
+    placement = Placement(8, "expert=2,fsdp=2,context=2")
+    placement.check_run(8, 64, DEEPSEEK)
+    model, opt_state = build(placement, DEEPSEEK, make_optimizer(1e-2, 1, 8))
+    experts = model.moe_layers.layers.mlp.w_gate  # [layers, experts, embed, hidden]
+    assert experts.sharding.spec == PartitionSpec(None, "expert", "fsdp", None)
+    mu = optax.tree_utils.tree_get(opt_state, "mu").moe_layers.layers.mlp.w_gate
+    assert mu.sharding.is_equivalent_to(experts.sharding, experts.ndim)
+
+
+@pytest.mark.parametrize("family_name", ["llama", "deepseek"])
+@pytest.mark.parametrize("remat", REMAT_POLICIES)
+def test_every_remat_policy_reaches_the_model(tmp_path, family_name, remat):
+    from eqx_longctx.train import build_model_config
+
+    config = small_config(tmp_path, model=family_name, model_overrides={}, remat=remat)
+    assert build_model_config(config, 259).remat == remat

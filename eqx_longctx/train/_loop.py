@@ -138,7 +138,12 @@ class Trainer:
         self.family = family(config.model)
         self.model_config = build_model_config(config, self.tokenizer.vocab_size)
         self.parallel = Placement(
-            config.devices, config.mesh, config.strategy, config.load_balance, config.fsdp_axes
+            config.devices,
+            config.mesh,
+            config.strategy,
+            config.load_balance,
+            config.fsdp_axes,
+            vocab_size=self.model_config.vocab_size,
         )
         self.parallel.check_run(config.batch_size, config.seq_len, self.model_config)
         # The layout of every weight: a dimension the mesh does not divide fails here.

@@ -36,6 +36,9 @@ class Placement:
     - `strategy`, `load_balance`: the `ShardingSpec`'s (see `eqx_longctx.ShardingSpec`).
     - `fsdp_axes`: `--fsdp-axes` text (see [`fsdp_axes_of`][]); `None`: `"fsdp"` when the
       mesh has that axis.
+    - `vocab_size`: the model's vocabulary; one the tensor axis does not divide (the byte
+      tokenizer's 259) is kept whole rather than split over it (the embedding and output
+      head then hold every row on each tensor shard; the arithmetic is unchanged).
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class Placement:
         strategy: str = "ring",
         load_balance: str = "zigzag",
         fsdp_axes: str | None = None,
+        vocab_size: int | None = None,
     ):
         available = jax.devices()
         if not 1 <= devices <= len(available):
@@ -57,6 +61,7 @@ class Placement:
         self.num_devices = devices
         self.spec: ShardingSpec | None = None
         self.device = available[0]
+        self.whole_vocab = False
         if devices == 1 and mesh is None:
             fsdp_axes_of(fsdp_axes, None, "")
             return
@@ -65,6 +70,8 @@ class Placement:
         fsdp = fsdp_axes_of(fsdp_axes, shape, text)
         grid = np.array(available[:devices]).reshape(tuple(shape.values()))
         self.mesh = Mesh(grid, tuple(shape))
+        tensor = shape.get("tensor", 1)
+        self.whole_vocab = vocab_size is not None and tensor > 1 and vocab_size % tensor != 0
         try:
             self.spec = ShardingSpec(
                 self.mesh,
@@ -74,6 +81,7 @@ class Placement:
                 tensor_axis="tensor" if "tensor" in shape else None,
                 fsdp_axis=fsdp,
                 expert_axis="expert" if "expert" in shape else None,
+                rules={"vocab": None} if self.whole_vocab else None,
             )
         except ValueError as e:
             flags = f"--mesh {text!r} with --strategy {strategy!r}"
@@ -112,6 +120,14 @@ class Placement:
         except ValueError as e:
             raise ValueError(f"--seq-len {seq_len}: {e}") from None
         self._check_experts(model_config)
+        if spec.tensor_axis is not None and hasattr(model_config, "kv_lora_rank"):
+            # latent_attention's own rule, raised here before anything is built.
+            raise ValueError(
+                f"--mesh tensor={spec.axis_size(spec.tensor_axis)} splits attention heads, but "
+                f"the model's multi-head latent attention ({type(model_config).__name__}) "
+                "replicates its up-projection and cannot split heads. Drop tensor= from "
+                "--mesh (fsdp= splits the weights instead)."
+            )
         q_heads, kv_heads, head_dim = attention_heads(model_config)
         q = jax.ShapeDtypeStruct((batch_size, seq_len, q_heads, head_dim), np.float32)
         k = jax.ShapeDtypeStruct((batch_size, seq_len, kv_heads, head_dim), np.float32)
@@ -148,9 +164,11 @@ class Placement:
             return "1 device"
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         weights = ",".join(self.spec.fsdp_axis) or "none"
+        vocab = ", vocabulary kept whole over tensor" if self.whole_vocab else ""
         return (
             f"{self.num_devices} devices (mesh {axes}; strategy={self.spec.strategy}, "
-            f"load_balance={self.spec.load_balance}, weights split over fsdp axes {weights})"
+            f"load_balance={self.spec.load_balance}, weights split over fsdp axes "
+            f"{weights}{vocab})"
         )
 
     # ---- model and optimizer state -----------------------------------------------------

@@ -28,7 +28,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
-from eqx_longctx._checks import check_instance
+from eqx_longctx._checks import check_instance, check_real
 from eqx_longctx._types import Hidden, Positions, SegmentIds
 from eqx_longctx.nn import (
     AbstractDecoder,
@@ -83,7 +83,11 @@ class DeepSeekConfig:
     - `max_seq_len`: longest sequence the model accepts.
     - `tie_embeddings`: reuse the token embedding as the LM head.
     - `grouped_matmul`: how experts run, `"auto"`, `"ragged_dot"` or `"scan"` (see `MoE`).
-    - `remat`: `"none"`, `"full"` or `"dots"` (see `eqx_longctx.nn.LayerStack`).
+    - `capacity_factor`: under expert parallelism, the per-device token-copy capacity as a
+      multiple of the even share (copies beyond it are dropped, as in MaxText); `None` =
+      dropless (see `MoE`).
+    - `remat`: `"none"`, `"full"`, `"dots"` or `"offload"` (layer inputs kept in host
+      memory; see `eqx_longctx.nn.LayerStack`).
     - `param_dtype`, `compute_dtype`: `"float32"`, `"bfloat16"` or `"float16"`; logits
       are always float32, routing runs in float32.
     - `init_std`: standard deviation of the normal initialisation; output projections use
@@ -117,6 +121,7 @@ class DeepSeekConfig:
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     grouped_matmul: str = "auto"
+    capacity_factor: float | None = None
     remat: str = "none"
     param_dtype: str | type | np.dtype = "float32"
     compute_dtype: str | type | np.dtype = "float32"
@@ -147,6 +152,11 @@ class DeepSeekConfig:
                 f"got {self.qk_rope_head_dim}."
             )
         check_choice(self.grouped_matmul, "DeepSeekConfig.grouped_matmul", GROUPED_MATMULS)
+        if self.capacity_factor is not None:
+            check_real(
+                self.capacity_factor, "DeepSeekConfig.capacity_factor", positive=True,
+                fix=" Use None (dropless) or a factor such as 1.25.",
+            )  # fmt: skip
         check_routing(
             "DeepSeekConfig", self.n_routed_experts, self.top_k, self.topk_method, self.n_group,
             self.topk_group,
@@ -218,6 +228,7 @@ class DeepSeekBlock(eqx.Module):
                 norm_topk_prob=c.norm_topk_prob,
                 routed_scaling_factor=c.routed_scaling_factor,
                 grouped_matmul=c.grouped_matmul,
+                capacity_factor=c.capacity_factor,
                 init_std=c.init_std,
                 out_init_std=out_std,
                 dtype=dtype,
@@ -363,7 +374,7 @@ _HF_KEYS = {
     "deepseek_v3": _HF_COMMON + ("rope_interleave", "num_nextn_predict_layers"),
 }
 _HF_MAX_LEN = {"deepseek_v2": 2048, "deepseek_v3": 4096}  # transformers' defaults
-_HF_OVERRIDES = ("remat", "compute_dtype", "max_seq_len", "grouped_matmul")
+_HF_OVERRIDES = ("remat", "compute_dtype", "max_seq_len", "grouped_matmul", "capacity_factor")
 _YARN_KEYS = (
     "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
     "mscale_all_dim", "attention_factor", "truncate",

@@ -74,7 +74,8 @@ class LlamaConfig:
     - `tie_embeddings`: reuse the token embedding as the LM head.
     - `attention_bias`: biases on the q/k/v projections (Qwen2-style).
     - `qk_norm`: RMSNorm over each query and key head before RoPE (Qwen3-style).
-    - `remat`: `"none"`, `"full"` or `"dots"` (see `eqx_longctx.nn.LayerStack`).
+    - `remat`: `"none"`, `"full"`, `"dots"` or `"offload"` (layer inputs kept in host
+      memory; see `eqx_longctx.nn.LayerStack`).
     - `param_dtype`, `compute_dtype`: `"float32"`, `"bfloat16"` or `"float16"`; logits
       are always float32.
     - `init_std`: standard deviation of the normal initialisation; output projections use

@@ -290,8 +290,10 @@ def init_sharded(make: Callable[[], Any], spec: ShardingSpec | None = None) -> A
     - `make`: builds the model, e.g. `lambda: Llama(config, key=key, spec=spec)`.
     - `spec`: the sharding spec (default: the built model's `spec`).
 
-    **Returns:** the model, every array placed as `param_shardings` says. Same values as
-    `make()`: the key alone decides the parameters, whatever the spec.
+    **Returns:** the model, every array placed as `param_shardings` says. The key alone
+    decides the values, whatever the spec: they equal `jax.jit(make)()` bit for bit (an
+    eager `make()` may differ in the last bit, where XLA fuses an init scale into the
+    normal draw).
     """
     shapes = eqx.filter_eval_shape(make)
     spec = _spec_of(shapes, spec)

@@ -28,21 +28,29 @@ _DIRECTIVE = re.compile(r"^::: +(\S+)", re.MULTILINE)
 log = logging.getLogger("mkdocs.hooks.api_coverage")
 
 
-def public_names(source: str) -> list[str]:
-    """**Returns:** the names a module exports: its `__all__`, else its `X as X` imports."""
+def public_names(source: str, package: str, is_init: bool) -> dict[str, str]:
+    """The names a module exports: its `__all__`, else its `X as X` imports.
+
+    **Returns:** each name with the path it is defined under (`eqx_longctx.attention` is
+    the function `eqx_longctx.attention.attention`, not the subpackage of that name).
+    """
     tree = ast.parse(source)
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
         ):
-            return list(ast.literal_eval(node.value))
-    return [
-        alias.asname
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom)
-        for alias in node.names
-        if alias.asname == alias.name and not alias.name.startswith("_")
-    ]
+            return {name: f"{package}.{name}" for name in ast.literal_eval(node.value)}
+    names = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        parts = package.split(".")
+        base = parts[: len(parts) - node.level + (1 if is_init else 0)] if node.level else []
+        origin = ".".join(base + ([node.module] if node.module else []))
+        for alias in node.names:
+            if alias.asname == alias.name and not alias.name.startswith("_"):
+                names[alias.name] = f"{origin}.{alias.name}"
+    return names
 
 
 def on_pre_build(config) -> None:
@@ -68,8 +76,9 @@ def on_pre_build(config) -> None:
     } - {None}
     for package in PACKAGES:
         module = modules[package]
-        for name in public_names(Path(module.filepath).read_text()):
-            if target(f"{package}.{name}") not in documented:
+        source = Path(module.filepath).read_text()
+        for name, origin in public_names(source, package, module.is_init_module).items():
+            if target(origin) not in documented:
                 log.warning(
                     f"API reference: `{package}.{name}` is public but no "
                     f"`::: {package}.{name}` directive under docs/api/ documents it."

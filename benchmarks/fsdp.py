@@ -24,7 +24,6 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -38,7 +37,7 @@ def _device0_bytes(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def _run(config, fsdp: int, batch: int, seq: int, repeats: int) -> dict:
+def _build(config, fsdp: int, batch: int, seq: int) -> dict:
     # Auto axes, as the trainer builds its mesh: jit propagates the shardings.
     grid = np.array(jax.devices()).reshape(8 // fsdp, fsdp, 1)
     mesh = jax.sharding.Mesh(grid, ("data", "fsdp", "context"))
@@ -65,26 +64,32 @@ def _run(config, fsdp: int, batch: int, seq: int, repeats: int) -> dict:
 
     step = jax.jit(step, donate_argnums=(0, 1))
     compiled = step.lower(params, opt_state, inputs, labels).compile()
-    params, opt_state, value = step(params, opt_state, inputs, labels)  # warm up
-    jax.block_until_ready(value)
-    times = []
-    for _ in range(repeats):
+    state = dict(params=params, opt_state=opt_state)
+
+    def run() -> float:
         t0 = time.perf_counter()
-        params, opt_state, value = step(params, opt_state, inputs, labels)
+        state["params"], state["opt_state"], value = step(
+            state["params"], state["opt_state"], inputs, labels
+        )
         jax.block_until_ready(value)
-        times.append(time.perf_counter() - t0)
+        state["loss"] = float(value)
+        return time.perf_counter() - t0
+
+    run()  # warm up
     mem = compiled.memory_analysis()
     text = compiled.as_text()
     return dict(
         fsdp=fsdp,
-        param_bytes=_device0_bytes(params),
-        opt_bytes=_device0_bytes(opt_state),
+        run=run,
+        times=[],
+        param_bytes=_device0_bytes(state["params"]),
+        opt_bytes=_device0_bytes(state["opt_state"]),
         predicted=el.param_bytes_per_device(model),
         temp=mem.temp_size_in_bytes,
-        step=float(np.median(times)),
-        loss=float(value),
-        gathers=text.count(" all-gather("),
+        state=state,
+        gathers=text.count(" all-gather(") + text.count(" all-gather-start("),
         scatters=text.count(" reduce-scatter("),
+        reduces=text.count(" all-reduce(") + text.count(" all-reduce-start("),
     )
 
 
@@ -112,14 +117,20 @@ def main() -> None:
         f"{args.batch} x {args.seq} tokens; mesh data=8/f x fsdp=f; AdamW; median of "
         f"{args.repeats} steps.\n"
     )
-    rows = [_run(config, f, args.batch, args.seq, args.repeats) for f in args.fsdp]
+    rows = [_build(config, f, args.batch, args.seq) for f in args.fsdp]
+    # Round-robin timing: every column sees the same phases of a shared machine.
+    for _ in range(args.repeats):
+        for r in rows:
+            r["times"].append(r["run"]())
+    for r in rows:
+        r["step"] = float(np.median(r["times"]))
     base = rows[0]
     print(
         "| fsdp | params MiB/dev | opt state MiB/dev | (params+opt) x fsdp / replicated | "
         "predicted params MiB | temps MiB | step s | step / replicated | all-gathers | "
-        "reduce-scatters | loss |"
+        "reduce-scatters | all-reduces | loss after the steps |"
     )
-    print("|" + "---|" * 11)
+    print("|" + "---|" * 12)
     for r in rows:
         scaled = (r["param_bytes"] + r["opt_bytes"]) * r["fsdp"]
         ratio = scaled / (base["param_bytes"] + base["opt_bytes"]) * base["fsdp"]
@@ -127,7 +138,7 @@ def main() -> None:
             f"| {r['fsdp']} | {r['param_bytes'] / MIB:.2f} | {r['opt_bytes'] / MIB:.2f} | "
             f"{ratio:.3f} | {r['predicted'] / MIB:.2f} | {r['temp'] / MIB:.1f} | "
             f"{r['step']:.3f} | {r['step'] / base['step']:.2f}x | {r['gathers']} | "
-            f"{r['scatters']} | {r['loss']:.4f} |"
+            f"{r['scatters']} | {r['reduces']} | {r['state']['loss']:.5f} |"
         )
 
 

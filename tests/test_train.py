@@ -17,12 +17,12 @@ from eqx_longctx.train import (
     TrainConfig,
     Trainer,
     check_batch,
+    decay_mask,
     make_optimizer,
     make_train_step,
 )
 from eqx_longctx.train._checkpoint import check_meta_matches
 from eqx_longctx.train._cli import main
-from eqx_longctx.train._step import _decay_mask
 from models.llama import Llama, LlamaConfig
 
 SMALL_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "hidden_dim": 128}
@@ -87,7 +87,9 @@ def test_loss_decreases(tmp_path, datasets):
     assert result.status == "completed" and len(losses) == 30
     assert np.mean(losses[-5:]) < losses[0] - 1.0, losses
     assert result.val is not None and result.val["bpb"] < 6.5
-    assert result.val["bpb"] == pytest.approx(result.val["loss"] / np.log(2))
+    assert result.val["bits_per_token"] == pytest.approx(result.val["loss"] / np.log(2))
+    bits = result.val["loss"] * result.val["tokens"] / np.log(2)
+    assert result.val["bpb"] == pytest.approx(bits / result.val["bytes"])
 
 
 def test_checkpoint_round_trip(tmp_path, datasets):
@@ -141,7 +143,7 @@ def test_nonfinite_step_leaves_state_unchanged(datasets):
 def test_weight_decay_spares_norms_and_biases():
     config = LlamaConfig.from_preset("tiny", **SMALL_MODEL, attention_bias=True)
     params = eqx.filter(Llama(config, key=jax.random.key(0)), eqx.is_inexact_array)
-    mask = _decay_mask(params)
+    mask = decay_mask(params)
     layer = mask.layers.layers
     assert mask.embed and layer.attn.wq and layer.mlp.w_down
     assert not (mask.norm.weight or layer.attn_norm.weight or layer.mlp_norm.weight)
@@ -206,7 +208,7 @@ def test_cli_smoke(tmp_path, capsys):
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4]
     assert [r["step"] for r in records if r["split"] == "val"] == [2, 4]
-    for key in ("loss", "bpb", "lr", "grad_norm", "tokens_per_s", "wall_time"):
+    for key in ("loss", "bits_per_token", "bpb", "lr", "grad_norm", "tokens_per_s", "wall_time"):
         assert key in records[0]
     assert (run_dir / "loss.png").stat().st_size > 0
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2", "4"]

@@ -93,7 +93,7 @@ NAN, INF = float("nan"), float("inf")
         (
             {"devices": 8, "mesh": "data=2,pipeline=4"},
             ValueError,
-            r"axes from \('data', 'ulysses', .*bad part 'pipeline=4'",
+            r"axes from \('data', 'fsdp', .*bad part 'pipeline=4'",
         ),
         (
             {"devices": 8, "mesh": "data=2;context=4"},
@@ -131,8 +131,10 @@ def test_config_rule(tmp_path, changes, error, match):
         ("preset", 3, r"--preset must be a str; got int 3\. Pass a string"),
         ("mesh", 4, r"--mesh must be a str; got int 4\. Pass a string or None"),
         ("resume", "yes", r"--resume must be a bool; got str 'yes'\. Pass True or False"),
-        ("model_overrides", [1], r"--override \(model_overrides\) must map LlamaConfig"),
-        ("model_overrides", {1: 2}, r"must map LlamaConfig field names to values; got \{1: 2\}"),
+        ("model_overrides", [1], r"--override \(model_overrides\) must map field names of"),
+        ("model_overrides", {1: 2}, r"config \(e\.g\. LlamaConfig\) to values; got \{1: 2\}"),
+        ("model", None, r"--model must be a str; got NoneType None\. Pass a string\."),
+        ("fsdp_axes", 3, r"--fsdp-axes must be a str; got int 3\. Pass a string or None"),
     ],
 )
 def test_config_type_rule(tmp_path, field, value, match):

@@ -20,8 +20,11 @@ class ByteTokenizer:
     - `bos_id` (257) opens every document chunk, so its first byte gets a prediction.
     - `eos_id` (258) closes every document and is predicted like any byte.
     - `vocab_size` (259) is the size of the embedding table a model needs.
+    - `byte_ids` (256): ids below it are one byte of text each, so a loss over them can be
+      reported in bits per byte (a tokenizer without `byte_ids` gets bits per token).
     """
 
+    byte_ids: ClassVar[int] = 256
     pad_id: ClassVar[int] = 256
     bos_id: ClassVar[int] = 257
     eos_id: ClassVar[int] = 258

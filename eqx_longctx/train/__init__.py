@@ -1,10 +1,12 @@
 """Training: a functional train step, a resumable loop, orbax checkpoints and a CLI.
 
 `python -m eqx_longctx.train` (or `eqx-longctx-train`) trains the tiny Llama on the Python
-standard library in a few minutes on a laptop CPU. Library use:
+standard library in a few minutes on a laptop CPU; `--model deepseek` trains the tiny
+DeepSeek (MLA + MoE), and `--mesh fsdp=2,context=4` splits every weight and the optimizer
+state over the fsdp axis. Library use:
 
 ```python
-trainer = Trainer(TrainConfig(steps=200, run_dir="runs/demo"))
+trainer = Trainer(TrainConfig(model="llama", steps=200, run_dir="runs/demo"))
 result = trainer.run()
 print(result.summary())
 ```
@@ -20,6 +22,7 @@ from ._metrics import MetricsLog as MetricsLog
 from ._metrics import plot_metrics as plot_metrics
 from ._parallel import Placement as Placement
 from ._step import check_batch as check_batch
+from ._step import decay_mask as decay_mask
 from ._step import evaluate as evaluate
 from ._step import loss_fn as loss_fn
 from ._step import make_optimizer as make_optimizer
@@ -36,6 +39,7 @@ __all__ = [
     "build_model_config",
     "check_batch",
     "check_checkpoint_dir",
+    "decay_mask",
     "evaluate",
     "loss_fn",
     "make_optimizer",

@@ -66,6 +66,10 @@ def _to_json(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
 
+def _is_array_or_shape(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
+
+
 def _abstract(tree):
     def spec(x):
         sharding = getattr(x, "sharding", None)
@@ -140,16 +144,21 @@ class Checkpointer:
     def restore(self, model, opt_state, step: int | None = None):
         """Restore into the structure, shapes, dtypes and shardings of `model`/`opt_state`.
 
+        The checkpoint may have been saved under another mesh (or on one device): each
+        array is read straight into the target's sharding.
+
         **Arguments:**
 
-        - `model`: a freshly built model of the same config (its arrays give the targets).
-        - `opt_state`: a freshly initialised optimizer state for it.
+        - `model`: a model of the same config whose arrays give the targets: built, or
+          abstract (`jax.ShapeDtypeStruct`s with a `sharding`, e.g.
+          `Placement.abstract_model`, which allocates nothing).
+        - `opt_state`: its optimizer state, likewise built or abstract.
         - `step`: which checkpoint (default: the newest).
 
         **Returns:** `(model, opt_state, meta)`.
         """
         step = self._require_step(step)
-        params, static = eqx.partition(model, eqx.is_array)
+        params, static = eqx.partition(model, _is_array_or_shape)
         target = _abstract({"params": params, "opt_state": opt_state})
         restored = self._manager.restore(
             step,

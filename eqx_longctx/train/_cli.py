@@ -1,4 +1,5 @@
-"""`python -m eqx_longctx.train` / `eqx-longctx-train`: train the tiny Llama from the shell.
+"""`python -m eqx_longctx.train` / `eqx-longctx-train`: train a model from the shell (the
+tiny Llama by default; `--model deepseek` for MLA + MoE).
 
 Arguments are parsed before anything touches JAX: `--devices` must set the number of CPU
 devices before the first array exists, so the model and data modules (which may build
@@ -10,6 +11,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from models import FAMILY_NAMES
+
 from ._config import TrainConfig
 
 
@@ -17,7 +20,8 @@ def _override(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(
-            f"--override takes FIELD=VALUE (a LlamaConfig field); got {text!r}. "
+            f"--override takes FIELD=VALUE (a field of the model's config, e.g. LlamaConfig); "
+            f"got {text!r}. "
             "Example: --override n_layers=2"
         )
     return key, value
@@ -38,21 +42,27 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """**Returns:** the argument parser of the training CLI (a parse error raises
     `UsageError` rather than exiting)."""
+    from eqx_longctx.nn import REMAT_POLICIES
+
     d = TrainConfig(run_dir="unused")
     p = _Parser(
         prog=PROG,
-        description="Train a Llama on a text corpus (default: the tiny preset on the Python "
-        "standard library). Writes metrics.jsonl, loss.png and orbax checkpoints to --run-dir.",
+        description="Train a Llama or a DeepSeek on a text corpus (default: the tiny Llama on "
+        "the Python standard library). Writes metrics.jsonl, loss.png and orbax checkpoints to "
+        "--run-dir.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--preset", default=d.preset, help="models.llama.PRESETS key")
+    p.add_argument("--model", default=d.model, choices=FAMILY_NAMES, help="model family")
+    p.add_argument(
+        "--preset", default=d.preset, help="a preset of --model (models.family(NAME).presets)"
+    )
     p.add_argument(
         "--override",
         action="append",
         type=_override,
         default=[],
         metavar="FIELD=VALUE",
-        help="replace a LlamaConfig field (repeatable)",
+        help="replace a field of the model's config, e.g. n_layers=2 (repeatable)",
     )
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per row")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per step")
@@ -114,8 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mesh",
         default=d.mesh,
-        help="mesh axis sizes, e.g. data=2,context=4 or ulysses=2,context=4 (default: "
-        "context=DEVICES)",
+        help="mesh axis sizes, AXIS=SIZE with axes data, fsdp, expert, ulysses, context, "
+        "tensor, e.g. data=2,context=4 or fsdp=2,context=4 (default: data=2,context=DEVICES/2 "
+        "from 4 devices, else context=DEVICES)",
+    )
+    p.add_argument(
+        "--fsdp-axes",
+        default=d.fsdp_axes,
+        help="mesh axes the parameters, gradients and optimizer state are split over, "
+        "comma-separated, e.g. fsdp,context (default: fsdp when --mesh has it, else none)",
     )
     p.add_argument(
         "--strategy",
@@ -133,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default=d.on_nonfinite)
     p.add_argument(
         "--remat",
-        choices=("none", "full", "dots"),
+        choices=REMAT_POLICIES,
         default=None,
         help="rematerialisation policy (default: the preset's)",
     )
@@ -191,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         config = TrainConfig(
+            model=args.model,
             preset=args.preset,
             model_overrides=dict(args.override),
             seq_len=args.seq_len,
@@ -212,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.overwrite,
             devices=args.devices,
             mesh=args.mesh,
+            fsdp_axes=args.fsdp_axes,
             strategy=args.strategy,
             load_balance=args.load_balance,
             seed=args.seed,
@@ -225,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(trainer.nothing_to_do, flush=True)
             return 0
         print(
-            f"training {config.preset} ({trainer.model.num_params():,} parameters) for "
+            f"training {config.model} {config.preset} ({trainer.model.num_params():,} "
+            "parameters) for "
             f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
             f"{trainer.parallel.describe()}, "
             f"{'resuming at step ' + str(trainer.step) if config.resume else 'fresh run'} "

@@ -73,8 +73,9 @@ class TrainConfig:
 
     **Arguments:**
 
-    - `preset`: key of `models.llama.PRESETS`.
-    - `model_overrides`: `LlamaConfig` fields to replace, e.g. `{"num_layers": 2}`.
+    - `model`: the model family, one of `models.FAMILY_NAMES` (`"llama"`, `"deepseek"`).
+    - `preset`: key of that family's `PRESETS` (`models.family(model).presets`).
+    - `model_overrides`: fields of the family's config to replace, e.g. `{"n_layers": 2}`.
     - `seq_len`, `batch_size`: tokens per row, rows per step.
     - `steps`: total optimizer steps (the cosine schedule spans them).
     - `lr`, `warmup_steps`, `weight_decay`, `clip_norm`: see `make_optimizer`; `lr` finite
@@ -91,15 +92,20 @@ class TrainConfig:
     - `resume`: continue from the newest checkpoint in `run_dir`.
     - `overwrite`: delete an earlier run's checkpoints and metrics in `run_dir`.
     - `devices`: how many (on CPU: fake) devices to run on.
-    - `mesh`: their mesh, e.g. `"data=2,context=4"` (`None`: every device on `"context"`).
+    - `mesh`: their mesh, e.g. `"data=2,context=4"` or `"fsdp=2,context=4"` (axes from
+      `MESH_AXES`; `None`: [`default_mesh`][]).
+    - `fsdp_axes`: the mesh axes the parameters, gradients and optimizer state are split
+      over, comma-separated (e.g. `"fsdp,context"`); `None`: `"fsdp"` when the mesh has that
+      axis, else none (every weight replicated, as without FSDP).
     - `strategy`, `load_balance`: context-parallel attention (see `ShardingSpec`).
     - `seed`: model init, validation split and batch order.
     - `on_nonfinite`: `"stop"` ends the run at a non-finite loss; `"skip"` drops the update.
-    - `remat`: `"none"`, `"full"` or `"dots"` (see `eqx_longctx.nn.LayerStack`);
-      `None` keeps the preset's.
+    - `remat`: one of `eqx_longctx.nn.REMAT_POLICIES` (`"none"`, `"full"`, `"dots"`, ...;
+      see `eqx_longctx.nn.LayerStack`); `None` keeps the preset's.
     - `progress`: show a tqdm progress bar.
     """
 
+    model: str = "llama"
     preset: str = "tiny"
     model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seq_len: int = 256
@@ -123,6 +129,7 @@ class TrainConfig:
     overwrite: bool = False
     devices: int = 8
     mesh: str | None = None
+    fsdp_axes: str | None = None
     strategy: str = "ring"
     load_balance: str = "zigzag"
     seed: int = 0
@@ -169,8 +176,10 @@ _INTS = {
     "eval_batches": (1, "validation batches per evaluation; None: the whole split"),
     "final_eval_batches": (1, "validation batches after the last step; None: the whole split"),
 }
-_OPTIONAL = ("max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "remat")
-# Float fields: (rule, test, example).
+_OPTIONAL = (
+    "max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "fsdp_axes",
+    "remat",
+)  # fmt: skip
 # Float fields: (rule, test, example); None: the range is check_optimizer_settings's.
 _FLOATS = {
     "lr": (None, None, "3e-3"),
@@ -178,7 +187,7 @@ _FLOATS = {
     "clip_norm": (None, None, "1.0"),
     "val_fraction": ("finite and strictly between 0 and 1", lambda x: 0 < x < 1, "0.05"),
 }
-_STRS = ("preset", "data", "run_dir", "mesh")
+_STRS = ("model", "preset", "data", "run_dir", "mesh", "fsdp_axes")
 _BOOLS = ("resume", "overwrite", "progress")
 _SEED_LIMIT = 2**32
 
@@ -202,6 +211,7 @@ def check_train_config(config: "TrainConfig") -> None:
     """
     from eqx_longctx._sharding import LOAD_BALANCES, STRATEGIES
     from eqx_longctx.nn import REMAT_POLICIES
+    from models import FAMILY_NAMES
 
     from ._step import check_optimizer_settings
 
@@ -255,10 +265,12 @@ def check_train_config(config: "TrainConfig") -> None:
         isinstance(k, str) for k in config.model_overrides
     ):
         raise TypeError(
-            "--override (model_overrides) must map LlamaConfig field names to values; got "
-            f"{config.model_overrides!r}. Pass e.g. {{'n_layers': 2}} (CLI: --override n_layers=2)."
+            "--override (model_overrides) must map field names of the model's config (e.g. "
+            f"LlamaConfig) to values; got {config.model_overrides!r}. Pass e.g. "
+            "{'n_layers': 2} (CLI: --override n_layers=2)."
         )
     choices = {
+        "model": FAMILY_NAMES,
         "strategy": STRATEGIES,
         "load_balance": LOAD_BALANCES,
         "on_nonfinite": NONFINITE_MODES,
@@ -285,8 +297,10 @@ def check_train_config(config: "TrainConfig") -> None:
             f"over the rest of the run); got --warmup-steps {config.warmup_steps} and --steps "
             f"{config.steps}. Pass e.g. --warmup-steps {config.steps // 10}."
         )
+    shape = None
     if config.devices > 1 or config.mesh is not None:
-        mesh_shape(config.mesh, config.devices)
+        shape = mesh_shape(config.mesh, config.devices)
+    fsdp_axes_of(config.fsdp_axes, shape, config.mesh or default_mesh(config.devices))
     if config.resume and config.overwrite:
         raise ValueError(
             "--resume continues the checkpoints in --run-dir while --overwrite deletes them; "
@@ -295,55 +309,104 @@ def check_train_config(config: "TrainConfig") -> None:
 
 
 def build_model_config(config: TrainConfig, vocab_size: int):
-    """The `LlamaConfig` a run trains: the preset, fitted to the tokenizer and `seq_len`.
+    """The model config a run trains: the preset of its family, fitted to the tokenizer and
+    `seq_len`.
 
     **Arguments:**
 
-    - `config`: the run settings (`preset`, `model_overrides`, `remat`, `seq_len`).
+    - `config`: the run settings (`model`, `preset`, `model_overrides`, `remat`, `seq_len`).
     - `vocab_size`: the tokenizer's vocabulary size.
 
-    **Returns:** a `models.llama.LlamaConfig`.
+    **Returns:** an instance of `models.family(config.model).config` (e.g. `LlamaConfig`).
     """
-    from models.llama import PRESETS, LlamaConfig
+    from models import family
 
-    overrides = resolve_overrides(config.preset, config.model_overrides)
+    fam = family(config.model)
+    overrides = resolve_overrides(config.preset, config.model_overrides, model=config.model)
     changes: dict[str, Any] = {
         "vocab_size": vocab_size,
-        "max_seq_len": max(PRESETS[config.preset].max_seq_len, config.seq_len),
+        "max_seq_len": max(fam.presets[config.preset].max_seq_len, config.seq_len),
     }
     if config.remat is not None:
         changes["remat"] = config.remat
     changes.update(overrides)
-    return LlamaConfig.from_preset(config.preset, **changes)
+    return fam.config.from_preset(config.preset, **changes)
 
 
-def resolve_overrides(preset: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+def resolve_overrides(
+    preset: str, overrides: Mapping[str, Any], *, model: str = "llama"
+) -> dict[str, Any]:
     """Check a preset name and its overrides; turn CLI strings into the preset's types.
 
     **Arguments:**
 
-    - `preset`: a `models.llama.PRESETS` key (`--preset`).
-    - `overrides`: `LlamaConfig` field -> value (`--override FIELD=VALUE`; strings parse as
-      the preset's value for that field).
+    - `preset`: a key of the family's `PRESETS` (`--preset`).
+    - `overrides`: config field -> value (`--override FIELD=VALUE`; strings parse as the
+      preset's value for that field).
+    - `model`: the family (`--model`).
 
     **Returns:** the overrides with parsed values.
     """
-    from models.llama import PRESETS
+    from models import family
 
-    if preset not in PRESETS:
+    fam = family(model)
+    if preset not in fam.presets:
         raise ValueError(
-            f"--preset must be one of {sorted(PRESETS)}; got --preset {preset!r}. "
-            "Pass e.g. --preset tiny."
+            f"--preset must be one of --model {model}'s presets {sorted(fam.presets)}; got "
+            f"--preset {preset!r}. Pass e.g. --preset tiny."
         )
-    base = PRESETS[preset]
+    base = fam.presets[preset]
     fields = {f.name for f in dataclasses.fields(base)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(
-            f"--override must name LlamaConfig fields; got unknown {unknown}. "
-            f"Valid fields: {sorted(fields)}."
+            f"--override must name {fam.config.__name__} fields; got unknown {unknown} (--model "
+            f"{model}). Valid fields: {sorted(fields)}."
         )
     return {name: _coerce(value, getattr(base, name), name) for name, value in overrides.items()}
+
+
+def fsdp_axes_of(fsdp_axes: str | None, shape: Mapping[str, int] | None, mesh: str) -> tuple:
+    """The mesh axes a run splits its weights over (`--fsdp-axes`), checked against the mesh.
+
+    **Arguments:**
+
+    - `fsdp_axes`: `--fsdp-axes` text such as `"fsdp,context"`, or `None` for the default:
+      `("fsdp",)` when the mesh has an `fsdp` axis, else `()`.
+    - `shape`: the parsed mesh ([`mesh_shape`][]), or `None` for one device without a mesh.
+    - `mesh`: the `--mesh` text, for the messages.
+
+    **Returns:** the axis names, in the order given. Raises `ValueError` for an axis the mesh
+    lacks, one named twice, or a mesh `fsdp` axis left out (its devices would repeat the
+    same work).
+    """
+    if fsdp_axes is None:
+        return ("fsdp",) if shape is not None and "fsdp" in shape else ()
+    names = tuple(a.strip() for a in fsdp_axes.split(","))
+    if shape is None:
+        raise ValueError(
+            f"--fsdp-axes splits the weights over mesh axes, but --devices 1 without --mesh "
+            f"has no mesh; got --fsdp-axes {fsdp_axes!r}. Pass --devices N with --mesh (e.g. "
+            "--mesh fsdp=2,context=4), or drop --fsdp-axes."
+        )
+    if not all(names) or any(a not in shape for a in names):
+        raise ValueError(
+            f"--fsdp-axes names mesh axes joined by commas, each one of --mesh {mesh!r}'s axes "
+            f"{tuple(shape)}; got --fsdp-axes {fsdp_axes!r}. Pass e.g. --fsdp-axes "
+            f"{'fsdp' if 'fsdp' in shape else 'context'}, or add the axis to --mesh."
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"--fsdp-axes names each axis at most once; got --fsdp-axes {fsdp_axes!r}. Pass "
+            f"--fsdp-axes {','.join(dict.fromkeys(names))}."
+        )
+    if "fsdp" in shape and "fsdp" not in names:
+        raise ValueError(
+            f"--mesh {mesh!r} has an fsdp axis of size {shape['fsdp']}, but --fsdp-axes "
+            f"{fsdp_axes!r} leaves it out, so its devices would all do the same work. Add it "
+            f"(--fsdp-axes fsdp,{','.join(names)}), or move those devices to data=."
+        )
+    return names
 
 
 def _coerce(value: Any, like: Any, name: str) -> Any:

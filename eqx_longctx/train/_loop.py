@@ -10,7 +10,6 @@ checkpoints it cannot read.
 """
 
 import dataclasses
-import functools
 import math
 import pathlib
 import sys
@@ -18,7 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
@@ -31,6 +29,15 @@ from ._step import check_batch, evaluate, make_optimizer, make_train_step
 BatchHook = Callable[[int, Any], Any]
 
 
+def describe_loss(record: dict[str, Any]) -> str:
+    """**Returns:** e.g. `"1.2345 nats/token, 1.7810 bits/token, 1.7902 bits/byte"` (bits
+    per byte only when the record has them: a byte tokenizer)."""
+    text = f"{record['loss']:.4f} nats/token, {record['bits_per_token']:.4f} bits/token"
+    if record.get("bpb") is not None:
+        text += f", {record['bpb']:.4f} bits/byte"
+    return text
+
+
 @dataclasses.dataclass
 class TrainResult:
     """What a run ended with.
@@ -41,7 +48,8 @@ class TrainResult:
     - `step`: completed steps (a step that stopped the run does not count);
       `skipped_steps`: updates dropped as non-finite by `on_nonfinite="skip"`.
     - `wall_time`: seconds, including earlier segments of a resumed run.
-    - `val`: the last validation `{"loss", "bpb", "tokens"}`, or `None`.
+    - `val`: the last validation record (see `evaluate`: `loss` in nats per token,
+      `bits_per_token`, and for a byte tokenizer `bpb`), or `None`.
     - `model`, `opt_state`: the final (last finite) state.
     - `metrics_path`, `plot_path`, `checkpoint_dir`, `checkpoint_steps`: where things are.
     """
@@ -60,13 +68,13 @@ class TrainResult:
 
     def summary(self) -> str:
         """**Returns:** a few human-readable lines about the run."""
-        val = "n/a" if self.val is None else f"{self.val['bpb']:.4f}"
+        val = "n/a" if self.val is None else describe_loss(self.val)
         return "\n".join(
             [
                 f"status:        {self.status}",
                 f"steps:         {self.step} ({self.skipped_steps} skipped as non-finite)",
                 f"wall time:     {self.wall_time:.1f} s",
-                f"val bpb:       {val}",
+                f"val loss:      {val}",
                 f"metrics:       {self.metrics_path}",
                 f"loss curve:    {self.plot_path}",
                 f"checkpoints:   {self.checkpoint_dir} (steps {self.checkpoint_steps})",
@@ -74,11 +82,28 @@ class TrainResult:
         )
 
 
-@functools.lru_cache(maxsize=8)
-def _cached_train_step(lr, warmup_steps, total_steps, weight_decay, clip_norm):
-    # One function object per optimizer setting, so fresh Trainers reuse the compiled step.
-    optimizer = make_optimizer(lr, warmup_steps, total_steps, weight_decay, clip_norm)
-    return optimizer, make_train_step(optimizer)
+_STEP_CACHE: dict[tuple, tuple[Any, Any]] = {}
+
+
+def _cached_train_step(config: TrainConfig, model_config, parallel: Placement, model):
+    """The optimizer and jitted train step of a run: one function object per (optimizer
+    settings, model config, sharding spec), so fresh Trainers reuse the compiled step."""
+    warmup = config.warmup_steps or 0  # TrainConfig resolved None
+    settings = (config.lr, warmup, config.steps, config.weight_decay, config.clip_norm)
+    key = (settings, model_config, parallel.spec)
+    if key not in _STEP_CACHE:
+        optimizer = make_optimizer(*settings)
+        shardings = None
+        if parallel.spec is not None:
+            shardings = (
+                parallel.param_shardings(model),
+                parallel.opt_state_shardings(optimizer, model),
+            )
+        step = make_train_step(optimizer, shardings=shardings, donate=True)
+        while len(_STEP_CACHE) >= 8:
+            _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
+        _STEP_CACHE[key] = (optimizer, step)
+    return _STEP_CACHE[key]
 
 
 class Trainer:
@@ -93,23 +118,36 @@ class Trainer:
 
     **Arguments:**
 
-    - `config`: the run settings.
-    - `datasets`: `(train, val)` `PackedDataset`s to use instead of loading `config.data`.
+    - `config`: the run settings; `config.model` picks the family (`models.family`), so
+      the loop trains a Llama or a DeepSeek (MLA + MoE) alike.
+    - `datasets`: `(train, val)` `PackedDataset`s to use instead of loading `config.data`
+      (encoded with `ByteTokenizer`, like `load_datasets`).
     - `batch_hook`: `hook(step, batch) -> batch` applied to every training batch (to inject
       faults in tests, or augment).
     """
 
     def __init__(self, config: TrainConfig, *, datasets=None, batch_hook: BatchHook | None = None):
         from eqx_longctx.data import ByteTokenizer, load_datasets
-        from models.llama import Llama
+        from models import family
 
         self.config = config
         self.batch_hook = batch_hook
+        self.tokenizer = ByteTokenizer()
         # Every check that needs no data comes first: bad flags fail before the corpus is
         # read and the model built.
-        self.model_config = build_model_config(config, ByteTokenizer.vocab_size)
-        self.parallel = Placement(config.devices, config.mesh, config.strategy, config.load_balance)
+        self.family = family(config.model)
+        self.model_config = build_model_config(config, self.tokenizer.vocab_size)
+        self.parallel = Placement(
+            config.devices,
+            config.mesh,
+            config.strategy,
+            config.load_balance,
+            config.fsdp_axes,
+            vocab_size=self.model_config.vocab_size,
+        )
         self.parallel.check_run(config.batch_size, config.seq_len, self.model_config)
+        # The layout of every weight: a dimension the mesh does not divide fails here.
+        self._abstract_model = self.parallel.abstract_model(self._make_model)
         self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ValueError(
@@ -146,35 +184,38 @@ class Trainer:
         self.plot_path = self.run_dir / "loss.png"
         self.checkpointer = Checkpointer(checkpoint_dir, max_to_keep=config.keep_checkpoints)
         try:
-            self._init_state(Llama)
+            self._init_state()
         except BaseException:
             self.checkpointer.close()
             raise
         self.last_val: dict[str, float] | None = None
 
-    def _init_state(self, model_class) -> None:
-        """Build model and optimizer state: fresh, or restored from the newest readable
-        checkpoint."""
-        config, checkpointer = self.config, self.checkpointer
+    def _make_model(self, spec):
+        return self.family.model(self.model_config, key=jax.random.key(self.config.seed), spec=spec)
+
+    def _init_state(self) -> None:
+        """Build model and optimizer state straight into their shards: fresh, or restored
+        from the newest readable checkpoint into this run's layout (whatever the mesh that
+        saved it)."""
+        config, checkpointer, parallel = self.config, self.checkpointer, self.parallel
         if not config.resume and checkpointer.steps() and not config.overwrite:
             raise ValueError(
                 "a fresh run must not mix with an earlier run's checkpoints; "
                 f"{checkpointer.directory} holds steps {checkpointer.steps()}. Pass --resume "
                 "to continue that run, --overwrite to delete it, or a new --run-dir."
             )
-        replicate = self.parallel.replicate
-        model = replicate(
-            model_class(self.model_config, key=jax.random.key(config.seed), spec=self.parallel.spec)
-        )
         self.optimizer, self.train_step = _cached_train_step(
-            config.lr, config.warmup_steps, config.steps, config.weight_decay, config.clip_norm
+            config, self.model_config, parallel, self._abstract_model
         )
-        opt_state = replicate(self.optimizer.init(eqx.filter(model, eqx.is_inexact_array)))
         self.step, self.skipped, self.wall_offset = 0, 0, 0.0
         self.nothing_to_do: str | None = None
         if config.resume:
-            model, opt_state = self._resume(model, opt_state)
+            abstract = self._abstract_model
+            target = parallel.abstract_opt_state(self.optimizer, abstract)
+            model, opt_state = self._resume(abstract, target)
         else:
+            model = parallel.build_model(self._make_model)
+            opt_state = parallel.init_opt_state(self.optimizer, model)
             checkpointer.delete_all()  # empty unless overwrite=True
             self.metrics.reset()
             write_flags(self.run_dir, config)
@@ -238,12 +279,19 @@ class Trainer:
         }
 
     def evaluate(self, final: bool = False) -> dict[str, float]:
-        """Validation loss and bits per byte of the current model, on `eval_batches`
-        batches (`final_eval_batches` when `final`)."""
+        """Validation loss (nats and bits per token; bits per byte for a byte tokenizer)
+        of the current model, on `eval_batches` batches (`final_eval_batches` when
+        `final`)."""
         cfg = self.config
         max_batches = cfg.final_eval_batches if final else cfg.eval_batches
-        put = self.parallel.shard_batch
-        val = evaluate(self.model, self.val_data, cfg.batch_size, max_batches=max_batches, put=put)
+        val = evaluate(
+            self.model,
+            self.val_data,
+            cfg.batch_size,
+            max_batches=max_batches,
+            put=self.parallel.shard_batch,
+            tokenizer=self.tokenizer,
+        )
         return {**val, "final": final}
 
     def run(self, stop_at: int | None = None) -> TrainResult:
@@ -284,7 +332,8 @@ class Trainer:
                 if not checked:  # once per segment: ids are all in range or nothing runs
                     check_batch(batch, self.model_config.vocab_size)
                     checked = True
-                model, opt_state, m = self.train_step(
+                # The step donates the state passed in; a non-finite step returns it unchanged.
+                self.model, self.opt_state, m = self.train_step(
                     self.model, self.opt_state, self.parallel.shard_batch(batch)
                 )
                 m = {k: v.item() for k, v in jax.device_get(m).items()}
@@ -299,7 +348,7 @@ class Trainer:
                         f"step {self.step + 1}: non-finite loss={m['loss']} grad_norm="
                         f"{m['grad_norm']}; update skipped ({self.skipped} so far)."
                     )
-                self.model, self.opt_state, self.step = model, opt_state, self.step + 1
+                self.step += 1
                 if math.isfinite(m["loss"]):
                     smooth = m["loss"] if smooth is None else 0.9 * smooth + 0.1 * m["loss"]
                 bar.update(1)
@@ -310,8 +359,9 @@ class Trainer:
                 )
                 wall = time.perf_counter() - start
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    keys = ("loss", "bpb", "lr", "grad_norm", "tokens")
-                    record = {"split": "train", "step": self.step, **{k: m[k] for k in keys}}
+                    keys = ("loss", "bits_per_token", "bpb", "lr", "grad_norm", "tokens")
+                    record = {"split": "train", "step": self.step}
+                    record.update({k: m[k] for k in keys if k in m})
                     record.update(tokens_per_s=tokens_per_step / dt, wall_time=wall)
                     self.metrics.write({**record, "skipped_steps": self.skipped})
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
@@ -319,10 +369,7 @@ class Trainer:
                     self.metrics.write(
                         {"split": "val", "step": self.step, **self.last_val, "wall_time": wall}
                     )
-                    say(
-                        f"step {self.step}: val loss {self.last_val['loss']:.4f} nats/token, "
-                        f"{self.last_val['bpb']:.4f} bits/byte"
-                    )
+                    say(f"step {self.step}: val loss {describe_loss(self.last_val)}")
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.checkpointer.save(
                         self.step,
@@ -335,7 +382,8 @@ class Trainer:
             self.checkpointer.wait()
         records = self.metrics.read()
         if records:
-            plot_metrics(records, self.plot_path, title=f"{cfg.preset} on {cfg.data or 'stdlib'}")
+            title = f"{cfg.model} {cfg.preset} on {cfg.data or 'stdlib'}"
+            plot_metrics(records, self.plot_path, title=title)
         return self._result(status, time.perf_counter() - start)
 
     def _result(self, status: str, wall_time: float) -> TrainResult:

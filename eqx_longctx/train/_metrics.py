@@ -51,7 +51,8 @@ class MetricsLog:
 
 
 def plot_metrics(records: list[dict[str, Any]], path: str | pathlib.Path, title: str = "") -> None:
-    """Draw train and validation bits per byte (and the learning rate) against step.
+    """Draw train and validation loss against step (and the learning rate), in bits per
+    byte when the records have them (a byte tokenizer), else in bits per token.
 
     **Arguments:**
 
@@ -64,25 +65,28 @@ def plot_metrics(records: list[dict[str, Any]], path: str | pathlib.Path, title:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [r for r in records if r.get("split") == "train" and r.get("bpb") is not None]
-    val = [r for r in records if r.get("split") == "val" and r.get("bpb") is not None]
+    key, unit = ("bpb", "bits per byte")
+    if not any(r.get("bpb") is not None for r in records):
+        key, unit = ("bits_per_token", "bits per token")
+    train = [r for r in records if r.get("split") == "train" and r.get(key) is not None]
+    val = [r for r in records if r.get("split") == "val" and r.get(key) is not None]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     if train:
         steps = [r["step"] for r in train]
-        bpb = [r["bpb"] for r in train]
-        ax.plot(steps, bpb, color="tab:blue", alpha=0.3, lw=0.8)
-        ax.plot(steps, _ema(bpb, 0.9), color="tab:blue", lw=1.6, label="train (EMA 0.9)")
+        bits = [r[key] for r in train]
+        ax.plot(steps, bits, color="tab:blue", alpha=0.3, lw=0.8)
+        ax.plot(steps, _ema(bits, 0.9), color="tab:blue", lw=1.6, label="train (EMA 0.9)")
     if val:
         ax.plot(
             [r["step"] for r in val],
-            [r["bpb"] for r in val],
+            [r[key] for r in val],
             "o-",
             color="tab:orange",
             lw=1.6,
             label="validation",
         )
     ax.set_xlabel("step")
-    ax.set_ylabel("bits per byte")
+    ax.set_ylabel(unit)
     ax.grid(alpha=0.3)
     if train and any(r.get("lr") is not None for r in train):
         lr_ax = ax.twinx()

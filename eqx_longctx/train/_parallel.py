@@ -1,20 +1,26 @@
 """Where a training run's arrays live: one device, or a mesh with a `ShardingSpec`.
 
-On a mesh the batch is split over `"data"` (if the mesh has it), the sequence over
-`"context"` (and `"ulysses"` under USP) in the spec's load-balanced layout, and the model
-and optimizer state are replicated; attention runs the spec's context-parallel strategy and
-XLA inserts the gradient reductions.
+On a mesh the batch is split over the spec's `batch_axes` (`"data"`, the fsdp axes that are
+not sequence axes, `"expert"`), the sequence over `"context"` (and `"ulysses"` under USP) in
+the spec's load-balanced layout. Every parameter is placed by the rules table
+(`eqx_longctx.param_shardings`): split over the `--fsdp-axes` (ZeRO-3), the `"tensor"` axis
+(Megatron) and the `"expert"` axis, replicated over the rest; the optimizer state is laid
+out like the parameters it tracks, and the train step keeps both layouts.
 """
+
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eqx_longctx import ShardingSpec
 from eqx_longctx.data import place_batch
 
-from ._config import default_mesh, mesh_shape
+from ._config import default_mesh, fsdp_axes_of, mesh_shape
 
 
 class Placement:
@@ -22,10 +28,17 @@ class Placement:
 
     **Arguments:**
 
-    - `devices`: how many devices to use; 1 keeps everything on the default device.
-    - `mesh`: axis sizes such as `"data=2,context=4"` (product = `devices`), or `None` for
-      `default_mesh(devices)`.
+    - `devices`: how many devices to use; 1 without `mesh` keeps everything on the default
+      device.
+    - `mesh`: axis sizes such as `"fsdp=2,context=4"` (product = `devices`), or `None` for
+      `default_mesh(devices)`. `"tensor"` and `"expert"` axes, when present, become the
+      spec's `tensor_axis` and `expert_axis`.
     - `strategy`, `load_balance`: the `ShardingSpec`'s (see `eqx_longctx.ShardingSpec`).
+    - `fsdp_axes`: `--fsdp-axes` text (see [`fsdp_axes_of`][]); `None`: `"fsdp"` when the
+      mesh has that axis.
+    - `vocab_size`: the model's vocabulary; one the tensor axis does not divide (the byte
+      tokenizer's 259) is kept whole rather than split over it (the embedding and output
+      head then hold every row on each tensor shard; the arithmetic is unchanged).
     """
 
     def __init__(
@@ -34,6 +47,8 @@ class Placement:
         mesh: str | None = None,
         strategy: str = "ring",
         load_balance: str = "zigzag",
+        fsdp_axes: str | None = None,
+        vocab_size: int | None = None,
     ):
         available = jax.devices()
         if not 1 <= devices <= len(available):
@@ -45,13 +60,18 @@ class Placement:
             )
         self.num_devices = devices
         self.spec: ShardingSpec | None = None
+        self.device = available[0]
+        self.whole_vocab = False
         if devices == 1 and mesh is None:
-            self._replicated = available[0]
+            fsdp_axes_of(fsdp_axes, None, "")
             return
+        text = mesh or default_mesh(devices)
         shape = mesh_shape(mesh, devices)
-        # Auto axes: jit propagates shardings through the replicated model and optimizer.
+        fsdp = fsdp_axes_of(fsdp_axes, shape, text)
         grid = np.array(available[:devices]).reshape(tuple(shape.values()))
         self.mesh = Mesh(grid, tuple(shape))
+        tensor = shape.get("tensor", 1)
+        self.whole_vocab = vocab_size is not None and tensor > 1 and vocab_size % tensor != 0
         try:
             self.spec = ShardingSpec(
                 self.mesh,
@@ -59,61 +79,235 @@ class Placement:
                 load_balance=load_balance,
                 ulysses_axis="ulysses" if "ulysses" in shape else None,
                 tensor_axis="tensor" if "tensor" in shape else None,
+                fsdp_axis=fsdp,
+                expert_axis="expert" if "expert" in shape else None,
+                rules={"vocab": None} if self.whole_vocab else None,
             )
         except ValueError as e:
-            text = mesh or default_mesh(devices)
-            raise ValueError(f"--mesh {text!r} with --strategy {strategy!r}: {e}") from None
+            flags = f"--mesh {text!r} with --strategy {strategy!r}"
+            if fsdp_axes is not None:
+                flags += f" and --fsdp-axes {fsdp_axes!r}"
+            raise ValueError(f"{flags}: {e}") from None
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
 
+    # ---- checks ------------------------------------------------------------------------
+
     def check_run(self, batch_size: int, seq_len: int, model_config) -> None:
-        """Check that a run's batches and the model's heads split over this mesh, before
-        anything is built or traced.
+        """Check that a run's batches, the model's heads and its experts split over this
+        mesh, before anything is built or traced.
 
         The rules are the attention's own (`ShardingSpec.check_batch`,
         `check_sequence_length`, the tensor and Ulysses head checks), applied to the shapes
-        every step will have; their messages are prefixed with the flags that set them.
+        every step will have, and the expert axis's (the routed experts divide over it);
+        their messages are prefixed with the flags that set them.
 
         **Arguments:**
 
         - `batch_size`, `seq_len`: `--batch-size`, `--seq-len`.
-        - `model_config`: the `LlamaConfig` (its `n_heads`, `n_kv_heads`, `head_dim`).
+        - `model_config`: the model's config (`LlamaConfig`, `DeepSeekConfig`: anything
+          with `n_heads` and either `n_kv_heads`/`head_dim` or MLA's
+          `qk_nope_head_dim`/`qk_rope_head_dim`).
         """
         if self.spec is None:
             return
         from eqx_longctx._layout import check_sequence_length
         from eqx_longctx.attention._validate import check_spec_inputs
 
-        self.spec.check_batch(batch_size, what=f"--batch-size {batch_size}")
+        spec, mesh = self.spec, dict(self.mesh.shape)
+        spec.check_batch(batch_size, what=f"--batch-size {batch_size}")
         try:
-            check_sequence_length(self.spec, seq_len)
+            check_sequence_length(spec, seq_len)
         except ValueError as e:
             raise ValueError(f"--seq-len {seq_len}: {e}") from None
-        c = model_config
-        kv_heads = c.n_kv_heads or c.n_heads
-        q = jax.ShapeDtypeStruct((batch_size, seq_len, c.n_heads, c.head_dim), np.float32)
-        k = jax.ShapeDtypeStruct((batch_size, seq_len, kv_heads, c.head_dim), np.float32)
+        self._check_experts(model_config)
+        if spec.tensor_axis is not None and hasattr(model_config, "kv_lora_rank"):
+            # latent_attention's own rule, raised here before anything is built.
+            raise ValueError(
+                f"--mesh tensor={spec.axis_size(spec.tensor_axis)} splits attention heads, but "
+                f"the model's multi-head latent attention ({type(model_config).__name__}) "
+                "replicates its up-projection and cannot split heads. Drop tensor= from "
+                "--mesh (fsdp= splits the weights instead)."
+            )
+        q_heads, kv_heads, head_dim = attention_heads(model_config)
+        q = jax.ShapeDtypeStruct((batch_size, seq_len, q_heads, head_dim), np.float32)
+        k = jax.ShapeDtypeStruct((batch_size, seq_len, kv_heads, head_dim), np.float32)
         try:
-            check_spec_inputs(self.spec, q, k, None)
+            check_spec_inputs(spec, q, k, None)
         except ValueError as e:
             raise ValueError(
-                f"--strategy {self.spec.strategy!r} on mesh {dict(self.mesh.shape)} with the "
-                f"model's {c.n_heads} query / {kv_heads} key-value heads: {e}"
+                f"--strategy {spec.strategy!r} on mesh {mesh} with the model's {q_heads} "
+                f"query / {kv_heads} key-value heads: {e}"
             ) from None
+
+    def _check_experts(self, model_config) -> None:
+        spec = self.spec
+        if spec is None or spec.expert_axis is None:
+            return
+        n = spec.axis_size(spec.expert_axis)
+        experts = getattr(model_config, "n_routed_experts", None)
+        name = type(model_config).__name__
+        if experts is None:
+            raise ValueError(
+                f"--mesh expert={n} splits the routed experts of MoE layers, but the model "
+                f"({name}) has none. Use --model deepseek, or move those devices to data= or "
+                "fsdp=."
+            )
+        if experts % n:
+            raise ValueError(
+                f"--mesh expert={n} splits the model's {experts} routed experts ({name}."
+                f"n_routed_experts), so they must be divisible by {n}. Use an expert axis "
+                f"whose size divides {experts}."
+            )
 
     def describe(self) -> str:
         if self.spec is None:
             return "1 device"
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        weights = ",".join(self.spec.fsdp_axis) or "none"
+        vocab = ", vocabulary kept whole over tensor" if self.whole_vocab else ""
         return (
             f"{self.num_devices} devices (mesh {axes}; strategy={self.spec.strategy}, "
-            f"load_balance={self.spec.load_balance})"
+            f"load_balance={self.spec.load_balance}, weights split over fsdp axes "
+            f"{weights}{vocab})"
         )
 
-    def replicate(self, tree):
-        """**Returns:** `tree` with every array copied to all devices (other leaves kept)."""
-        arrays, rest = eqx.partition(tree, eqx.is_array)
-        return eqx.combine(jax.device_put(arrays, self._replicated), rest)
+    # ---- model and optimizer state -----------------------------------------------------
+
+    def build_model(self, make: Callable[[ShardingSpec | None], Any]):
+        """Build the model straight into its shards (no device holds the whole model).
+
+        **Arguments:**
+
+        - `make`: `make(spec) -> model`, e.g. `lambda spec: Llama(config, key=key,
+          spec=spec)`.
+
+        **Returns:** the model, its arrays placed by `eqx_longctx.param_shardings` (on one
+        device: the default device).
+        """
+        if self.spec is None:
+            model = make(None)
+            arrays, rest = eqx.partition(model, eqx.is_array)
+            return eqx.combine(jax.device_put(arrays, self.device), rest)
+        from eqx_longctx import init_sharded
+
+        spec = self.spec
+        return init_sharded(lambda: make(spec), spec)
+
+    def abstract_model(self, make: Callable[[ShardingSpec | None], Any]):
+        """**Returns:** the model with every array a `jax.ShapeDtypeStruct` carrying the
+        sharding `build_model` would give it: a restore target that allocates nothing."""
+        shapes = eqx.filter_eval_shape(make, self.spec)
+        arrays, rest = eqx.partition(shapes, _is_abstract)
+        shardings = self.param_shardings(shapes)
+        if shardings is None:
+            shardings = jax.tree.map(
+                lambda _: jax.sharding.SingleDeviceSharding(self.device), arrays
+            )
+        placed = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), arrays, shardings
+        )
+        return eqx.combine(placed, rest)
+
+    def param_shardings(self, model):
+        """**Returns:** the `NamedSharding` of every inexact array of `model` (the tree of
+        `eqx.filter(model, eqx.is_inexact_array)`), or `None` on one device."""
+        if self.spec is None:
+            return None
+        from eqx_longctx import param_shardings
+
+        shardings = param_shardings(model, self.spec)
+        inexact = eqx.filter(model, _is_inexact)
+        return jax.tree.map(
+            lambda x, s: s if x is not None else None,
+            inexact,
+            shardings,
+            is_leaf=lambda x: x is None,
+        )
+
+    def opt_state_shardings(self, optimizer: optax.GradientTransformation, model):
+        """The layout of `optimizer`'s state for `model`: every subtree shaped like the
+        parameters (Adam's moments) sharded as the parameters are, everything else (step
+        counts, hyperparameters) replicated. `None` on one device.
+
+        **Arguments:**
+
+        - `optimizer`: the optimizer.
+        - `model`: the model, or its `abstract_model`.
+        """
+        if self.spec is None:
+            return None
+        params = eqx.filter(model, _is_inexact)
+        params_def = jax.tree.structure(params)
+        param_sh = self.param_shardings(model)
+        state = jax.eval_shape(optimizer.init, _as_shapes(params))
+
+        def is_params(x) -> bool:
+            return not _is_abstract(x) and jax.tree.structure(x) == params_def
+
+        def layout(x):
+            return param_sh if is_params(x) else self._replicated
+
+        return jax.tree.map(layout, state, is_leaf=is_params)
+
+    def abstract_opt_state(self, optimizer: optax.GradientTransformation, model):
+        """**Returns:** the optimizer state of `model` (or its `abstract_model`) as
+        `jax.ShapeDtypeStruct`s carrying their shardings: a restore target."""
+        params = _as_shapes(eqx.filter(model, _is_inexact))
+        state = jax.eval_shape(optimizer.init, params)
+        shardings = self.opt_state_shardings(optimizer, model)
+        if shardings is None:
+            single = jax.sharding.SingleDeviceSharding(self.device)
+            shardings = jax.tree.map(lambda _: single, state)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+        )
+
+    def init_opt_state(self, optimizer: optax.GradientTransformation, model):
+        """**Returns:** `optimizer.init` of the model's inexact arrays, built straight into
+        the layout of [`opt_state_shardings`][]."""
+        params = eqx.filter(model, eqx.is_inexact_array)
+        if self.spec is None:
+            return jax.device_put(optimizer.init(params), self.device)
+        shardings = self.opt_state_shardings(optimizer, model)
+        return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
     def shard_batch(self, batch):
         """**Returns:** `batch` in the spec's token layout, split over the mesh."""
         return place_batch(batch, self.spec)
+
+
+def attention_heads(model_config) -> tuple[int, int, int]:
+    """**Returns:** `(query heads, key/value heads, query/key head width)` of a model
+    config: GQA's `n_heads`, `n_kv_heads`, `head_dim`, or for multi-head latent attention
+    (MLA: keys and values are up-projected per query head) `n_heads` twice and
+    `qk_nope_head_dim + qk_rope_head_dim`."""
+    c = model_config
+    if hasattr(c, "qk_rope_head_dim"):
+        return c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    kv_heads = getattr(c, "n_kv_heads", None) or c.n_heads
+    return c.n_heads, kv_heads, c.head_dim
+
+
+def bytes_on_device(tree, device) -> int:
+    """**Returns:** the bytes of `tree`'s arrays that live on `device` (its shards)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                if shard.device == device:
+                    total += shard.data.nbytes
+    return total
+
+
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
+
+
+def _is_inexact(x: Any) -> bool:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return bool(np.issubdtype(x.dtype, np.inexact))
+    return eqx.is_inexact_array(x)
+
+
+def _as_shapes(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)

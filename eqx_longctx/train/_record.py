@@ -4,13 +4,15 @@ for which of them `--resume` may change.
 Every `TrainConfig` field falls in one of three groups:
 
 - `RUN_FLAGS` define the run: the data and its order (`data`, `max_bytes`, `val_fraction`,
-  `seed`), the shapes (`seq_len`, `batch_size`), the model (`preset`, `model_overrides`)
+  `seed`), the shapes (`seq_len`, `batch_size`), the model (`model`, `preset`,
+  `model_overrides`)
   and the optimizer with its schedule (`lr`, `warmup_steps`, `weight_decay`, `clip_norm`,
   `steps`: the cosine decay spans `steps`, so a different value changes the learning rate
   of every step after warmup, including ones already taken). Resuming with another value
   would not continue the same run, so `--resume` refuses it.
 - `RESHARDABLE_FLAGS` say where and how the same arithmetic runs (`devices`, `mesh`,
-  `strategy`, `load_balance`, `remat`): changing them on resume gives the same
+  `fsdp_axes`, `strategy`, `load_balance`, `remat`: a checkpoint restores into the
+  shardings of the current mesh): changing them on resume gives the same
   mathematics, equal up to floating-point summation order (bitwise-exact resume holds for
   unchanged values only).
 - `FREE_FLAGS` are bookkeeping and policy (strides, evaluation sizes, checkpoints kept,
@@ -25,6 +27,7 @@ from typing import Any
 from ._config import TrainConfig, flag_name, resolve_overrides
 
 RUN_FLAGS = (
+    "model",
     "preset",
     "model_overrides",
     "seq_len",
@@ -39,7 +42,7 @@ RUN_FLAGS = (
     "val_fraction",
     "seed",
 )
-RESHARDABLE_FLAGS = ("devices", "mesh", "strategy", "load_balance", "remat")
+RESHARDABLE_FLAGS = ("devices", "mesh", "fsdp_axes", "strategy", "load_balance", "remat")
 FREE_FLAGS = (
     "checkpoint_every",
     "eval_every",
@@ -61,7 +64,8 @@ def run_flags(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
     """The record of a run's flags, normalised so that equal runs give equal records.
 
     Model overrides are parsed against the preset (`"2"` from the CLI equals `2` from
-    Python) and `data` becomes an absolute path. Per-invocation switches (`run_dir`,
+    Python), `data` becomes an absolute path, and a record from before `--model` existed
+    gets `model="llama"` (the only family then). Per-invocation switches (`run_dir`,
     `resume`, `overwrite`, `progress`) are left out.
 
     **Arguments:**
@@ -72,9 +76,12 @@ def run_flags(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
     """
     fields = vars(config) if isinstance(config, TrainConfig) else dict(config)
     record = {k: v for k, v in fields.items() if k not in _NOT_RECORDED}
+    record.setdefault("model", "llama")
     overrides = record.get("model_overrides") or {}
     try:
-        record["model_overrides"] = resolve_overrides(record.get("preset", ""), overrides)
+        record["model_overrides"] = resolve_overrides(
+            record.get("preset", ""), overrides, model=record["model"]
+        )
     except ValueError:
         record["model_overrides"] = dict(overrides)  # an old record: compare it as written
     if record.get("data") is not None:

@@ -4,7 +4,6 @@ Everything here is a pure function of its arguments; the loop in `_loop.py` owns
 """
 
 import math
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -13,9 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
+from eqx_longctx.data import ByteTokenizer
+
 _LN2 = math.log(2.0)
+_BYTES = ByteTokenizer()
 
 TrainStep = Callable[[Any, optax.OptState, Any], tuple[Any, optax.OptState, dict[str, Array]]]
 
@@ -73,17 +76,46 @@ def make_schedule(lr: float, warmup_steps: int, total_steps: int) -> optax.Sched
     )
 
 
-_NO_DECAY = re.compile(r"norm|bias|^b[a-z]?$")
+# A heads axis and the per-head width after it are one feature axis split in two: a bias
+# `[q_heads, head_dim]` is a vector, a projection `[embed, q_heads, head_dim]` a matrix.
+_HEAD_AXES = ("q_heads", "kv_heads", "heads")
 
 
-def _decay_mask(params):
-    # Matrices decay; norm scales and biases do not. Stacked layers give those a leading
-    # `layers` axis, so the rank alone cannot tell them apart: their names do.
-    def decay(path, x):
-        names = [str(getattr(k, "name", getattr(k, "key", ""))) for k in path]
-        return x.ndim >= 2 and not any(_NO_DECAY.search(n) for n in names)
+def matrix_rank(axes: PartitionSpec) -> int:
+    """The rank of a weight as the linear map it is, from its logical axes.
 
-    return jax.tree_util.tree_map_with_path(decay, params)
+    The leading `"layers"` axis of a stacked weight does not count, and a heads axis
+    followed by the per-head width counts once.
+
+    **Arguments:**
+
+    - `axes`: the weight's logical axes, e.g. `P("layers", "embed", "q_heads", "head_dim")`.
+
+    **Returns:** e.g. 2 for that projection, 1 for a norm scale or a per-head bias.
+    """
+    names = list(axes)
+    if names and names[0] == "layers":
+        names = names[1:]
+    fused = sum(1 for name in names[:-1] if name in _HEAD_AXES)
+    return len(names) - fused
+
+
+def decay_mask(params):
+    """Which parameters weight decay applies to: the matrices (`matrix_rank >= 2`:
+    projections, embeddings, experts), not norm scales, biases or routing biases.
+
+    **Arguments:**
+
+    - `params`: `eqx.filter(model, eqx.is_inexact_array)` (or updates of that structure).
+
+    **Returns:** a pytree of bools of the same structure (`None` where `params` has none).
+    """
+    from eqx_longctx import logical_axes
+
+    def decay(axes: PartitionSpec) -> bool:
+        return matrix_rank(axes) >= 2
+
+    return jax.tree.map(decay, logical_axes(params), is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def make_optimizer(
@@ -95,6 +127,7 @@ def make_optimizer(
     *,
     b1: float = 0.9,
     b2: float = 0.95,
+    eps: float = 1e-8,
 ) -> optax.GradientTransformation:
     """AdamW with linear warmup + cosine decay and global-norm gradient clipping.
 
@@ -104,10 +137,11 @@ def make_optimizer(
     **Arguments:**
 
     - `lr`, `warmup_steps`, `total_steps`: see [`make_schedule`][].
-    - `weight_decay`: decoupled weight decay, applied to matrices only (not to leaves
-      whose path names a norm or a bias).
+    - `weight_decay`: decoupled weight decay, applied to matrices only (see
+      [`decay_mask`][]: chosen by the rank of each weight's logical axes, so norm scales and
+      biases are spared whatever their names).
     - `clip_norm`: gradients are rescaled so their global norm is at most this.
-    - `b1`, `b2`: Adam moment decay rates.
+    - `b1`, `b2`, `eps`: Adam's moment decay rates and denominator epsilon.
 
     **Returns:** an `optax.GradientTransformation`.
     """
@@ -117,7 +151,9 @@ def make_optimizer(
     def build(learning_rate):
         return optax.chain(
             optax.clip_by_global_norm(clip_norm),
-            optax.adamw(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay, mask=_decay_mask),
+            optax.adamw(
+                learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask
+            ),
         )
 
     return optax.inject_hyperparams(build)(learning_rate=schedule)
@@ -155,7 +191,33 @@ def _learning_rate(opt_state) -> Float[Array, ""]:
     return jnp.asarray(jnp.nan, jnp.float32)
 
 
-def make_train_step(optimizer: optax.GradientTransformation) -> TrainStep:
+def byte_ids_of(tokenizer: Any) -> int | None:
+    """**Returns:** the number of token ids that are one byte each (ids `0..n-1`) when
+    `tokenizer`'s tokens are bytes (it has `byte_ids`, as `ByteTokenizer`), else `None`:
+    bits per byte are reported only then."""
+    n = getattr(tokenizer, "byte_ids", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _units(loss, num_tokens, batch, byte_ids: int | None) -> dict[str, Array]:
+    """Bits per token and, for a byte tokenizer, bits per byte of the loss-bearing text:
+    all bits (end-of-document tokens included: a code must mark them too) over the bytes."""
+    out = {"bits_per_token": loss / _LN2}
+    if byte_ids is not None:
+        mask = batch.loss_mask.astype(jnp.float32)
+        num_bytes = jnp.sum(mask * (batch.targets < byte_ids))
+        out["bpb"] = loss * num_tokens / _LN2 / jnp.maximum(num_bytes, 1.0)
+        out["bytes"] = num_bytes
+    return out
+
+
+def make_train_step(
+    optimizer: optax.GradientTransformation,
+    *,
+    tokenizer: Any = _BYTES,
+    shardings: tuple[Any, Any] | None = None,
+    donate: bool = False,
+) -> TrainStep:
     """Build the jitted `train_step(model, opt_state, batch) -> (model, opt_state, metrics)`.
 
     A step whose loss or gradient norm is not finite changes nothing: the returned model
@@ -167,30 +229,45 @@ def make_train_step(optimizer: optax.GradientTransformation) -> TrainStep:
 
     - `optimizer`: e.g. from [`make_optimizer`][]; its state must come from
       `optimizer.init(eqx.filter(model, eqx.is_inexact_array))`.
+    - `tokenizer`: what the batches were encoded with (default: `ByteTokenizer`, the data
+      package's); bits per byte are reported only when its tokens are bytes.
+    - `shardings`: `(param_shardings, opt_state_shardings)` (see `Placement`): gradients
+      and the new parameters and optimizer state are kept in these layouts (ZeRO-3: each
+      device reduces and updates only its shard). `None`: XLA chooses.
+    - `donate`: reuse the buffers of the model and optimizer state passed in for the ones
+      returned (their memory is not held twice; the inputs must not be used afterwards).
 
-    **Returns:** the step function. `metrics` holds scalars `loss` (nats per token), `bpb`
-    (bits per byte, for the byte-level tokenizer), `grad_norm` (before clipping), `lr`
-    (used for this update), `tokens` (loss-bearing tokens) and `finite`.
+    **Returns:** the step function. `metrics` holds scalars `loss` (nats per token),
+    `bits_per_token`, `grad_norm` (before clipping), `lr` (used for this update), `tokens`
+    (loss-bearing tokens), `finite`, and for a byte tokenizer `bpb` (bits per byte of
+    text) and `bytes`.
     """
+    byte_ids = byte_ids_of(tokenizer)
+    param_sh, opt_sh = (None, None) if shardings is None else shardings
 
-    @eqx.filter_jit
-    def train_step(model, opt_state, batch):
+    def constrain(tree, sh):
+        return tree if sh is None else jax.lax.with_sharding_constraint(tree, sh)
+
+    # The batch goes first so that `donate` spares it (a caller may score it again).
+    @eqx.filter_jit(donate="all-except-first" if donate else "none")
+    def step(batch, model, opt_state):
         params, static = eqx.partition(model, eqx.is_inexact_array)
 
         def loss_of_params(p):
             return loss_fn(eqx.combine(p, static), batch)
 
         (loss, num_tokens), grads = jax.value_and_grad(loss_of_params, has_aux=True)(params)
+        grads = constrain(grads, param_sh)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = eqx.apply_updates(params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jnp.where(finite, new, old)
-        new_params = jax.tree.map(keep, new_params, params)
-        new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        new_params = constrain(jax.tree.map(keep, new_params, params), param_sh)
+        new_opt_state = constrain(jax.tree.map(keep, new_opt_state, opt_state), opt_sh)
         metrics = {
             "loss": loss,
-            "bpb": loss / _LN2,
+            **_units(loss, num_tokens, batch, byte_ids),
             "grad_norm": grad_norm,
             "lr": _learning_rate(new_opt_state),
             "tokens": num_tokens,
@@ -198,13 +275,17 @@ def make_train_step(optimizer: optax.GradientTransformation) -> TrainStep:
         }
         return eqx.combine(new_params, static), new_opt_state, metrics
 
+    def train_step(model, opt_state, batch):
+        return step(batch, model, opt_state)
+
     return train_step
 
 
 @eqx.filter_jit
-def _eval_sums(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
+def _eval_sums(model, batch, byte_ids) -> tuple[Float[Array, ""], ...]:
     loss, num_tokens = loss_fn(model, batch)
-    return loss * num_tokens, num_tokens
+    units = _units(loss, num_tokens, batch, byte_ids)
+    return loss * num_tokens, num_tokens, units.get("bytes", jnp.zeros((), jnp.float32))
 
 
 def evaluate(
@@ -214,6 +295,7 @@ def evaluate(
     *,
     max_batches: int | None = None,
     put: Callable[[Any], Any] | None = None,
+    tokenizer: Any = _BYTES,
 ) -> dict[str, float]:
     """Token-weighted cross-entropy of `model` over a dataset's evaluation batches.
 
@@ -227,9 +309,12 @@ def evaluate(
       spaced over the split when the dataset has `num_rows` (so a partial evaluation
       estimates the full one), else the first ones.
     - `put`: places each batch on devices (e.g. shards it); default leaves it as is.
+    - `tokenizer`: as for [`make_train_step`][].
 
-    **Returns:** `{"loss": nats per token, "bpb": bits per byte, "tokens": count}`.
+    **Returns:** `{"loss": nats per token, "bits_per_token", "tokens": count}`, and for a
+    byte tokenizer `"bpb"` (bits per byte of text) and `"bytes"`.
     """
+    byte_ids = byte_ids_of(tokenizer)
     batches: Iterable = dataset.eval_batches(batch_size)
     keep = None
     num_rows = getattr(dataset, "num_rows", None)
@@ -237,7 +322,7 @@ def evaluate(
         num_batches = -(-num_rows // batch_size)
         picks = np.linspace(0, num_batches - 1, min(max_batches, num_batches))
         keep = set(np.round(picks).astype(int).tolist())
-    total, count = 0.0, 0.0
+    total, count, num_bytes = 0.0, 0.0, 0.0
     for i, batch in enumerate(batches):
         if keep is None and max_batches is not None and i >= max_batches:
             break
@@ -245,9 +330,10 @@ def evaluate(
             continue
         if put is not None:
             batch = put(batch)
-        loss_sum, num_tokens = _eval_sums(model, batch)
+        loss_sum, num_tokens, batch_bytes = _eval_sums(model, batch, byte_ids)
         total += float(loss_sum)
         count += float(num_tokens)
+        num_bytes += float(batch_bytes)
     if count == 0:
         raise ValueError(
             "evaluate needs at least one loss-bearing token; the dataset yielded none "
@@ -255,7 +341,10 @@ def evaluate(
             "split (more data or a larger val_fraction) or a smaller batch size."
         )
     loss = total / count
-    return {"loss": loss, "bpb": loss / _LN2, "tokens": count}
+    out = {"loss": loss, "bits_per_token": loss / _LN2, "tokens": count}
+    if byte_ids is not None:
+        out.update(bpb=total / _LN2 / max(num_bytes, 1.0), bytes=num_bytes)
+    return out
 
 
 def check_batch(batch, vocab_size: int) -> None:

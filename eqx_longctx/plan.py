@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._hlo import collective_bytes
 from ._mesh import parse_mesh
@@ -245,20 +246,17 @@ def step_spec(axes: dict, *, strategy: str, load_balance: str, fsdp_axes: str | 
     """The `ShardingSpec` of a train step on a mesh of fake CPU devices: the batch over
     `data` (and the fsdp axes that are not sequence axes), the sequence over `context`
     (and `ulysses`), `tensor` and `expert` axes as their roles, the weights over
-    `fsdp_axes` (default: the `fsdp` axis when the mesh has one)."""
-    if fsdp_axes is None:
-        fsdp = ("fsdp",) if "fsdp" in axes else ()
-    else:
-        fsdp = tuple(a.strip() for a in fsdp_axes.split(",") if a.strip())
-        missing = [a for a in fsdp if a not in axes]
-        if missing:
-            raise ValueError(
-                f"--fsdp-axes {fsdp_axes!r} names {missing}, which the mesh {axes} does not "
-                f"have; name axes of the mesh (e.g. --fsdp-axes {','.join(axes)})."
-            )
+    `fsdp_axes` (default: the `fsdp` axis when the mesh has one), checked as the trainer's
+    `--fsdp-axes` is."""
+    from .train._config import fsdp_axes_of  # the trainer's rules for the same flag
+
+    fsdp = fsdp_axes_of(fsdp_axes, axes, ",".join(f"{k}={v}" for k, v in axes.items()))
     n = math.prod(axes.values())
     _fake_devices(n)
-    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:n])
+    # Auto axes, as the trainer's mesh (`eqx_longctx.train.Placement`): jit propagates the
+    # shardings of the model and optimizer state.
+    grid = np.array(jax.devices()[:n]).reshape(tuple(axes.values()))
+    mesh = jax.sharding.Mesh(grid, tuple(axes))
     ulysses = "ulysses" if "ulysses" in axes and strategy in ("usp", "auto") else None
     return ShardingSpec(
         mesh, strategy=strategy, load_balance=load_balance, ulysses_axis=ulysses,

@@ -7,6 +7,11 @@ skipped-step count, so step `s + 1` after a resume sees what it would have seen.
 A fresh run writes its flags to `<run_dir>/flags.json`; `--resume` refuses flags that would
 make it a different run (see `_record.py` for which may change) and falls back past
 checkpoints it cannot read.
+
+In a multi-process run (`jax.distributed` initialized) every process runs the same loop on
+its share of the global arrays; process 0 alone prints, shows the progress bar and writes
+`flags.json`, `metrics.jsonl` and the plot, while checkpoints are written by all (see
+`_checkpoint.py`).
 """
 
 import dataclasses
@@ -21,12 +26,17 @@ import jax
 
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
 from ._config import TrainConfig, build_model_config
+from ._distributed import agree, is_primary, sync
 from ._metrics import MetricsLog, plot_metrics
 from ._parallel import Placement
 from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
 from ._step import check_batch, evaluate, make_optimizer, make_train_step
 
 BatchHook = Callable[[int, Any], Any]
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    """Where the messages of processes other than process 0 go."""
 
 
 def describe_loss(record: dict[str, Any]) -> str:
@@ -132,6 +142,7 @@ class Trainer:
 
         self.config = config
         self.batch_hook = batch_hook
+        self.primary = is_primary()
         self.tokenizer = ByteTokenizer()
         # Every check that needs no data comes first: bad flags fail before the corpus is
         # read and the model built.
@@ -217,8 +228,10 @@ class Trainer:
             model = parallel.build_model(self._make_model)
             opt_state = parallel.init_opt_state(self.optimizer, model)
             checkpointer.delete_all()  # empty unless overwrite=True
-            self.metrics.reset()
-            write_flags(self.run_dir, config)
+            if self.primary:
+                self.metrics.reset()
+                write_flags(self.run_dir, config)
+            sync("fresh run recorded")
         self.model, self.opt_state = model, opt_state
 
     def _resume(self, model, opt_state):
@@ -252,7 +265,7 @@ class Trainer:
                 "trained or changed. To train longer, start a new --run-dir with a larger "
                 "--steps (the cosine schedule spans --steps, so a run cannot be extended)."
             )
-        else:
+        elif self.primary:
             self.metrics.truncate_after(self.step)
         return found.model, found.opt_state
 
@@ -263,6 +276,8 @@ class Trainer:
                 then = f"resuming from step {good} instead (step {step} moved to {moved})"
             else:
                 then = f"the newest readable checkpoint is step {good}"
+            if not self.primary:
+                continue
             print(
                 f"checkpoint step {step} in {self.checkpointer.directory} cannot be read "
                 f"({why}); {then}.",
@@ -314,15 +329,15 @@ class Trainer:
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,
-            disable=not cfg.progress,
+            disable=not (cfg.progress and self.primary),
             desc="train",
             unit="step",
             dynamic_ncols=True,
             file=sys.stderr,
         )
-        say = bar.write if cfg.progress else print
+        say = (bar.write if cfg.progress else print) if self.primary else _quiet
         status = "completed" if stop_at is None or stop_at >= cfg.steps else "interrupted"
-        smooth, checked = None, False
+        smooth, checked, last = None, False, None
         try:
             while self.step < end:
                 t0 = time.perf_counter()
@@ -337,6 +352,7 @@ class Trainer:
                     self.model, self.opt_state, self.parallel.shard_batch(batch)
                 )
                 m = {k: v.item() for k, v in jax.device_get(m).items()}
+                last = m
                 dt = time.perf_counter() - t0
                 if not m["finite"]:
                     if cfg.on_nonfinite == "stop":
@@ -363,12 +379,14 @@ class Trainer:
                     record = {"split": "train", "step": self.step}
                     record.update({k: m[k] for k in keys if k in m})
                     record.update(tokens_per_s=tokens_per_step / dt, wall_time=wall)
-                    self.metrics.write({**record, "skipped_steps": self.skipped})
+                    if self.primary:
+                        self.metrics.write({**record, "skipped_steps": self.skipped})
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     self.last_val = self.evaluate(final=self.step == cfg.steps)
-                    self.metrics.write(
-                        {"split": "val", "step": self.step, **self.last_val, "wall_time": wall}
-                    )
+                    if self.primary:
+                        self.metrics.write(
+                            {"split": "val", "step": self.step, **self.last_val, "wall_time": wall}
+                        )
                     say(f"step {self.step}: val loss {describe_loss(self.last_val)}")
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.checkpointer.save(
@@ -380,7 +398,10 @@ class Trainer:
         finally:
             bar.close()
             self.checkpointer.wait()
-        records = self.metrics.read()
+        # Metrics are replicated results of the jitted step, so every process holds the
+        # same values and process 0's file speaks for all: checked here once per run.
+        agree("the last step's metrics", {"step": self.step, "last": last, "val": self.last_val})
+        records = self.metrics.read() if self.primary else []
         if records:
             title = f"{cfg.model} {cfg.preset} on {cfg.data or 'stdlib'}"
             plot_metrics(records, self.plot_path, title=title)

@@ -326,6 +326,15 @@ class ShardingSpec(eqx.Module):
             return jax.lax.with_sharding_constraint(x, sharding)
         return jax.device_put(x, sharding)
 
+    def hint(self, x, pspec: PartitionSpec):
+        """Suggest `pspec` for `x` to XLA's sharding propagation (`with_sharding_constraint`)
+        when the mesh in use has Auto axes, as inside the models; on an Explicit mesh the
+        array's sharding type already decides, and `x` is returned as is."""
+        mesh = self.compute_mesh()
+        if _is_explicit(mesh) or not isinstance(x, Tracer):
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
+
     def explain(self, **shape) -> str:
         """The planner's table for this spec: memory, communication and balance of every
         strategy, and the choice `"auto"` would make. Takes `plan`'s keyword arguments

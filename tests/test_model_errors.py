@@ -89,7 +89,7 @@ CONFIG_ERRORS = [
     ("llama", dict(attention_bias=None), TypeError,
      r"LlamaConfig\.attention_bias must be True or False"),
     ("llama", dict(remat=None), ValueError,
-     r"LlamaConfig\.remat must be one of \('none', 'full', 'dots'\)"),
+     r"LlamaConfig\.remat must be one of \('none', 'full', 'dots', 'offload'\)"),
     ("llama", dict(param_dtype="bf16"), ValueError, r"LlamaConfig\.param_dtype must be one of"),
     ("llama", dict(compute_dtype=jnp.int8), ValueError,
      r"LlamaConfig\.compute_dtype must be one of"),
@@ -248,8 +248,8 @@ CALL_ERRORS = [
     (False, dict(tokens=TOKENS, segment_ids={"a": 1}), TypeError,
      r"segment_ids must be a \[batch, seq\] array of integers .*got dict"),
     (True, dict(tokens=TOKENS[:1]), ValueError,
-     r"batch_axis 'data' has 2 devices, so the batch of the tokens must be divisible by 2; got "
-     r"batch=1\. Use a batch of 2"),
+     r"the batch is split over 'data' \(2\): 2 devices, so the batch of the tokens must be "
+     r"divisible by 2; got batch=1\. Use a batch of 2"),
     (True, dict(tokens=np.concatenate([TOKENS, TOKENS[:1]])), ValueError,
      r"must be divisible by 2; got batch=3"),
     (True, dict(tokens=TOKENS[:, :12]), ValueError,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ._hf import PREFIX as HF_PREFIX
+from ._hf import read_hf
 from ._packing import PackedDataset, _check_seq_len
 from ._tokenizer import ByteTokenizer
 
@@ -58,8 +60,11 @@ def load_corpus(
 
     **Arguments:**
 
-    - `path`: `None` for the Python standard library (`*.py`); a text file; or a folder,
-      read recursively in sorted order (hidden entries skipped).
+    - `path`: `None` for the Python standard library (`*.py`); a text file; a folder,
+      read recursively in sorted order (hidden entries skipped); or
+      `"hf:<dataset>[:<split>]"` (default split `train`), a Hugging Face dataset on the Hub
+      (streamed) or a folder saved with `save_to_disk`, one document per row of its
+      `"text"` column; this needs the `datasets` package.
     - `max_bytes`: stop once this many bytes are read (the last file is cut short).
     - `suffixes`: in a folder, read only files ending in one of these (e.g.
       `(".txt", ".md")`); `None` tries every file. Binary and non-UTF-8 files are skipped.
@@ -75,6 +80,14 @@ def load_corpus(
             f"load_corpus needs max_bytes >= 1; got max_bytes={max_bytes}. "
             f"Pass a positive byte budget (default {DEFAULT_MAX_BYTES})."
         )
+    if isinstance(path, str) and path.startswith(HF_PREFIX):
+        texts = read_hf(path, max_bytes)
+        return _documents(
+            texts,
+            separator,
+            f"{path!r}: the rows of its text column are empty or blank. Check the dataset "
+            "and split",
+        )
     if path is None:
         files = _stdlib_files()
     else:
@@ -85,20 +98,28 @@ def load_corpus(
                 "does not exist. Fix the path, or pass path=None for the Python standard library."
             )
         files = [path] if path.is_file() else _folder_files(path, suffixes)
-    docs, budget = [], max_bytes
+    texts, budget = [], max_bytes
     for f in files:
         read = _read_text(f, budget) if budget > 0 else None
         if read is not None:
-            docs.extend([read[0]] if separator is None else read[0].split(separator))
+            texts.append(read[0])
             budget -= read[1]
+    what = "file" if path is not None and path.is_file() else f"folder ({len(files)} files)"
+    return _documents(
+        texts,
+        separator,
+        f"path='{path}': the {what} is empty or holds no non-blank UTF-8 text files "
+        f"(suffixes={suffixes}). Point at a non-empty UTF-8 text file or a folder of them, or "
+        "widen suffixes",
+    )
+
+
+def _documents(texts: list[str], separator: str | None, where: str) -> list[str]:
+    """The non-blank documents of `texts`, each split at `separator` when given."""
+    docs = [d for t in texts for d in ([t] if separator is None else t.split(separator))]
     docs = [d for d in docs if d.strip()]
     if not docs:
-        what = "file" if path is not None and path.is_file() else f"folder ({len(files)} files)"
-        raise ValueError(
-            f"load_corpus found no text in path='{path}': the {what} is empty or holds no "
-            f"non-blank UTF-8 text files (suffixes={suffixes}). Point at a non-empty UTF-8 "
-            "text file or a folder of them, or widen suffixes."
-        )
+        raise ValueError(f"load_corpus found no text in {where}.")
     return docs
 
 
@@ -154,7 +175,7 @@ def load_datasets(
     **Arguments:**
 
     - `path`, `max_bytes`, `suffixes`, `separator`: as in `load_corpus` (`None` reads the
-      Python standard library).
+      Python standard library, `"hf:<dataset>[:<split>]"` a Hugging Face dataset).
     - `seq_len`: tokens per row, at least 2.
     - `seed`: picks the validation documents and the training row order.
     - `val_fraction`: share of documents held out (see `split_documents`).

@@ -8,7 +8,7 @@ one free slot (too small for BOS plus a token) carry padding. Every byte of ever
 appears exactly once as a token and once as a target.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, final
 
@@ -61,28 +61,54 @@ def _with_targets(
     return Batch(tokens, targets, positions, segment_ids, same.astype(np.float32))
 
 
-def _pack(docs: Sequence[np.ndarray], seq_len: int, tokenizer: ByteTokenizer):
-    """Rows of `tokens`, `positions`, `segment_ids`, each `[num_rows, seq_len]`."""
-    pieces = []  # (flat offset of the BOS, stream piece)
+class _Plan(NamedTuple):
+    """Where every piece of every document stream goes: piece `k` is
+    `stream(doc[k])[start[k]:stop[k]]`, preceded by BOS at flat slot `offset[k]`; pieces are
+    sorted by `offset`, and row `r` holds pieces `row_start[r] ... row_start[r + 1] - 1`."""
+
+    offset: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    row_start: np.ndarray
+    seq_len: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_start) - 1
+
+
+def _plan(stream_lengths: Sequence[int], seq_len: int) -> _Plan:
+    """The packing of streams of these lengths (a document's tokens plus EOS) into rows."""
+    pieces = []  # (flat offset of the BOS, document, start, stop)
     cursor = 0
-    for ids in docs:
-        stream = np.append(ids, tokenizer.eos_id).astype(np.int32)
+    for doc, length in enumerate(stream_lengths):
         start = 0
-        while start < len(stream):
+        while start < length:
             room = seq_len - cursor % seq_len
             if room < 2:  # no space for BOS plus a token: leave the slot as padding
                 cursor += room
                 continue
-            stop = min(len(stream), start + room - 1)
-            pieces.append((cursor, stream[start:stop]))
+            stop = min(length, start + room - 1)
+            pieces.append((cursor, doc, start, stop))
             cursor += stop - start + 1
             start = stop
-    num_rows = -(-cursor // seq_len)
-    tokens = np.full(num_rows * seq_len, tokenizer.pad_id, np.int32)
-    positions = np.zeros(num_rows * seq_len, np.int32)
-    segment_ids = np.zeros(num_rows * seq_len, np.int32)
+    offset, doc, start, stop = np.array(pieces, np.int64).reshape(-1, 4).T
+    row_start = np.searchsorted(offset // seq_len, np.arange(-(-cursor // seq_len) + 1))
+    return _Plan(offset, doc, start, stop, row_start, seq_len)
+
+
+def _fill(plan: _Plan, rows: range, stream: Callable[[int], np.ndarray], tokenizer):
+    """`tokens`, `positions`, `segment_ids` of `rows` (consecutive), each `[len(rows), seq]`,
+    reading each piece from `stream(doc)`."""
+    seq_len, first = plan.seq_len, rows.start * plan.seq_len
+    tokens = np.full(len(rows) * seq_len, tokenizer.pad_id, np.int32)
+    positions = np.zeros(len(rows) * seq_len, np.int32)
+    segment_ids = np.zeros(len(rows) * seq_len, np.int32)
     row, seg = -1, 0
-    for offset, piece in pieces:
+    for k in range(plan.row_start[rows.start], plan.row_start[rows.stop]):
+        offset = int(plan.offset[k]) - first
+        piece = stream(int(plan.doc[k]))[plan.start[k] : plan.stop[k]]
         seg = seg + 1 if offset // seq_len == row else 1
         row = offset // seq_len
         end = offset + 1 + len(piece)
@@ -90,8 +116,20 @@ def _pack(docs: Sequence[np.ndarray], seq_len: int, tokenizer: ByteTokenizer):
         tokens[offset + 1 : end] = piece
         positions[offset:end] = np.arange(end - offset)
         segment_ids[offset:end] = seg
-    shape = (num_rows, seq_len)
+    shape = (len(rows), seq_len)
     return tokens.reshape(shape), positions.reshape(shape), segment_ids.reshape(shape)
+
+
+def _stream(ids: np.ndarray, tokenizer) -> np.ndarray:
+    """A document's stream: its tokens, then EOS."""
+    return np.append(ids, tokenizer.eos_id).astype(np.int32)
+
+
+def _pack(docs: Sequence[np.ndarray], seq_len: int, tokenizer: ByteTokenizer):
+    """Rows of `tokens`, `positions`, `segment_ids`, each `[num_rows, seq_len]`."""
+    plan = _plan([len(ids) + 1 for ids in docs], seq_len)
+    streams = [_stream(ids, tokenizer) for ids in docs]
+    return _fill(plan, range(plan.num_rows), streams.__getitem__, tokenizer)
 
 
 def _encode_all(docs: Sequence[str | bytes], tokenizer: ByteTokenizer | None):

@@ -80,5 +80,5 @@ class SwiGLU(eqx.Module):
             # Column-parallel gate/up: each device keeps its slice of the hidden units, so
             # the down projection (row-parallel) ends in one all-reduce over tensor_axis.
             hidden = PartitionSpec(*self.spec.activation_pspec()[:2], self.spec.tensor_axis)
-            gate, up = self.spec.place(gate, hidden), self.spec.place(up, hidden)
+            gate, up = self.spec.hint(gate, hidden), self.spec.hint(up, hidden)
         return jnp.einsum("bsf,fe->bse", jax.nn.silu(gate) * up, self.w_down.astype(dtype))

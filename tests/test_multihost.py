@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from eqx_longctx.data import load_datasets
-from eqx_longctx.train import TrainConfig, Trainer
+from eqx_longctx.train import Checkpointer, TrainConfig, Trainer
 from eqx_longctx.train._cli import main
 from eqx_longctx.train._distributed import EXIT_PEER_LOST, PEER_TIMEOUT, cluster_from_flags
 from eqx_longctx.train._parallel import check_device_count
@@ -222,11 +222,19 @@ def test_two_processes_match_one(tmp_path, datasets, strategy):
     reference_params = jax.tree.leaves(eqx.filter(result.model, eqx.is_array))
 
     two = tmp_path / "two"
-    run = run_processes(tmp_path, cli_flags(two, strategy))
+    run = run_processes(tmp_path, cli_flags(two, strategy, progress=True))
     out0, out1 = run.output(0), run.output(1)
     assert "on 2 processes" in out0 and "status:        completed" in out0
-    assert "training" not in out1 and "status:" not in out1  # process 0 alone prints
+    assert "train: 100%" in out0  # the progress bar
+    for text in ("training", "train:", "status:", "val loss"):  # process 0 alone prints
+        assert text not in out1, out1
     assert (two / "loss.png").exists()
+    # The data iterator's state is saved with each checkpoint (the next step's batch).
+    checkpointer = Checkpointer(two / "checkpoints")
+    try:
+        assert checkpointer.read_meta(4)["data_state"]["grain"]["next_index"] == 4
+    finally:
+        checkpointer.close()
     assert_same_run(
         train_records(two), reference, final_params(two, strategy, datasets), reference_params
     )

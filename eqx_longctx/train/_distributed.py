@@ -57,8 +57,9 @@ class Cluster:
     process_id: int
 
     def describe(self) -> str:
-        where = self.coordinator or "the Cloud TPU metadata"
-        return f"process {self.process_id} of {self.num_processes} (coordinator {where})"
+        where = self.coordinator or "from the Cloud TPU metadata"
+        me = f"process {self.process_id}" if self.process_id >= 0 else "this process"
+        return f"{me} of {self.num_processes} (coordinator {where})"
 
 
 def cluster_from_flags(
@@ -85,7 +86,7 @@ def cluster_from_flags(
         workers = tpu_worker_count()
         if workers <= 1:
             return None
-        return Cluster(None, workers, -1)  # process id: from the TPU metadata
+        return Cluster(None, workers, -1)  # process id: from the TPU metadata, at start
     if missing:
         raise ValueError(
             "a multi-process run needs --coordinator HOST:PORT, --num-processes N and "

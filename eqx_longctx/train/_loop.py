@@ -1,8 +1,11 @@
 """The training loop: data, model, optimizer, metrics, evaluation and checkpoints in order.
 
-Resume is exact: batches are a pure function of (seed, step), and the checkpoint holds the
-parameters, the optimizer state (whose step count drives the schedule), the step and the
-skipped-step count, so step `s + 1` after a resume sees what it would have seen.
+Batches come from `GrainBatches`: a pure function of (seed, step), each process reading and
+placing only the rows and sequence slots its devices hold. Resume is exact: the checkpoint
+holds the parameters, the optimizer state (whose step count drives the schedule), the step,
+the skipped-step count and the data iterator's state, so step `s + 1` after a resume sees
+what it would have seen, at any process count and mesh (the arithmetic then equal up to
+floating-point summation order).
 
 A fresh run writes its flags to `<run_dir>/flags.json`; `--resume` refuses flags that would
 make it a different run (see `_record.py` for which may change) and falls back past
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
 from ._config import TrainConfig, build_model_config
@@ -37,6 +41,18 @@ BatchHook = Callable[[int, Any], Any]
 
 def _quiet(*_: Any, **__: Any) -> None:
     """Where the messages of processes other than process 0 go."""
+
+
+def _as_global(batch, like):
+    """`batch` with every host-array field placed like the field of `like` it replaces."""
+
+    def place(x, ref):
+        if isinstance(x, jax.Array):
+            return x
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, ref.sharding, lambda i: host[i])
+
+    return type(batch)(*(place(x, ref) for x, ref in zip(batch, like, strict=True)))
 
 
 def describe_loss(record: dict[str, Any]) -> str:
@@ -132,12 +148,15 @@ class Trainer:
       the loop trains a Llama or a DeepSeek (MLA + MoE) alike.
     - `datasets`: `(train, val)` `PackedDataset`s to use instead of loading `config.data`
       (encoded with `ByteTokenizer`, like `load_datasets`).
-    - `batch_hook`: `hook(step, batch) -> batch` applied to every training batch (to inject
+    - `batch_hook`: `hook(step, batch) -> batch` applied to every training batch, a
+      `Batch` of global `jax.Array`s in the spec's token layout (a field returned as a host
+      array of the same shape, e.g. by `np.full_like`, is placed like the one it replaces)
+      (to inject
       faults in tests, or augment).
     """
 
     def __init__(self, config: TrainConfig, *, datasets=None, batch_hook: BatchHook | None = None):
-        from eqx_longctx.data import ByteTokenizer, load_datasets
+        from eqx_longctx.data import ByteTokenizer, GrainBatches, GrainEvalBatches, load_datasets
         from models import family
 
         self.config = config
@@ -190,6 +209,12 @@ class Trainer:
                 f"{sorted(lengths)} and seq_len={config.seq_len}. Pack them with "
                 f"load_datasets(seq_len={config.seq_len}) or change seq_len."
             )
+        # Each process reads and places only the rows and sequence slots its devices hold.
+        spec, seed = self.parallel.spec, getattr(self.train_data, "seed", config.seed)
+        self.batches = GrainBatches(
+            self.train_data, batch_size=config.batch_size, seed=seed, spec=spec
+        )
+        self.val_batches = GrainEvalBatches(self.val_data, batch_size=config.batch_size, spec=spec)
 
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.plot_path = self.run_dir / "loss.png"
@@ -197,7 +222,7 @@ class Trainer:
         try:
             self._init_state()
         except BaseException:
-            self.checkpointer.close()
+            self.close()
             raise
         self.last_val: dict[str, float] | None = None
 
@@ -258,6 +283,9 @@ class Trainer:
         self.step = found.step
         self.skipped = found.meta.get("skipped_steps", 0)
         self.wall_offset = found.meta.get("wall_time", 0.0)
+        if "data_state" in found.meta:  # older checkpoints: the step says where data is
+            self.batches.set_state(found.meta["data_state"])
+        self._seek_data()
         if done:
             self.nothing_to_do = (
                 f"nothing left to do: the newest readable checkpoint in {checkpointer.directory} "
@@ -291,7 +319,16 @@ class Trainer:
             "train_config": run_flags(self.config),
             "skipped_steps": self.skipped,
             "wall_time": wall_time,
+            "data_state": self.batches.get_state(),
         }
+
+    def _seek_data(self) -> None:
+        """Make the batch iterator's next batch the one of `self.step` (after a resume
+        from a checkpoint without a data state, or a step that stopped the run)."""
+        if self.batches.step == self.step:
+            return
+        state = self.batches.get_state()
+        self.batches.set_state({**state, "grain": {**state["grain"], "next_index": self.step}})
 
     def evaluate(self, final: bool = False) -> dict[str, float]:
         """Validation loss (nats and bits per token; bits per byte for a byte tokenizer)
@@ -301,10 +338,9 @@ class Trainer:
         max_batches = cfg.final_eval_batches if final else cfg.eval_batches
         val = evaluate(
             self.model,
-            self.val_data,
+            self.val_batches,
             cfg.batch_size,
             max_batches=max_batches,
-            put=self.parallel.shard_batch,
             tokenizer=self.tokenizer,
         )
         return {**val, "final": final}
@@ -341,16 +377,16 @@ class Trainer:
         try:
             while self.step < end:
                 t0 = time.perf_counter()
-                batch = self.train_data.batch(self.step, cfg.batch_size)
+                if not checked:
+                    self._seek_data()
+                batch = next(self.batches)
                 if self.batch_hook is not None:
-                    batch = self.batch_hook(self.step, batch)
+                    batch = _as_global(self.batch_hook(self.step, batch), batch)
                 if not checked:  # once per segment: ids are all in range or nothing runs
                     check_batch(batch, self.model_config.vocab_size)
                     checked = True
                 # The step donates the state passed in; a non-finite step returns it unchanged.
-                self.model, self.opt_state, m = self.train_step(
-                    self.model, self.opt_state, self.parallel.shard_batch(batch)
-                )
+                self.model, self.opt_state, m = self.train_step(self.model, self.opt_state, batch)
                 m = {k: v.item() for k, v in jax.device_get(m).items()}
                 last = m
                 dt = time.perf_counter() - t0
@@ -438,5 +474,7 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Finish background saves and release the checkpoint manager."""
+        """Finish background saves, release the checkpoint manager, stop the data
+        iterator's prefetch thread."""
         self.checkpointer.close()
+        self.batches.close()

@@ -214,7 +214,8 @@ def copy_run_at(src, dst, step: int) -> pathlib.Path:
 @pytest.mark.parametrize("strategy", ["ring", "usp"])
 def test_two_processes_match_one(tmp_path, datasets, strategy):
     """2 processes x 4 devices give the losses and parameters of 1 process x 8; with ring
-    also resume across process counts: 2 -> 1 and 1 -> 2, each continuing exactly."""
+    also resume across process counts: 2 -> 1, and 1 -> 2 under another mesh (fsdp=2 over
+    the processes), each continuing the run (same steps, learning rates, tokens)."""
     one = tmp_path / "one"
     result = Trainer(config(one, strategy), datasets=datasets).run()
     assert result.status == "completed"
@@ -253,10 +254,11 @@ def test_two_processes_match_one(tmp_path, datasets, strategy):
         final_params(two, strategy, datasets),
     )
 
-    # 1 -> 2: resume the 1-process run's step-2 checkpoint on 2 processes.
+    # 1 -> 2: resume the 1-process run's step-2 checkpoint on 2 processes, and on another
+    # mesh: the weights and Adam moments now split over an fsdp axis across the processes.
     forth = copy_run_at(one, tmp_path / "one_then_two", 2)
-    run = run_processes(tmp_path, cli_flags(forth, strategy, resume=True))
-    assert "resuming at step 2" in run.output(0)
+    run = run_processes(tmp_path, cli_flags(forth, strategy, resume=True, mesh="fsdp=2,context=4"))
+    assert "resuming at step 2" in run.output(0) and "mesh fsdp=2, context=4" in run.output(0)
     assert_same_run(
         train_records(forth), reference, final_params(forth, strategy, datasets), reference_params
     )

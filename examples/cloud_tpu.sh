@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Train on a Cloud TPU VM slice of several hosts: create the slice, install the repository on
+# every worker, and start the same entry point as on a laptop on all of them at once.
+#
+#   examples/cloud_tpu.sh create      # make the slice (v5p or v6e, see SLICE below)
+#   examples/cloud_tpu.sh setup       # install JAX for TPU and this repository on every worker
+#   examples/cloud_tpu.sh train       # the main job on all workers (one process per host)
+#   examples/cloud_tpu.sh recipe FILE # a long-context recipe (examples/recipes/*.sh) instead
+#   examples/cloud_tpu.sh delete      # delete the slice (it bills while it exists)
+#
+# One process runs per host. On a Cloud TPU slice the processes find each other from the TPU
+# metadata (`jax.distributed.initialize()` with no arguments), so no --coordinator /
+# --num-processes / --process-id flags are needed: every worker runs the identical command.
+# `--devices` is the GLOBAL device count (every chip of the slice), `--mesh` is laid over all
+# of them, and only process 0 (worker 0) prints, shows progress and writes metrics.jsonl /
+# loss.png; checkpoints are written by all processes, each its own shards.
+#
+# The run directory must be ONE directory that every worker sees (checkpoints are written by
+# all hosts, read back by all on --resume): a Filestore (NFS) share, or a Cloud Storage
+# bucket mounted with gcsfuse at the same path on every worker (done in `setup` when BUCKET
+# is set). A path on each worker's own disk would leave each host with a partial checkpoint.
+#
+# Failure: if a worker dies or hangs, the others exit with status 3 within --peer-timeout
+# seconds (default 60) saying which process was lost; restart every worker with the same
+# command plus --resume (see `train`).
+set -euo pipefail
+
+PROJECT=${PROJECT:-$(gcloud config get-value project 2>/dev/null)}
+SLICE=${SLICE:-v5p}                 # v5p or v6e
+TPU_NAME=${TPU_NAME:-eqx-longctx-$SLICE}
+REPO_URL=${REPO_URL:-https://github.com/YOUR-ORG/eqx_longctx.git}
+BUCKET=${BUCKET:-}                  # e.g. my-bucket: mounted at /mnt/runs on every worker
+RUN_ROOT=${RUN_ROOT:-/mnt/runs}     # shared by all workers (gcsfuse mount or NFS)
+
+case "$SLICE" in
+  v5p)
+    # v5p-32: 16 chips on 4 hosts (4 chips each); each chip is one JAX device (its two
+    # TensorCores act as one), so 16 devices in all.
+    ZONE=${ZONE:-us-east5-a}
+    ACCELERATOR=${ACCELERATOR:-v5p-32}
+    RUNTIME=${RUNTIME:-v2-alpha-tpuv5}
+    DEVICES=${DEVICES:-16}
+    ;;
+  v6e)
+    # v6e-16: 16 chips on 4 hosts (4 chips each), one JAX device per chip: 16 devices.
+    ZONE=${ZONE:-us-east5-b}
+    ACCELERATOR=${ACCELERATOR:-v6e-16}
+    RUNTIME=${RUNTIME:-v2-alpha-tpuv6e}
+    DEVICES=${DEVICES:-16}
+    ;;
+  *)
+    echo "SLICE must be v5p or v6e; got SLICE=$SLICE" >&2
+    exit 2
+    ;;
+esac
+
+# Every worker at once; `--worker=all` runs the command on each host of the slice over ssh.
+on_all_workers() {
+  gcloud compute tpus tpu-vm ssh "$TPU_NAME" --project="$PROJECT" --zone="$ZONE" \
+    --worker=all --command="$1"
+}
+
+create() {
+  # v5p slice (16 chips, 4 hosts):
+  #   gcloud compute tpus tpu-vm create eqx-longctx-v5p --zone=us-east5-a \
+  #     --accelerator-type=v5p-32 --version=v2-alpha-tpuv5
+  # v6e slice (16 chips, 4 hosts):
+  #   gcloud compute tpus tpu-vm create eqx-longctx-v6e --zone=us-east5-b \
+  #     --accelerator-type=v6e-16 --version=v2-alpha-tpuv6e
+  # (add --spot for cheaper, preemptible capacity; quotas and zones: see the Cloud TPU docs)
+  gcloud compute tpus tpu-vm create "$TPU_NAME" --project="$PROJECT" --zone="$ZONE" \
+    --accelerator-type="$ACCELERATOR" --version="$RUNTIME"
+}
+
+setup() {
+  local mount=""
+  if [[ -n "$BUCKET" ]]; then
+    mount="sudo mkdir -p $RUN_ROOT && sudo chown \$USER $RUN_ROOT && \
+      (mountpoint -q $RUN_ROOT || gcsfuse --implicit-dirs $BUCKET $RUN_ROOT) && "
+  fi
+  on_all_workers "set -e; $mount
+    python3 -m pip install -q -U pip &&
+    (test -d eqx_longctx || git clone -q $REPO_URL eqx_longctx) &&
+    cd eqx_longctx && git pull -q &&
+    python3 -m pip install -q -e '.[tpu]' &&
+    python3 -c 'import jax; print(jax.process_index(), jax.local_device_count(), \"local devices\")'"
+}
+
+# The main job, mesh over all 16 devices: the batch split in 2, each row's tokens over 8 with
+# ring attention in a zig-zag layout (the laptop default is data=2,context=4 on 8 devices).
+# --init-timeout: ssh starts the workers one after another, so allow some skew.
+TRAIN_FLAGS="--devices $DEVICES --mesh data=2,context=$((DEVICES / 2)) --strategy ring \
+  --load-balance zigzag --init-timeout 600 --no-progress"
+
+train() {
+  local run_dir="$RUN_ROOT/main-$SLICE"
+  on_all_workers "cd eqx_longctx && python3 -m eqx_longctx.train $TRAIN_FLAGS \
+    --run-dir $run_dir ${RESUME:+--resume}"
+}
+
+recipe() {
+  # A recipe file sets FLAGS (model, sequence, mesh, strategy, remat) for DEVICES devices.
+  local file=$1
+  # shellcheck disable=SC1090
+  source "$file"
+  local run_dir="$RUN_ROOT/$(basename "$file" .sh)-$SLICE"
+  on_all_workers "cd eqx_longctx && python3 -m eqx_longctx.train $FLAGS --init-timeout 600 \
+    --no-progress --run-dir $run_dir ${RESUME:+--resume}"
+}
+
+delete() {
+  gcloud compute tpus tpu-vm delete "$TPU_NAME" --project="$PROJECT" --zone="$ZONE" --quiet
+}
+
+"${1:-train}" "${@:2}"

@@ -2,11 +2,15 @@
 # Train on a Cloud TPU VM slice of several hosts: create the slice, install the repository on
 # every worker, and start the same entry point as on a laptop on all of them at once.
 #
-#   examples/cloud_tpu.sh create      # make the slice (v5p or v6e, see SLICE below)
+#   examples/cloud_tpu.sh create      # make the slice (SLICE=v5p or v6e, see below)
 #   examples/cloud_tpu.sh setup       # install JAX for TPU and this repository on every worker
 #   examples/cloud_tpu.sh train       # the main job on all workers (one process per host)
-#   examples/cloud_tpu.sh recipe FILE # a long-context recipe (examples/recipes/*.sh) instead
 #   examples/cloud_tpu.sh delete      # delete the slice (it bills while it exists)
+#
+# With RECIPE=examples/recipes/<name>.sh every command uses that long-context recipe
+# instead of the main job: `create` makes the slice size it was planned for, `train` runs
+# its flags (model, sequence, mesh, strategy, remat; each recipe says why, quoting the
+# planner). RESUME=1 with `train` continues the run from its newest checkpoint.
 #
 # One process runs per host. On a Cloud TPU slice the processes find each other from the TPU
 # metadata (`jax.distributed.initialize()` with no arguments), so no --coordinator /
@@ -31,11 +35,19 @@ TPU_NAME=${TPU_NAME:-eqx-longctx-$SLICE}
 REPO_URL=${REPO_URL:-https://github.com/YOUR-ORG/eqx_longctx.git}
 BUCKET=${BUCKET:-}                  # e.g. my-bucket: mounted at /mnt/runs on every worker
 RUN_ROOT=${RUN_ROOT:-/mnt/runs}     # shared by all workers (gcsfuse mount or NFS)
+RECIPE=${RECIPE:-}
+if [[ -n "$RECIPE" ]]; then
+  # Sets ACCELERATOR, DEVICES and FLAGS for SLICE.
+  # shellcheck disable=SC1090
+  source "$RECIPE"
+  name=$(basename "$RECIPE" .sh)
+  TPU_NAME=${TPU_NAME_OVERRIDE:-eqx-longctx-${name//./-}-$SLICE}  # TPU names: [a-z0-9-]
+fi
 
 case "$SLICE" in
   v5p)
     # v5p-32: 16 chips on 4 hosts (4 chips each); each chip is one JAX device (its two
-    # TensorCores act as one), so 16 devices in all.
+    # TensorCores act as one), so 16 devices in all. v5p-N has N/2 chips.
     ZONE=${ZONE:-us-east5-a}
     ACCELERATOR=${ACCELERATOR:-v5p-32}
     RUNTIME=${RUNTIME:-v2-alpha-tpuv5}
@@ -43,6 +55,7 @@ case "$SLICE" in
     ;;
   v6e)
     # v6e-16: 16 chips on 4 hosts (4 chips each), one JAX device per chip: 16 devices.
+    # v6e-N has N chips.
     ZONE=${ZONE:-us-east5-b}
     ACCELERATOR=${ACCELERATOR:-v6e-16}
     RUNTIME=${RUNTIME:-v2-alpha-tpuv6e}
@@ -67,7 +80,8 @@ create() {
   # v6e slice (16 chips, 4 hosts):
   #   gcloud compute tpus tpu-vm create eqx-longctx-v6e --zone=us-east5-b \
   #     --accelerator-type=v6e-16 --version=v2-alpha-tpuv6e
-  # (add --spot for cheaper, preemptible capacity; quotas and zones: see the Cloud TPU docs)
+  # (add --spot for cheaper, preemptible capacity; quotas and zones: see the Cloud TPU docs;
+  # the recipes need larger slices, e.g. --accelerator-type=v5p-128 for Llama 3.1 8B at 1M)
   gcloud compute tpus tpu-vm create "$TPU_NAME" --project="$PROJECT" --zone="$ZONE" \
     --accelerator-type="$ACCELERATOR" --version="$RUNTIME"
 }
@@ -75,7 +89,13 @@ create() {
 setup() {
   local mount=""
   if [[ -n "$BUCKET" ]]; then
-    mount="sudo mkdir -p $RUN_ROOT && sudo chown \$USER $RUN_ROOT && \
+    # Cloud Storage FUSE (its documented apt install), then the bucket at RUN_ROOT.
+    mount="(command -v gcsfuse >/dev/null || (
+        echo 'deb https://packages.cloud.google.com/apt gcsfuse-'\$(lsb_release -cs)' main' |
+          sudo tee /etc/apt/sources.list.d/gcsfuse.list &&
+        curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo apt-key add - &&
+        sudo apt-get update -q && sudo apt-get install -yq gcsfuse)) &&
+      sudo mkdir -p $RUN_ROOT && sudo chown \$USER $RUN_ROOT &&
       (mountpoint -q $RUN_ROOT || gcsfuse --implicit-dirs $BUCKET $RUN_ROOT) && "
   fi
   on_all_workers "set -e; $mount
@@ -83,27 +103,19 @@ setup() {
     (test -d eqx_longctx || git clone -q $REPO_URL eqx_longctx) &&
     cd eqx_longctx && git pull -q &&
     python3 -m pip install -q -e '.[tpu]' &&
-    python3 -c 'import jax; print(jax.process_index(), jax.local_device_count(), \"local devices\")'"
+    python3 -c 'import jax, eqx_longctx; print(\"jax\", jax.__version__)'"
 }
 
 # The main job, mesh over all 16 devices: the batch split in 2, each row's tokens over 8 with
 # ring attention in a zig-zag layout (the laptop default is data=2,context=4 on 8 devices).
-# --init-timeout: ssh starts the workers one after another, so allow some skew.
-TRAIN_FLAGS="--devices $DEVICES --mesh data=2,context=$((DEVICES / 2)) --strategy ring \
-  --load-balance zigzag --init-timeout 600 --no-progress"
+if [[ -z "$RECIPE" ]]; then
+  FLAGS="--devices $DEVICES --mesh data=2,context=$((DEVICES / 2)) --strategy ring \
+    --load-balance zigzag"
+fi
 
 train() {
-  local run_dir="$RUN_ROOT/main-$SLICE"
-  on_all_workers "cd eqx_longctx && python3 -m eqx_longctx.train $TRAIN_FLAGS \
-    --run-dir $run_dir ${RESUME:+--resume}"
-}
-
-recipe() {
-  # A recipe file sets FLAGS (model, sequence, mesh, strategy, remat) for DEVICES devices.
-  local file=$1
-  # shellcheck disable=SC1090
-  source "$file"
-  local run_dir="$RUN_ROOT/$(basename "$file" .sh)-$SLICE"
+  # --init-timeout: ssh starts the workers one after another, so allow for some skew.
+  local run_dir="$RUN_ROOT/$(basename "${RECIPE:-main}" .sh)-$SLICE"
   on_all_workers "cd eqx_longctx && python3 -m eqx_longctx.train $FLAGS --init-timeout 600 \
     --no-progress --run-dir $run_dir ${RESUME:+--resume}"
 }

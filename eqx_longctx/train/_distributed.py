@@ -13,7 +13,12 @@ end `initialize` after `--init-timeout` seconds; a peer that dies or hangs mid-r
 noticed by [`PeerWatch`][] (a heartbeat through the distributed key-value store) after
 `--peer-timeout` seconds, and the survivors exit with [`EXIT_PEER_LOST`][] and one line
 saying which process was lost. JAX's own heartbeat (which aborts the process with a C++
-log) is set later than ours, as a backstop.
+log) is set later than ours, as a backstop. Process 0 is special: it hosts the coordination
+service, and when it dies JAX's client in every other process notices at once (its error
+poll fails) and aborts the process with JAX's fatal log ("Terminating process because the
+JAX distributed service detected fatal errors ... the leader task was preempted/died"), a
+status from SIGABRT; that happens before any watch of ours can speak, and JAX (0.10) offers
+no hook to replace it.
 """
 
 import dataclasses
@@ -221,16 +226,15 @@ def start(cluster: Cluster, *, devices: int, init_timeout: int, peer_timeout: in
     if not is_tpu_host():
         set_cpu_devices(devices // cluster.num_processes)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    probe = {"why": ""}
 
     def message() -> str:
-        n = cluster.num_processes
+        n, why = cluster.num_processes, ""
         if cluster.coordinator is not None and cluster.process_id != 0:
-            probe["why"] = _reachable(cluster.coordinator)
-        if probe["why"]:
+            why = _reachable(cluster.coordinator)
+        if why:
             return (
                 f"{cluster.describe()} could not reach the coordinator within --init-timeout "
-                f"{init_timeout} s: {probe['why']}. Start process 0 with the same "
+                f"{init_timeout} s: {why}. Start process 0 with the same "
                 "--coordinator (its own host and a free port), check the address and that "
                 "the port is open between the hosts, or raise --init-timeout."
             )

@@ -28,7 +28,7 @@ import equinox as eqx
 import jax
 import orbax.checkpoint as ocp
 
-from ._distributed import is_primary, sync
+from ._distributed import all_readable, is_primary, sync
 
 RESHARDABLE_MODEL_FIELDS = ("remat",)
 _TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
@@ -201,10 +201,16 @@ class Checkpointer:
         failures: list[tuple[int, str]] = []
         for step in reversed(self.steps()):
             where = str(self.directory / str(step))
+            meta, why = None, ""
             try:
                 meta = {"step": step, **self.read_meta(step)}
             except Exception as e:  # orbax and tensorstore raise many types
-                failures.append((step, unreadable_reason(e)))
+                why = unreadable_reason(e)
+            # Every process must pick the same step: one that any process cannot read is
+            # unreadable for all (else they would train from different states).
+            why = all_readable(f"checkpoint {step} record", why)
+            if meta is None or why:
+                failures.append((step, why))
                 continue
             if check is not None:
                 try:
@@ -214,10 +220,14 @@ class Checkpointer:
                         raise
                     listed = "; ".join(f"step {s}: {why}" for s, why in failures)
                     raise ValueError(f"{e} (Newer checkpoints cannot be read: {listed}.)") from None
+            restored, why = None, ""
             try:
                 restored = self.restore(model, opt_state, step)
             except Exception as e:
-                failures.append((step, unreadable_reason(e)))
+                why = unreadable_reason(e)
+            why = all_readable(f"checkpoint {step} arrays", why)
+            if restored is None or why:
+                failures.append((step, why))
                 continue
             return Restored(*restored, step=step, unreadable=failures)
         listed = "; ".join(f"step {s}: {why}" for s, why in failures)

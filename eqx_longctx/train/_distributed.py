@@ -24,6 +24,7 @@ no hook to replace it.
 import dataclasses
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -344,12 +345,36 @@ def agree(name: str, value: Any, timeout: float = INIT_TIMEOUT) -> None:
         )
 
 
+def all_readable(name: str, why: str, timeout: float = INIT_TIMEOUT) -> str:
+    """Agree across processes on whether something could be read.
+
+    **Arguments:**
+
+    - `name`: what was read (unique per call sequence, like [`sync`][]).
+    - `why`: `""` when this process read it, else why not.
+
+    **Returns:** `""` when every process read it, else the first process's reason (with its
+    process id when it was another's). A single-process run returns `why`.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return why
+    _SYNCS[0] += 1
+    whys = _exchange(f"{_SYNCS[0]}-{name}", why, timeout)
+    for p, reason in enumerate(whys):
+        if reason:
+            return reason if p == jax.process_index() else f"process {p}: {reason}"
+    return ""
+
+
 def _exchange(name: str, value: str, timeout: float) -> list[str]:
     """Publish `value` under `name` and read every process's (in process order); raises
     `ValueError` when one has not published within `timeout` seconds."""
     import jax
 
     client = _client()
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
     client.key_value_set(f"{_PREFIX}/x/{name}/{jax.process_index()}", value)
     values = []
     for p in range(jax.process_count()):

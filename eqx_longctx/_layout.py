@@ -53,7 +53,18 @@ def _order(load_balance: str, n: int, seq: int) -> np.ndarray:
 
 
 def layout_order(spec: ShardingSpec, seq: int) -> np.ndarray:
-    """Original token index held at each slot of the laid-out sequence (`int32 [seq]`)."""
+    """Original token index held at each slot of the laid-out sequence.
+
+    **Arguments:**
+
+    - `spec`: the `ShardingSpec` whose `load_balance` and sequence shards define the layout.
+    - `seq`: the sequence length.
+
+    **Returns:** an `int32 [seq]` NumPy array: slot `i` holds token `order[i]`.
+
+    **Raises:** `ValueError` when `seq` does not split evenly into the layout's `N` shards
+    (`2N` chunks for `"zigzag"`); the message suggests the nearest lengths that do.
+    """
     check_sequence_length(spec, seq)
     order = _order(spec.load_balance, spec.context_parallel_size, seq)
     return order.astype(np.int32)
@@ -73,6 +84,9 @@ def to_layout(x, spec: ShardingSpec, axis: int = 1):
     - `axis`: the sequence axis.
 
     **Returns:** `x` in layout order (same type, shape and dtype).
+
+    **Raises:** `TypeError` when `spec` is not a `ShardingSpec`; `ValueError` when `axis` is
+    out of range or the sequence does not split evenly under the layout.
     """
     x, axis = _check_layout_args("to_layout", x, spec, axis)
     return _permute(x, layout_order(spec, x.shape[axis]), axis, spec)
@@ -80,7 +94,18 @@ def to_layout(x, spec: ShardingSpec, axis: int = 1):
 
 @no_type_check  # validated eagerly, with errors that say what to fix
 def from_layout(x, spec: ShardingSpec, axis: int = 1):
-    """Inverse of `to_layout`: back to natural token order along `axis`."""
+    """Inverse of `to_layout`: back to natural token order along `axis`.
+
+    **Arguments:**
+
+    - `x`: an array in the spec's layout along `axis` (NumPy or JAX, sharded or not).
+    - `spec`: the `ShardingSpec` that laid it out.
+    - `axis`: the sequence axis.
+
+    **Returns:** `x` in natural token order (same type, shape and dtype).
+
+    **Raises:** as `to_layout`.
+    """
     x, axis = _check_layout_args("from_layout", x, spec, axis)
     order = layout_order(spec, x.shape[axis])
     return _permute(x, np.argsort(order).astype(np.int32), axis, spec)

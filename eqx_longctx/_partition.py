@@ -71,7 +71,10 @@ class ShardingRules:
 
     @classmethod
     def for_spec(cls, spec: ShardingSpec) -> "ShardingRules":
-        """**Returns:** the default table for `spec`, with `spec.rules` applied on top."""
+        """**Returns:** the default table for `spec`, with `spec.rules` applied on top.
+
+        **Raises:** `ValueError` when `spec.rules` names an axis the mesh does not have.
+        """
         by_role = {
             "fsdp": spec.fsdp_axis,
             "tensor": () if spec.tensor_axis is None else (spec.tensor_axis,),
@@ -91,7 +94,11 @@ class ShardingRules:
         return cls(table, spec)
 
     def mesh_axes(self, name: str, where: str = "a weight") -> tuple[str, ...]:
-        """**Returns:** the mesh axes logical axis `name` is split over."""
+        """**Returns:** the mesh axes logical axis `name` is split over (`where` names the
+        array in messages).
+
+        **Raises:** `ValueError` when the table does not map `name`.
+        """
         if name not in self.table:
             raise ValueError(
                 f"{where} has logical axis {name!r}, which the rules table does not map; known "
@@ -205,6 +212,9 @@ def logical_axes(model: Any, *, leading: tuple[str, ...] = ()) -> Any:
 
     **Returns:** a pytree shaped like `eqx.filter(model, eqx.is_array)` whose leaves are
     `PartitionSpec`s of logical names, e.g. `P("layers", "embed", "hidden")`.
+
+    **Raises:** `ValueError` for an array whose field annotation names no dimensions, or
+    whose rank differs from its annotation's.
     """
     arrays = eqx.filter(model, _is_array_like)
     return jax.tree_util.tree_map_with_path(
@@ -242,6 +252,10 @@ def param_pspecs(
     - `leading`: as in `logical_axes`.
 
     **Returns:** a pytree shaped like `eqx.filter(model, eqx.is_array)`.
+
+    **Raises:** `TypeError` when `spec` is not a `ShardingSpec`; `ValueError` as
+    `logical_axes`, for a logical axis the rules table does not map, a mesh axis used twice
+    by one array, or a dimension that does not divide over its mesh axes.
     """
     spec = _spec_of(model, spec)
     axes = logical_axes(model, leading=leading)
@@ -259,9 +273,20 @@ def param_pspecs(
 
 
 def param_shardings(model: Any, spec: ShardingSpec | None = None) -> Any:
-    """**Returns:** a `NamedSharding` per array of `model` (on `spec.mesh`, default
-    `model.spec`), for `jit` in/out shardings, optimizer state and checkpoint restore
-    targets. Raises `ValueError` when the model has no spec."""
+    """A `NamedSharding` per array of `model`, for `jit` in/out shardings, optimizer state
+    and checkpoint restore targets.
+
+    **Arguments:**
+
+    - `model`: a module or its `eqx.filter_eval_shape` output.
+    - `spec`: the sharding spec (default `model.spec`).
+
+    **Returns:** a pytree shaped like `eqx.filter(model, eqx.is_array)`, of shardings on
+    `spec.mesh`.
+
+    **Raises:** `ValueError` when neither `spec` nor `model.spec` is set; otherwise as
+    `param_pspecs`.
+    """
     spec = _spec_of(model, spec)
     if spec is None:
         raise ValueError(
@@ -272,8 +297,18 @@ def param_shardings(model: Any, spec: ShardingSpec | None = None) -> Any:
 
 
 def shard_model(model: Any, spec: ShardingSpec | None = None) -> Any:
-    """**Returns:** `model` with every array placed in its shards (default `model.spec`);
-    the model unchanged when there is no spec."""
+    """Place every array of an existing model in its shards.
+
+    **Arguments:**
+
+    - `model`: the module.
+    - `spec`: the sharding spec (default `model.spec`).
+
+    **Returns:** `model` with every array placed as `param_shardings` says; the model
+    unchanged when there is no spec.
+
+    **Raises:** as `param_pspecs`.
+    """
     spec = _spec_of(model, spec)
     if spec is None:
         return model
@@ -294,6 +329,8 @@ def init_sharded(make: Callable[[], Any], spec: ShardingSpec | None = None) -> A
     decides the values, whatever the spec: they equal `jax.jit(make)()` bit for bit (an
     eager `make()` may differ in the last bit, where XLA fuses an init scale into the
     normal draw).
+
+    **Raises:** as `param_pspecs`.
     """
     shapes = eqx.filter_eval_shape(make)
     spec = _spec_of(shapes, spec)
@@ -306,8 +343,17 @@ def init_sharded(make: Callable[[], Any], spec: ShardingSpec | None = None) -> A
 
 
 def param_bytes_per_device(model: Any, spec: ShardingSpec | None = None) -> int:
-    """**Returns:** the bytes of `model`'s arrays one device holds under the rules table
-    (every array whole when there is no spec). Works on `eqx.filter_eval_shape` output."""
+    """The bytes of `model`'s arrays that one device holds under the rules table.
+
+    **Arguments:**
+
+    - `model`: a module or its `eqx.filter_eval_shape` output.
+    - `spec`: the sharding spec (default `model.spec`; with neither, every array is whole).
+
+    **Returns:** the byte count, an `int`.
+
+    **Raises:** as `param_pspecs`.
+    """
     spec = _spec_of(model, spec)
     arrays = jax.tree.leaves(eqx.filter(model, _is_array_like))
     pspecs = jax.tree.leaves(param_pspecs(model, spec))

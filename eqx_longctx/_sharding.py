@@ -50,14 +50,21 @@ class ShardingSpec(eqx.Module):
       chip of a context-parallel run). Default `()`: weights are not split this way.
     - `expert_axis`: mesh axis the routed experts of MoE layers are split over (tokens are
       dispatched to their experts' devices by all-to-all), or `None`.
+    - `impl`: the block-attention implementation every layer under this spec runs:
+      `"auto"` (Pallas kernels on TPU, XLA elsewhere), `"xla"`, `"pallas"`, or an
+      `AbstractBlockImpl` instance of your own.
     - `rules`: overrides of the logical-axis rules table, `{logical_axis: mesh axes}` (see
       `eqx_longctx.ShardingRules`), e.g. `{"vocab": None}` to keep the vocabulary whole.
 
     The batch is split over `batch_axes`: `batch_axis`, every fsdp axis that is not a
     sequence axis, and `expert_axis`.
-    - `impl`: the block-attention implementation every layer under this spec runs:
-      `"auto"` (Pallas kernels on TPU, XLA elsewhere), `"xla"`, `"pallas"`, or an
-      `AbstractBlockImpl` instance of your own.
+
+    **Raises:** `TypeError` when an axis role, `impl` or `rules` has the wrong type;
+    `ValueError` when `mesh` is not a `jax.sharding.Mesh` (the message says how to build
+    one), for an unknown `strategy`, `load_balance` or `impl`, an axis the mesh does not
+    have, one mesh axis in two roles (only the sequence axes may also be fsdp axes),
+    `"usp"` without a `ulysses_axis` of size > 1, or a `ulysses_axis` under a strategy other
+    than `"usp"` or `"auto"`.
     """
 
     mesh: Mesh = eqx.field(static=True)
@@ -207,7 +214,10 @@ class ShardingSpec(eqx.Module):
             )
 
     def replace(self, **changes: Any) -> "ShardingSpec":
-        """**Returns:** a copy with the given fields changed (and validated again)."""
+        """**Returns:** a copy with the given fields changed (and validated again).
+
+        **Raises:** `TypeError` for a name that is not a field; otherwise as the constructor.
+        """
         fields = (
             "mesh", "strategy", "load_balance", "batch_axis", "context_axis", "ulysses_axis",
             "tensor_axis", "impl", "fsdp_axis", "expert_axis", "rules",
@@ -271,7 +281,8 @@ class ShardingSpec(eqx.Module):
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
     def check_batch(self, batch: int, what: str = "the batch") -> None:
-        """Raise `ValueError` unless `batch` splits evenly over the `batch_axes`."""
+        """Raise `ValueError` unless `batch` splits evenly over the `batch_axes`; `what`
+        names the batch in the message."""
         nb = self.batch_parallel_size
         if batch % nb:
             axes = " x ".join(f"{a!r} ({self.axis_size(a)})" for a in self.batch_axes)
@@ -297,6 +308,7 @@ class ShardingSpec(eqx.Module):
         return PartitionSpec(self.batch_entry(), self.sequence_axes, self.tensor_axis, None)
 
     def sharding(self, pspec: PartitionSpec) -> NamedSharding:
+        """**Returns:** `NamedSharding(self.mesh, pspec)`."""
         return NamedSharding(self.mesh, pspec)
 
     @property

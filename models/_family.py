@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 FAMILY_NAMES = ("llama", "deepseek")
+"""The `--model` names of the families, in the order the CLI lists them."""
 _MODULES = {"llama": ("models.llama", "LlamaConfig", "Llama"),
             "deepseek": ("models.deepseek", "DeepSeekConfig", "DeepSeek")}  # fmt: skip
 
@@ -19,6 +20,8 @@ _MODULES = {"llama": ("models.llama", "LlamaConfig", "Llama"),
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
     """One model family.
+
+    **Arguments:**
 
     - `name`: the `--model` value (`"llama"`, `"deepseek"`).
     - `config`: the config class (has `from_preset(name, **overrides)`).
@@ -36,7 +39,16 @@ class ModelFamily:
 
 
 def family(name: str) -> ModelFamily:
-    """**Returns:** the family called `name`; `ValueError` naming the choices otherwise."""
+    """Look a family up by its `--model` name.
+
+    **Arguments:**
+
+    - `name`: one of `FAMILY_NAMES`.
+
+    **Returns:** its `ModelFamily` (the family module is imported on first use).
+
+    **Raises:** `ValueError` for an unknown name; the message lists the choices.
+    """
     if name not in _MODULES:
         raise ValueError(f"unknown model family {name!r}; choose one of {FAMILY_NAMES} (--model).")
     path, config, model = _MODULES[name]
@@ -52,7 +64,16 @@ def family(name: str) -> ModelFamily:
 
 
 def family_of(model_or_config: Any) -> ModelFamily:
-    """**Returns:** the family a model or config instance belongs to."""
+    """The family a model or config instance belongs to.
+
+    **Arguments:**
+
+    - `model_or_config`: e.g. a `models.llama.Llama` or a `models.deepseek.DeepSeekConfig`.
+
+    **Returns:** its `ModelFamily`.
+
+    **Raises:** `ValueError` when it is an instance of no family's model or config class.
+    """
     for name in FAMILY_NAMES:
         fam = family(name)
         if isinstance(model_or_config, (fam.config, fam.model)):

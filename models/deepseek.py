@@ -57,8 +57,9 @@ LATENT_NORM_EPS = 1e-6
 class DeepSeekConfig:
     """Hyperparameters of a DeepSeek-V2/V3 model (hashable, so it can be a static field).
 
-    Fields are checked on construction as `LlamaConfig`'s are, and the routing rule against
-    the experts (`eqx_longctx.nn._moe.check_routing`).
+    Fields are checked on construction as `LlamaConfig`'s are (`TypeError` for a wrong type,
+    `ValueError` for a wrong value, naming the field), and the routing rule against the
+    experts (`eqx_longctx.nn._moe.check_routing`).
 
     **Arguments:**
 
@@ -168,7 +169,18 @@ class DeepSeekConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "DeepSeekConfig":
-        """A preset from `PRESETS` with some fields replaced (e.g. `n_layers=4`)."""
+        """A preset from `PRESETS` with some fields replaced.
+
+        **Arguments:**
+
+        - `name`: a key of `PRESETS`.
+        - `**overrides`: fields to replace, e.g. `n_layers=4`.
+
+        **Returns:** the new `DeepSeekConfig`.
+
+        **Raises:** `ValueError` for an unknown preset (the message lists them); `TypeError`
+        for an override that is not a field; and as the constructor for the new values.
+        """
         return dataclasses.replace(check_preset(PRESETS, name, overrides, "DeepSeek"), **overrides)
 
 
@@ -272,6 +284,10 @@ class DeepSeek(AbstractDecoder):
         - `key`: PRNG key for the initialisation (`jax.random.key(seed)`).
         - `spec`: the `ShardingSpec` handed to every attention and MoE call; `None` = one
           device.
+
+        **Raises:** `TypeError` when `config` is not a `DeepSeekConfig`, `key` not a PRNG key
+        or `spec` not a `ShardingSpec` (or `None`); `ValueError` when the spec's expert axis
+        does not divide `n_routed_experts` (see `eqx_longctx.nn.MoE`).
         """
         check_model_args("DeepSeek", config, DeepSeekConfig, key, spec)
         c, spec = cast(DeepSeekConfig, config), cast(ShardingSpec | None, spec)
@@ -342,6 +358,7 @@ PRESETS: dict[str, DeepSeekConfig] = {
     ),
 }
 # fmt: on
+"""The named configs `DeepSeekConfig.from_preset` starts from."""
 
 
 # ---- Hugging Face checkpoints ------------------------------------------------------------
@@ -410,6 +427,11 @@ def from_hf(
       `max_position_embeddings`) or `grouped_matmul` of the `DeepSeekConfig`.
 
     **Returns:** the `DeepSeek` model; its `.config` is the equivalent `DeepSeekConfig`.
+
+    **Raises:** `ValueError`, naming the file and the key or tensor, for a missing or
+    damaged checkpoint, an unsupported `model_type` or architecture, config keys or values
+    this family does not support, and missing, extra or wrong-shape tensors; `TypeError` or
+    `ValueError` for `spec`, `dtype` or overrides that are not valid.
     """
     path, hf, config = _hf_config.read_model_config(
         path, "models.deepseek", _config_from_hf,
@@ -443,6 +465,10 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     - `model`: the `DeepSeek` model (its parameters must be addressable from this process).
     - `path`: output directory, created if needed.
     - `max_shard_size`: bytes per safetensors file; `None` writes one `model.safetensors`.
+
+    **Raises:** `TypeError` when `model` is not a `DeepSeek` or `path` is not a path;
+    `ValueError` when `path` exists and is not a directory, or the model holds abstract
+    shapes or parameters this process cannot address.
     """
     check_instance(model, "models.deepseek.to_hf's model", DeepSeek, "Build it with DeepSeek(...).")
     model = cast(DeepSeek, model)

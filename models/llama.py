@@ -163,6 +163,9 @@ class LlamaConfig:
         - `**overrides`: fields to replace, e.g. `vocab_size=512` or `remat="full"`.
 
         **Returns:** the new `LlamaConfig`.
+
+        **Raises:** `ValueError` for an unknown preset (the message lists them); `TypeError`
+        for an override that is not a field; and as the constructor for the new values.
         """
         preset = check_preset(PRESETS, name, overrides, "Llama")
         if ("dim" in overrides or "n_heads" in overrides) and "head_dim" not in overrides:
@@ -208,6 +211,10 @@ class Llama(AbstractDecoder):
         - `config`: the `LlamaConfig`.
         - `key`: PRNG key for the initialisation (`jax.random.key(seed)`).
         - `spec`: the `ShardingSpec` handed to every attention call; `None` = one device.
+
+        **Raises:** `TypeError` when `config` is not a `LlamaConfig`, `key` not a PRNG key
+        or `spec` not a `ShardingSpec` (or `None`). The config's values were checked when it
+        was built; the spec's fit to a batch is checked on each call.
         """
         check_model_args("Llama", config, LlamaConfig, key, spec)
         c, spec = cast(LlamaConfig, config), cast(ShardingSpec | None, spec)
@@ -295,6 +302,7 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
 }
 # fmt: on
+"""The named configs `LlamaConfig.from_preset` starts from."""
 
 
 # ---- Hugging Face checkpoints ------------------------------------------------------------
@@ -360,6 +368,11 @@ def from_hf(
       `max_position_embeddings`) of the `LlamaConfig`.
 
     **Returns:** the `Llama`; its `.config` is the equivalent `LlamaConfig`.
+
+    **Raises:** `ValueError`, naming the file and the key or tensor, for a missing or
+    damaged checkpoint, an unsupported `model_type` or architecture, config keys or values
+    this family does not support, and missing, extra or wrong-shape tensors; `TypeError` or
+    `ValueError` for `spec`, `dtype` or overrides that are not valid.
     """
     path, _, config = _hf_config.read_model_config(
         path, "models.llama", _config_from_hf,
@@ -392,6 +405,10 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     - `model`: the `Llama` to write (its parameters must be addressable from this process).
     - `path`: output directory, created if needed.
     - `max_shard_size`: bytes per safetensors file; `None` writes one `model.safetensors`.
+
+    **Raises:** `TypeError` when `model` is not a `Llama` or `path` is not a path;
+    `ValueError` when `path` exists and is not a directory, or the model holds abstract
+    shapes or parameters this process cannot address.
     """
     check_instance(model, "models.llama.to_hf's model", Llama, "Build it with Llama(config, ...).")
     model = cast(Llama, model)

@@ -146,6 +146,11 @@ def latent_attention(
     - `spec`, `causal`, `window`, `segment_ids`, `scale`, `impl`: as in `attention`.
 
     **Returns:** `[batch, seq, q_heads, v_head_dim]` in the dtype of `q` (layout order).
+
+    **Raises:** as `attention`; also `TypeError` when `up_project` is not callable or
+    returns non-float arrays, and `ValueError` when it does not return a pair `(k, v)`, a
+    latent array is not laid out `[batch, seq, ...]` like `q`, or the spec has a
+    `tensor_axis` (the up-projection is replicated, so heads cannot be split).
     """
     window = check_options("latent_attention", spec, causal, scale, window)
     impl = _impl_name(impl, spec)

@@ -52,6 +52,8 @@ def pallas_flash_attention(
     **Arguments:** as `pallas_flash_forward`.
 
     **Returns:** `(out, lse)` as `pallas_flash_forward`; gradients flow to `q`, `k`, `v`.
+
+    **Raises:** as `pallas_flash_forward`.
     """
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     check_inputs(q, k, v, *masks)

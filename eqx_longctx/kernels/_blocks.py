@@ -52,6 +52,8 @@ DEFAULT_BLOCK_SIZES = {
     "TPU v6 lite": (512, 1024),
     "TPU v6e": (512, 1024),
 }
+"""`(block_q, block_k)` per TPU `jax.devices()[0].device_kind`: untuned starting points
+that leave room in scoped VMEM. Any other device gets `(512, 512)`."""
 FALLBACK_BLOCK_SIZES = (512, 512)
 
 
@@ -82,6 +84,8 @@ def race_detecting_interpret(num_cores: int = 1) -> pltpu.InterpretParams:
 
     - `num_cores`: TensorCores per chip to simulate; 2 (megacore, v4/v5p) splits the
       "parallel" grid axes between them, in a random order.
+
+    **Returns:** a `pltpu.InterpretParams` to pass as `interpret=`.
     """
     return pltpu.InterpretParams(
         detect_races=True, uninitialized_memory="nan", num_cores_or_threads=num_cores

@@ -265,6 +265,8 @@ def pallas_flash_forward_heads_major(
     `pallas_flash_forward`.
 
     **Returns:** `(out [batch, q_heads, seq, v_head_dim], lse [batch, q_heads, seq])`.
+
+    **Raises:** as `pallas_flash_forward`.
     """
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     hm = _heads_major_like
@@ -325,6 +327,12 @@ def pallas_flash_forward(
     **Returns:** `(out, lse)`: `out` `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no key
     get `out = 0`, `lse = -inf`; a NaN on a visible pair makes its row NaN.
+
+    **Raises:** `ValueError` (eagerly, naming the rule) for shapes that do not fit together
+    (ranks, batch, head_dim, `q_heads` not a multiple of `kv_heads`), mixed or non-float
+    dtypes, positions or segment ids of the wrong shape, only one of the segment ids,
+    `block_q` / `block_k` not positive multiples of 128, a `window` that is not a positive
+    int or comes without `causal`, or a `max_live_blocks` that is not a positive int.
     """
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     check_inputs(q, k, v, *masks)

@@ -267,10 +267,15 @@ def pallas_flash_backward_heads_major(
     block_q: int | None = None, block_k: int | None = None, interpret=None,
     max_live_blocks: int | None = None,
 ):  # fmt: skip
-    """`pallas_flash_backward` in the heads-major layout: `qh`, `kh`, `vh`, `dout` as in
-    `pallas_flash_forward_heads_major`, `lse`, `delta` `[batch, q_heads, seq]`.
+    """`pallas_flash_backward` in the heads-major layout.
+
+    **Arguments:** `qh`, `kh`, `vh` as in `pallas_flash_forward_heads_major`; `dout`
+    `[batch, q_heads, seq, v_head_dim]`; `lse`, `delta` `[batch, q_heads, seq]`; positions,
+    segment ids and the keywords as in `pallas_flash_forward`.
 
     **Returns:** float32 `(dq, dk, dv)`, heads-major.
+
+    **Raises:** as `pallas_flash_backward`.
     """
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     hm = _heads_major_like
@@ -332,6 +337,9 @@ def pallas_flash_backward(
     - `delta`: `[batch, seq, q_heads]` float32, `rowsum(dout * out) - dlse`.
 
     **Returns:** `(dq, dk, dv)` float32, shaped like `q`, `k`, `v`.
+
+    **Raises:** as `pallas_flash_forward`, and `ValueError` when `dout`, `lse` or `delta`
+    do not have the shapes above.
     """
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     check_inputs(q, k, v, *masks)

@@ -61,6 +61,12 @@ class PallasBlockImpl(AbstractBlockImpl):
 
     - `block_q`, `block_k`: kernel block lengths (multiples of 128).
     - `interpret`: `False` compiles for TPU; `True` runs Pallas' interpreter (any backend).
+
+    Pass it as `impl=` to `eqx_longctx.attention` or a `ShardingSpec`; `impl="pallas"`
+    builds one with `for_platform`.
+
+    **Raises:** (when a strategy runs it) `ValueError` for inputs other than float32 or
+    bfloat16, and as `pallas_flash_forward` for block lengths and options.
     """
 
     block_q: int = eqx.field(static=True)
@@ -69,7 +75,15 @@ class PallasBlockImpl(AbstractBlockImpl):
 
     @staticmethod
     def for_platform(platform: str, interpret: Any = None) -> "PallasBlockImpl":
-        """Default blocks for the local TPU generation; interpret mode off TPU."""
+        """Default blocks for the local TPU generation; interpret mode off TPU.
+
+        **Arguments:**
+
+        - `platform`: `"tpu"`, `"cpu"` or `"gpu"`, the platform it will run on.
+        - `interpret`: as the field; `None` interprets everywhere but on a TPU.
+
+        **Returns:** a `PallasBlockImpl` with `default_block_sizes()`.
+        """
         block_q, block_k = default_block_sizes()
         interpret = platform != "tpu" if interpret is None else interpret
         return PallasBlockImpl(block_q, block_k, interpret)

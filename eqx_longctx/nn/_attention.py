@@ -91,6 +91,10 @@ class SelfAttention(eqx.Module):
           projection (default `init_std`).
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec passed to `eqx_longctx.attention`; `None` = one device.
+
+        **Raises:** `TypeError` for a `spec` that is not a `ShardingSpec` or options of the wrong
+        type; `ValueError` when `n_heads` is not a multiple of `n_kv_heads`, `rope.head_dim`
+        differs from `head_dim`, or `window` is not a positive int or is set without `causal`.
         """
         self.window = check_options("SelfAttention", spec, causal, None, window)
         out_init_std = init_std if out_init_std is None else out_init_std

@@ -12,7 +12,8 @@ import numpy as np
 
 from .._checks import _seen, _short, check_bool, check_instance, check_int, check_real, check_spec
 
-DTYPES = ("float32", "bfloat16", "float16")  # parameter and compute dtypes a config accepts
+DTYPES = ("float32", "bfloat16", "float16")
+"""The parameter and compute dtypes a model config accepts, by name."""
 
 
 def check_choice(value: Any, what: str, choices: Iterable[str]) -> str:
@@ -90,6 +91,15 @@ def check_decoder_config(config: Any, *, scaling_cls: type) -> None:
     ints; `norm_eps`, `rope_theta` and `init_std` positive finite reals (stored as float);
     `tie_embeddings` a bool; `rope_scaling` a `scaling_cls` or `None`; `remat` one of
     `REMAT_POLICIES`; `param_dtype` and `compute_dtype` become dtype names from `DTYPES`.
+
+    **Arguments:**
+
+    - `config`: the frozen dataclass instance (fields are normalised in place).
+    - `scaling_cls`: the RoPE scaling class its `rope_scaling` must be an instance of.
+
+    **Raises:** `TypeError` for a field of the wrong type (a `rope_scaling` that is not a
+    `scaling_cls`, say) and `ValueError` for a value out of range or not among the choices;
+    each message names `Class.field`, the value and the fix.
     """
     from ._transformer import REMAT_POLICIES  # (its module imports this one)
 

@@ -26,7 +26,15 @@ from ._norm import RMSNorm
 class AbstractDecoder(eqx.Module):
     """A decoder-only transformer: embeddings, a stack of blocks, a final norm, logits.
 
-    The config must have `vocab_size`, `max_seq_len` and `compute_dtype`.
+    The base class of every model family (`models.llama.Llama`, `models.deepseek.DeepSeek`):
+    a family declares the fields below and implements `run_layers`, and inherits the calls.
+
+    - `embed`: `[vocab, embed]` token embeddings.
+    - `norm`: the final `RMSNorm`.
+    - `lm_head`: `[embed, vocab]` output head, or `None` when tied to `embed`.
+    - `config`: the family's config; it must have `vocab_size`, `max_seq_len` and
+      `compute_dtype`.
+    - `spec`: the sharding spec, or `None` for one device.
     """
 
     embed: eqx.AbstractVar[Float[Array, "vocab embed"]]
@@ -79,6 +87,10 @@ class AbstractDecoder(eqx.Module):
         - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
 
         **Returns:** `[batch, seq, vocab]` float32 logits.
+
+        **Raises:** `ValueError` when `x` is not `[batch, seq, embed]` floating point, and as
+        `eqx_longctx.nn.check_shapes` for the sequence length, positions, segment ids and
+        the spec's mesh.
         """
         embed = self.embed.shape[-1]
         if x.ndim != 3 or x.shape[-1] != embed or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -118,6 +130,11 @@ class AbstractDecoder(eqx.Module):
           row). Causal masking is by token index; attention never crosses segments.
 
         **Returns:** `[batch, seq, vocab]` float32 logits.
+
+        **Raises:** as `eqx_longctx.nn.prepare_inputs`: `TypeError` for inputs that are not
+        integer arrays; `ValueError` for a wrong rank, shape or dtype, an id out of range, a
+        sequence longer than `max_seq_len`, or a batch or sequence that does not split over
+        the spec's mesh.
         """
         tokens, positions, segment_ids = prepare_inputs(
             tokens,

@@ -10,7 +10,16 @@ from .._sharding import ShardingSpec
 
 
 def check_token_ids(tokens, vocab_size: int, config_name: str) -> None:
-    """Raise `ValueError` if a concrete token id lies outside `[0, vocab_size)`."""
+    """Raise `ValueError` if a concrete token id lies outside `[0, vocab_size)`.
+
+    **Arguments:**
+
+    - `tokens`: concrete token ids (a JAX or NumPy array; not a tracer).
+    - `vocab_size`: the model's vocabulary size.
+    - `config_name`: the config class named in the message's fix (e.g. `"LlamaConfig"`).
+
+    **Raises:** `ValueError` for an id out of range, or for a tracer (call it outside `jit`).
+    """
     if isinstance(tokens, Tracer):
         raise ValueError(
             "check_tokens needs concrete token ids, but got a tracer (called inside jit, "
@@ -35,9 +44,26 @@ def check_shapes(
     config_name: str,
     spec: ShardingSpec | None = None,
 ) -> None:
-    """The sequence fits `max_seq_len` and, under `spec`, the batch splits over its batch
-    axis and the sequence over its layout; positions and segment ids are `[batch, seq]`
-    integer arrays."""
+    """Check that a decoder's inputs fit the model and the mesh.
+
+    The sequence fits `max_seq_len` and, under `spec`, the batch splits over its batch
+    axes and the sequence over its layout; positions and segment ids are `[batch, seq]`
+    integer arrays.
+
+    **Arguments:**
+
+    - `batch_seq`: the `(batch, seq)` shape of the tokens (or embeddings).
+    - `what`: what that shape belongs to, for messages (`"tokens"`).
+    - `positions`, `segment_ids`: `[batch, seq]` integer arrays, or `None`.
+    - `max_seq_len`: the model's longest sequence.
+    - `config_name`: the config class named in the messages' fixes.
+    - `spec`: the sharding spec, or `None` for one device.
+
+    **Raises:** `TypeError` when positions or segment ids are not arrays; `ValueError` when
+    the sequence is longer than `max_seq_len`, the batch or sequence does not split over
+    the spec's mesh and layout, or positions or segment ids have another shape or a
+    non-integer dtype.
+    """
     batch, seq = batch_seq
     if seq > max_seq_len:
         raise ValueError(
@@ -94,7 +120,19 @@ def prepare_inputs(
     original index (`layout_order`); on one device, `0..seq-1`. Token ids are range-checked
     when they are concrete.
 
+    **Arguments:**
+
+    - `tokens`: `[batch, seq]` integer ids (JAX or NumPy array, or nested lists).
+    - `positions`: `[batch, seq]` RoPE positions, or `None` for the default.
+    - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
+    - `spec`: the sharding spec, or `None` for one device.
+    - `vocab_size`, `max_seq_len`: the model's limits.
+    - `config_name`: the config class named in the messages' fixes.
+
     **Returns:** `(tokens, positions, segment_ids)` as JAX arrays (`segment_ids` may be None).
+
+    **Raises:** `TypeError` for inputs that are not integer arrays; `ValueError` for tokens
+    not of rank 2 or not integers, an id out of range, and as `check_shapes`.
     """
     tokens = _as_array(tokens, "tokens")
     if tokens.ndim != 2:

@@ -66,6 +66,10 @@ class YarnRopeScaling:
     - `mscale`, `mscale_all_dim`: DeepSeek's magnitude terms, or `None`.
     - `attention_factor`: explicit cos/sin multiplier, or `None` to derive it.
     - `truncate`: round the ramp bounds outward to whole dimensions (the default).
+
+    **Raises:** `TypeError` for a field of the wrong type; `ValueError` unless `factor >= 1`,
+    `0 < beta_slow < beta_fast`, `attention_factor` is positive or `None`, and
+    `original_max_position_embeddings` is a positive int.
     """
 
     factor: float | int
@@ -173,6 +177,10 @@ class DecoupledRoPE(eqx.Module):
         - `theta`: base of the frequency ladder.
         - `scaling`: optional YaRN scaling.
         - `interleaved`: rotate neighbouring feature pairs (DeepSeek) instead of halves.
+
+        **Raises:** `TypeError` when `scaling` is not a `YarnRopeScaling` (or `None`) or an
+        argument has the wrong type; `ValueError` unless `head_dim` is positive and even and
+        `theta > 0`.
         """
         self.head_dim = check_int(head_dim, "DecoupledRoPE head_dim", minimum=None)
         self.theta = check_real(theta, "DecoupledRoPE theta")
@@ -294,6 +302,10 @@ class MultiHeadLatentAttention(eqx.Module):
           the output projection (default `init_std`).
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec passed to `eqx_longctx.attention`; `None` = one device.
+
+        **Raises:** `TypeError` when `spec` is not a `ShardingSpec` (or `None`); `ValueError`
+        for a width that is not positive, or when `rope.head_dim` differs from
+        `qk_rope_head_dim`.
         """
         check_spec(spec, "MultiHeadLatentAttention")
         for name, value in (
@@ -364,7 +376,10 @@ class MultiHeadLatentAttention(eqx.Module):
     def queries(
         self, x: Hidden, positions: Positions
     ) -> Float[Array, "batch seq heads qk_head_dim"]:
-        """**Returns:** `[batch, seq, heads, qk_head_dim]` queries `[q_nope, rotated q_rope]`."""
+        """Queries of `x` (`[batch, seq, embed]`, normalised) at RoPE `positions`.
+
+        **Returns:** `[batch, seq, heads, qk_head_dim]` queries `[q_nope, rotated q_rope]`.
+        """
         dtype = x.dtype
         if self.wq is not None:
             q = jnp.einsum("bse,ehd->bshd", x, self.wq.astype(dtype))
@@ -404,6 +419,8 @@ class MultiHeadLatentAttention(eqx.Module):
         Float[Array, "batch kv_seq heads v_head_dim"],
     ]:
         """Per-head keys and values from the latent (position-free: runs on any token block).
+
+        `latent` is the pair `(latent, k_rope)` that `latent()` returns.
 
         **Returns:** `(k, v)`: keys `[k_nope, k_rope]` (the rotary key broadcast over heads)
         and values.

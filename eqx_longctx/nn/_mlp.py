@@ -53,6 +53,9 @@ class SwiGLU(eqx.Module):
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec, or `None` for one device; with a `tensor_axis`, the
           hidden activations are split over it (the weights are placed by the rules table).
+
+        **Raises:** `TypeError` when `spec` is not a `ShardingSpec` (or `None`); `ValueError`
+        for a width that is not positive.
         """
         check_spec(spec, "SwiGLU")
         if dim <= 0 or hidden_dim <= 0:

@@ -166,6 +166,11 @@ class MoE(eqx.Module):
           projections, and of the output projections (default `init_std`).
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec, or `None` for one device.
+
+        **Raises:** `TypeError` when `spec` is not a `ShardingSpec` (or `None`); `ValueError`
+        for a width or expert count that is not positive, an unknown `topk_method` or
+        `grouped_matmul`, a `top_k` the routing rule cannot pick (group sizes included),
+        `tile < 1`, `capacity_factor <= 0`, or `n_experts` not divisible by the expert axis.
         """
         check_spec(spec, "MoE")
         for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("n_experts", n_experts)):

@@ -30,6 +30,8 @@ class RMSNorm(eqx.Module):
         - `dim`: size of the normalised (last) axis.
         - `eps`: added to the mean square before the reciprocal square root.
         - `dtype`: dtype of the learned scale (initialised to ones).
+
+        **Raises:** `ValueError` unless `eps > 0`.
         """
         self.weight = jnp.ones((dim,), dtype)
         self.eps = float(eps)

@@ -42,6 +42,10 @@ class Llama3RopeScaling:
     - `factor`: how much the low frequencies are slowed down (8 for Llama 3.1, 32 for 3.2).
     - `low_freq_factor`, `high_freq_factor`: bounds of the blended band (1 and 4).
     - `original_max_position_embeddings`: context length of pre-training (8192).
+
+    **Raises:** `TypeError` for a field of the wrong type; `ValueError` unless `factor >= 1`,
+    `0 < low_freq_factor < high_freq_factor` and `original_max_position_embeddings` is a
+    positive int.
     """
 
     factor: float | int
@@ -109,6 +113,10 @@ class RoPE(eqx.Module):
         - `head_dim`: size of each query/key head (even).
         - `theta`: base of the geometric frequency ladder (`freq_i = theta**(-2i/head_dim)`).
         - `scaling`: optional Llama 3.1 long-context frequency scaling.
+
+        **Raises:** `TypeError` when `scaling` is not a `Llama3RopeScaling` (or `None`) or a
+        number has the wrong type; `ValueError` unless `head_dim` is positive and even and
+        `theta > 0`.
         """
         self.head_dim = check_int(head_dim, "RoPE head_dim", minimum=None)
         self.theta = check_real(theta, "RoPE theta")

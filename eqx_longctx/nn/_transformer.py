@@ -27,6 +27,8 @@ from ._norm import RMSNorm
 from ._rope import RoPE
 
 REMAT_POLICIES = ("none", "full", "dots", "offload")
+"""The rematerialisation policies of `LayerStack(remat=...)`, the model configs' `remat` and
+the trainer's `--remat` (each is described under `LayerStack`)."""
 OFFLOAD_NAME = "layer_input"
 
 
@@ -68,6 +70,8 @@ class DecoderBlock(eqx.Module):
           projections of both sublayers.
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec, or `None` for one device.
+
+        **Raises:** as `SelfAttention`, `SwiGLU` and `RMSNorm`.
         """
         check_spec(spec, "DecoderBlock")
         k_attn, k_mlp = jax.random.split(key)
@@ -156,6 +160,9 @@ class LayerStack(eqx.Module):
         - `key`: PRNG key, split once per layer.
         - `remat`: one of `REMAT_POLICIES`.
         - `spec`: the sharding spec (its fsdp axes decide the per-layer gather), or `None`.
+
+        **Raises:** `TypeError` when `spec` is not a `ShardingSpec` (or `None`); `ValueError`
+        for `n_layers <= 0` or a `remat` not in `REMAT_POLICIES`.
         """
         check_spec(spec, "LayerStack")
         if n_layers <= 0:
@@ -174,7 +181,10 @@ class LayerStack(eqx.Module):
             )
 
     def layer(self, i: int) -> eqx.Module:
-        """**Returns:** layer `i` alone, its weights sliced out of the stack."""
+        """**Returns:** layer `i` alone, its weights sliced out of the stack.
+
+        **Raises:** `ValueError` unless `0 <= i < n_layers`.
+        """
         if not 0 <= i < self.n_layers:
             raise ValueError(f"layer index must be in [0, {self.n_layers}); got i={i}.")
         params, static = eqx.partition(self.layers, eqx.is_array)

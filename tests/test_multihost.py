@@ -54,6 +54,7 @@ SETTINGS = dict(
     progress=False,
 )
 MESHES = {"ring": "context=8", "usp": "ulysses=2,context=4"}
+RESUME_MESHES = {"usp": "fsdp=2,ulysses=2,context=2"}  # weights split across the processes
 # Summation order differs across the gloo all-reduce: float32 rounding, nothing more.
 LOSS_RTOL = 1e-6
 PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5
@@ -213,9 +214,10 @@ def copy_run_at(src, dst, step: int) -> pathlib.Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ring", "usp"])
 def test_two_processes_match_one(tmp_path, datasets, strategy):
-    """2 processes x 4 devices give the losses and parameters of 1 process x 8; with ring
-    also resume across process counts: 2 -> 1, and 1 -> 2 under another mesh (fsdp=2 over
-    the processes), each continuing the run (same steps, learning rates, tokens)."""
+    """2 processes x 4 devices give the losses and parameters of 1 process x 8. Then resume
+    across process counts, continuing the run (same steps, learning rates, tokens; losses
+    and parameters to rounding): ring 2 -> 1; usp 1 -> 2 under another mesh (fsdp=2, which
+    splits the weights and Adam moments across the processes)."""
     one = tmp_path / "one"
     result = Trainer(config(one, strategy), datasets=datasets).run()
     assert result.status == "completed"
@@ -239,29 +241,32 @@ def test_two_processes_match_one(tmp_path, datasets, strategy):
     assert_same_run(
         train_records(two), reference, final_params(two, strategy, datasets), reference_params
     )
-    if strategy != "ring":
-        return
-
-    # 2 -> 1: resume the 2-process run's step-2 checkpoint in this process.
-    back = copy_run_at(two, tmp_path / "two_then_one", 2)
-    resumed = Trainer(config(back, strategy, resume=True), datasets=datasets)
-    assert resumed.step == 2
-    resumed.run()
-    assert_same_run(
-        train_records(back),
-        train_records(two),
-        jax.tree.leaves(eqx.filter(resumed.model, eqx.is_array)),
-        final_params(two, strategy, datasets),
-    )
-
-    # 1 -> 2: resume the 1-process run's step-2 checkpoint on 2 processes, and on another
-    # mesh: the weights and Adam moments now split over an fsdp axis across the processes.
-    forth = copy_run_at(one, tmp_path / "one_then_two", 2)
-    run = run_processes(tmp_path, cli_flags(forth, strategy, resume=True, mesh="fsdp=2,context=4"))
-    assert "resuming at step 2" in run.output(0) and "mesh fsdp=2, context=4" in run.output(0)
-    assert_same_run(
-        train_records(forth), reference, final_params(forth, strategy, datasets), reference_params
-    )
+    if strategy == "ring":
+        # 2 -> 1: resume the 2-process run's step-2 checkpoint in this process.
+        back = copy_run_at(two, tmp_path / "two_then_one", 2)
+        resumed = Trainer(config(back, strategy, resume=True), datasets=datasets)
+        assert resumed.step == 2
+        resumed.run()
+        assert_same_run(
+            train_records(back),
+            train_records(two),
+            jax.tree.leaves(eqx.filter(resumed.model, eqx.is_array)),
+            final_params(two, strategy, datasets),
+        )
+    else:
+        # 1 -> 2: resume the 1-process run's step-2 checkpoint on 2 processes, and on another
+        # mesh: the weights and Adam moments now split over an fsdp axis across the processes.
+        mesh = RESUME_MESHES[strategy]
+        forth = copy_run_at(one, tmp_path / "one_then_two", 2)
+        run = run_processes(tmp_path, cli_flags(forth, strategy, resume=True, mesh=mesh))
+        assert "resuming at step 2" in run.output(0), run.output()
+        assert f"mesh {mesh.replace(',', ', ')}" in run.output(0), run.output()
+        assert_same_run(
+            train_records(forth),
+            reference,
+            final_params(forth, strategy, datasets),
+            reference_params,
+        )
 
 
 @pytest.mark.slow

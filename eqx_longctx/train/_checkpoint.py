@@ -28,7 +28,7 @@ import equinox as eqx
 import jax
 import orbax.checkpoint as ocp
 
-from ._distributed import all_readable, is_primary, sync
+from ._processes import all_readable, is_primary, sync
 
 RESHARDABLE_MODEL_FIELDS = ("remat",)
 _TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from models import FAMILY_NAMES
 
 from ._config import TrainConfig
-from ._distributed import INIT_TIMEOUT, PEER_TIMEOUT
+from ._distributed import PEER_TIMEOUT
+from ._processes import INIT_TIMEOUT
 
 
 def _override(text: str) -> tuple[str, str]:
@@ -267,8 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
     """The run itself; `runtime` is `None` for one process. Error messages go to stderr
     and into `failure["message"]`."""
-    from . import _distributed as dist
     from ._loop import Trainer
+    from ._processes import primary_value
 
     primary = runtime is None or runtime.process_id == 0
 
@@ -315,7 +316,7 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             progress=not args.no_progress and primary,
         )
         if runtime is not None:  # a default run dir is stamped with the time: take process 0's
-            run_dir = dist.primary_value("run_dir", str(config.run_dir), runtime.timeout)
+            run_dir = primary_value("run_dir", str(config.run_dir), runtime.timeout)
             config = dataclasses.replace(config, run_dir=run_dir)
         trainer = Trainer(config)
         if trainer.nothing_to_do is not None:

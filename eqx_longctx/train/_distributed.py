@@ -24,7 +24,6 @@ no hook to replace it.
 import dataclasses
 import json
 import os
-import re
 import socket
 import sys
 import threading
@@ -32,19 +31,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._processes import PREFIX, exchange, kv_client
+
 EXIT_PEER_LOST = 3
 """Exit status of a process that stops because another process of its run failed, hung
 or died, or the coordinator became unreachable."""
 
-INIT_TIMEOUT = 300
-"""Default `--init-timeout`: seconds to wait for the coordinator and for every process to
-join (JAX's own default)."""
 
 PEER_TIMEOUT = 60
 """Default `--peer-timeout`: seconds without a heartbeat after which a peer is lost."""
 
 HEARTBEAT_INTERVAL = 1.0
-_PREFIX = "eqx_longctx"
 # JAX's heartbeat (which aborts with a C++ log and no message of ours) comes after ours.
 _JAX_HEARTBEAT_MARGIN = 30
 
@@ -263,7 +260,7 @@ def start(cluster: Cluster, *, devices: int, init_timeout: int, peer_timeout: in
     cluster = dataclasses.replace(
         cluster, num_processes=jax.process_count(), process_id=jax.process_index()
     )
-    runtime = Runtime(cluster, _client(), timeout=init_timeout)
+    runtime = Runtime(cluster, kv_client(), timeout=init_timeout)
     runtime.watch = PeerWatch(runtime, peer_timeout)
     runtime.watch.start()
     return runtime
@@ -285,110 +282,6 @@ def set_cpu_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
         pass  # backends already exist (e.g. inside a notebook); the Trainer checks the count
-
-
-def _client():
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("jax.distributed is not initialized")
-    return client
-
-
-def is_primary() -> bool:
-    """**Returns:** whether this is process 0, the one that writes the run's files (flags,
-    metrics, plot) and prints; `True` in a single-process run."""
-    import jax
-
-    return jax.process_index() == 0
-
-
-_SYNCS = [0]
-
-
-def sync(name: str, timeout: float = INIT_TIMEOUT) -> None:
-    """Wait until every process reaches this point (nothing in a single-process run).
-
-    Every process must call the same sequence of `sync`s: each gets a numbered barrier.
-
-    **Arguments:**
-
-    - `name`: what is awaited, for the barrier's id and any timeout message.
-    - `timeout`: seconds to wait.
-    """
-    import jax
-
-    if jax.process_count() == 1:
-        return
-    _SYNCS[0] += 1
-    _client().wait_at_barrier(f"{_PREFIX}/sync/{_SYNCS[0]}-{name}", int(timeout * 1000))
-
-
-def agree(name: str, value: Any, timeout: float = INIT_TIMEOUT) -> None:
-    """Check that `value` (JSON-serialisable) is the same on every process (nothing in a
-    single-process run).
-
-    **Returns:** nothing; raises `RuntimeError` listing each process's value otherwise.
-    """
-    import jax
-
-    if jax.process_count() == 1:
-        return
-    _SYNCS[0] += 1
-    values = _exchange(f"{_SYNCS[0]}-{name}", json.dumps(value, sort_keys=True), timeout)
-    if len(set(values)) > 1:
-        listed = "; ".join(f"process {p}: {v}" for p, v in enumerate(values))
-        raise RuntimeError(
-            f"the processes must agree on {name} (global arrays reduced by jit); they "
-            f"differ: {listed}. This is a bug: please report it."
-        )
-
-
-def all_readable(name: str, why: str, timeout: float = INIT_TIMEOUT) -> str:
-    """Agree across processes on whether something could be read.
-
-    **Arguments:**
-
-    - `name`: what was read (unique per call sequence, like [`sync`][]).
-    - `why`: `""` when this process read it, else why not.
-
-    **Returns:** `""` when every process read it, else the first process's reason (with its
-    process id when it was another's). A single-process run returns `why`.
-    """
-    import jax
-
-    if jax.process_count() == 1:
-        return why
-    _SYNCS[0] += 1
-    whys = _exchange(f"{_SYNCS[0]}-{name}", why, timeout)
-    for p, reason in enumerate(whys):
-        if reason:
-            return reason if p == jax.process_index() else f"process {p}: {reason}"
-    return ""
-
-
-def _exchange(name: str, value: str, timeout: float) -> list[str]:
-    """Publish `value` under `name` and read every process's (in process order); raises
-    `ValueError` when one has not published within `timeout` seconds."""
-    import jax
-
-    client = _client()
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
-    client.key_value_set(f"{_PREFIX}/x/{name}/{jax.process_index()}", value)
-    values = []
-    for p in range(jax.process_count()):
-        try:
-            values.append(
-                client.blocking_key_value_get(f"{_PREFIX}/x/{name}/{p}", int(timeout * 1000))
-            )
-        except Exception as e:
-            raise ValueError(
-                f"every process of the run must report its {name}; process {p} did not within "
-                f"{timeout} s ({str(e).splitlines()[0]}). Check that it is running (its own "
-                "log says why not)."
-            ) from None
-    return values
 
 
 class Runtime:
@@ -424,7 +317,7 @@ class Runtime:
         from process 0 (the same message on every process).
         """
         mine = json.dumps(flags, sort_keys=True, default=str)
-        records = [json.loads(v) for v in _exchange("flags", mine, self.timeout)]
+        records = [json.loads(v) for v in exchange("flags", mine, self.timeout)]
         first, diffs = records[0], []
         for p, record in enumerate(records[1:], start=1):
             for key in sorted(set(first) | set(record)):
@@ -458,7 +351,7 @@ class Runtime:
 
     def _post(self, kind: str, value: str) -> bool:
         try:
-            key = f"{_PREFIX}/watch/{kind}/{self.process_id}"
+            key = f"{PREFIX}/watch/{kind}/{self.process_id}"
             self.client.key_value_set(key, value, allow_overwrite=True)
             return True
         except Exception:  # the coordinator is gone: nobody to tell
@@ -493,7 +386,7 @@ class PeerWatch(threading.Thread):
         peers = [p for p in range(rt.num_processes) if p != me]
         last = {p: ("", time.monotonic()) for p in peers}
         count, unreachable_since = 0, None
-        where = f"{_PREFIX}/watch/"
+        where = f"{PREFIX}/watch/"
         while not self._stop_event.wait(self.interval):
             count += 1
             now = time.monotonic()
@@ -541,15 +434,6 @@ class PeerWatch(threading.Thread):
             "--resume.",
             EXIT_PEER_LOST,
         )
-
-
-def primary_value(name: str, value: str, timeout: float = INIT_TIMEOUT) -> str:
-    """**Returns:** process 0's `value` on every process (each publishes its own)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return value
-    return _exchange(name, value, timeout)[0]
 
 
 def exit_now(code: int) -> None:

@@ -30,9 +30,9 @@ import numpy as np
 
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
 from ._config import TrainConfig, build_model_config
-from ._distributed import agree, is_primary, sync
 from ._metrics import MetricsLog, plot_metrics
 from ._parallel import Placement
+from ._processes import agree, is_primary, sync
 from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
 from ._step import check_batch, evaluate, make_optimizer, make_train_step
 

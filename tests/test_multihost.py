@@ -412,3 +412,16 @@ def test_error_device_count():
     check_device_count(8, 8, 2)
     with pytest.raises(ValueError, match="needs that many JAX devices"):
         check_device_count(16, 8, 1)
+
+
+def test_cloud_tpu_slice_needs_no_flags(monkeypatch):
+    """On a Cloud TPU slice of several workers no flag is needed: the processes come from
+    the TPU metadata (`jax.distributed.initialize()` finds the coordinator and the ids)."""
+    from eqx_longctx.train import _distributed
+
+    monkeypatch.setattr(_distributed, "tpu_worker_count", lambda: 4)
+    cluster = cluster_from_flags(None, None, None, 16)
+    assert cluster is not None and (cluster.coordinator, cluster.num_processes) == (None, 4)
+    assert "this process of 4" in cluster.describe()
+    monkeypatch.setattr(_distributed, "tpu_worker_count", lambda: 1)
+    assert cluster_from_flags(None, None, None, 8) is None  # one host: no jax.distributed

@@ -347,14 +347,6 @@ class ShardingSpec(eqx.Module):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
 
-    def explain(self, **shape) -> str:
-        """The planner's table for this spec: memory, communication and balance of every
-        strategy, and the choice `"auto"` would make. Takes `plan`'s keyword arguments
-        (`batch`, `seq`, `q_heads`, `kv_heads`, `head_dim`, ...)."""
-        from .attention._plan import explain
-
-        return explain(self, **shape)
-
     def auto_axes(self, fn: Callable[..., Any], out_pspec: PartitionSpec) -> Callable[..., Any]:
         """Run `fn` with this mesh's axes Auto when the mesh is Explicit (else as is)."""
         if not self.is_explicit or _in_auto_context(self.mesh):

@@ -1,28 +1,45 @@
-"""`python -m eqx_longctx.plan`: which context-parallel strategy, and what it will cost.
+"""`python -m eqx_longctx.plan`: what a run will cost, per device, before it runs.
 
-Prints the cost model's table (`eqx_longctx.attention._plan.plan`) for a mesh and an
-attention shape, and the strategy `"auto"` would pick. The mesh is made of fake CPU devices,
-so any mesh can be planned on a laptop; `--check` also compiles each strategy on that mesh
-(abstract inputs, nothing runs) and prints the measured collective bytes and memory beside
-the prediction.
+Two planners behind one command. The mesh is made of fake CPU devices, so any mesh can be
+planned on a laptop.
 
+- With `--model`, the whole train step (`eqx_longctx._step_plan`): parameters, gradients,
+  AdamW state, activations under each remat policy, attention temporaries, logits and
+  loss, per device, for every strategy the mesh can run; and the fastest (strategy,
+  remat) that fits `--memory-budget-gib`. `--compile` compiles the real train step on
+  abstract arrays and prints XLA's memory analysis beside the prediction; `--json` prints
+  one JSON object instead of the table.
+- Without it, one attention call (`eqx_longctx.attention.plan`): every strategy's memory,
+  communication, balance and time, and the one `"auto"` picks; `--check` compiles each.
+
+    python -m eqx_longctx.plan --model llama --preset llama3.1-8b --seq 1048576 --batch 4 \\
+        --mesh fsdp=4,context=16 --train --memory-budget-gib 95
+    python -m eqx_longctx.plan --model llama --preset tiny --seq 8192 --batch 2 \\
+        --mesh fsdp=2,context=4 --train --remat full --compile --json
     python -m eqx_longctx.plan --mesh data=2,context=4 --strategy auto --load-balance zigzag \\
         --batch 2 --seq 32768 --heads 32 --kv-heads 8 --head-dim 128
     python -m eqx_longctx.plan --mesh ulysses=2,context=4 --strategy usp --seq 65536 --check
 """
 
 import argparse
+import ast
+import dataclasses
+import json
 import math
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._hlo import collective_bytes
 from ._mesh import parse_mesh
 from ._sharding import ShardingSpec
 from .attention import attention
 from .attention._plan import STRATEGY_ORDER, plan
+
+REMAT_CHOICES = ("none", "dots", "offload", "full")
 
 
 def compiled_attention(
@@ -85,7 +102,8 @@ def _fake_devices(n: int) -> None:
     """Ask for `n` CPU devices; works only before JAX has initialised a backend."""
     try:
         jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", n)
+        if jax.config.jax_num_cpu_devices < n:  # pyright: ignore[reportAttributeAccessIssue]
+            jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
         pass  # already initialised (e.g. inside a test session): use what exists
     if len(jax.devices()) < n:
@@ -118,9 +136,22 @@ def main(argv=None) -> None:
     p.add_argument("--ulysses-axis", default=None, help="default: 'ulysses' under usp")
     p.add_argument("--tensor-axis", default=None)
     p.add_argument("--check", action="store_true", help="compile each strategy and compare")
+    step = p.add_argument_group("whole train step (with --model)")
+    step.add_argument("--model", default=None, help="model family: llama or deepseek")
+    step.add_argument("--preset", default=None, help="a preset of the family, e.g. llama3.1-8b")
+    step.add_argument("--train", action="store_true", help="plan a train step (AdamW)")
+    step.add_argument("--fsdp-axes", default=None, help="axes the weights are split over")
+    step.add_argument("--remat", default=None, choices=REMAT_CHOICES, help="default: all")
+    step.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="config override, e.g. n_layers=2 (repeatable)")  # fmt: skip
+    step.add_argument("--compile", action="store_true", help="compile the step and compare")
+    step.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     try:
-        _run(args)
+        if args.model is not None:
+            _run_step(args)
+        else:
+            _run(args)
     except (ValueError, TypeError) as e:
         p.error(str(e))
 
@@ -206,6 +237,115 @@ def _with_strategy(spec: ShardingSpec, name: str) -> ShardingSpec:
     return spec.replace(
         strategy=name, ulysses_axis=spec.ulysses_axis if name in ("usp", "auto") else None
     )
+
+
+# ---- the whole train step ---------------------------------------------------------------
+
+
+def step_spec(axes: dict, *, strategy: str, load_balance: str, fsdp_axes: str | None):
+    """The `ShardingSpec` of a train step on a mesh of fake CPU devices: the batch over
+    `data` (and the fsdp axes that are not sequence axes), the sequence over `context`
+    (and `ulysses`), `tensor` and `expert` axes as their roles, the weights over
+    `fsdp_axes` (default: the `fsdp` axis when the mesh has one), checked as the trainer's
+    `--fsdp-axes` is."""
+    from .train._config import fsdp_axes_of  # the trainer's rules for the same flag
+
+    fsdp = fsdp_axes_of(fsdp_axes, axes, ",".join(f"{k}={v}" for k, v in axes.items()))
+    n = math.prod(axes.values())
+    _fake_devices(n)
+    # Auto axes, as the trainer's mesh (`eqx_longctx.train.Placement`): jit propagates the
+    # shardings of the model and optimizer state.
+    grid = np.array(jax.devices()[:n]).reshape(tuple(axes.values()))
+    mesh = jax.sharding.Mesh(grid, tuple(axes))
+    ulysses = "ulysses" if "ulysses" in axes and strategy in ("usp", "auto") else None
+    return ShardingSpec(
+        mesh, strategy=strategy, load_balance=load_balance, ulysses_axis=ulysses,
+        tensor_axis="tensor" if "tensor" in axes else None, fsdp_axis=fsdp,
+        expert_axis="expert" if "expert" in axes else None,
+    )  # fmt: skip
+
+
+def step_config(model: str, preset: str | None, seq: int, sets: list[str]):
+    """The family's preset with `max_seq_len` raised to `seq` and the `--set` overrides."""
+    from models import family
+
+    fam = family(model)
+    if preset not in fam.presets:
+        raise ValueError(
+            f"unknown {model} preset {preset!r} (--preset); choose one of {sorted(fam.presets)}."
+        )
+    overrides: dict[str, Any] = {"max_seq_len": max(seq, fam.presets[preset].max_seq_len)}
+    fields = {f.name for f in dataclasses.fields(fam.presets[preset])}
+    for item in sets:
+        name, sep, text = item.partition("=")
+        if not sep or name.strip() not in fields:
+            raise ValueError(
+                f"--set takes FIELD=VALUE with a field of {type(fam.presets[preset]).__name__}; "
+                f"got {item!r}. The fields are {sorted(fields)}."
+            )
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            value = text.strip()  # a string such as bfloat16
+        overrides[name.strip()] = value
+    return fam.config.from_preset(preset, **overrides)
+
+
+def _run_step(args) -> None:
+    from ._step_compile import compile_train_step, compiled_step_bytes
+    from ._step_explain import step_record
+    from ._step_plan import plan_train_step
+
+    if not args.train:
+        raise ValueError(
+            "--model plans a train step: pass --train (one attention call is planned without "
+            "--model, from --heads/--kv-heads/--head-dim)."
+        )
+    if args.preset is None:
+        raise ValueError(f"--model {args.model} needs --preset (e.g. --preset tiny).")
+    axes = parse_mesh(args.mesh)
+    config = step_config(args.model, args.preset, args.seq, args.set)
+    spec = step_spec(
+        axes, strategy=args.strategy, load_balance=args.load_balance, fsdp_axes=args.fsdp_axes
+    )
+    budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
+    extra = {}
+    if args.tflops is not None:
+        extra["flops_per_s"] = args.tflops * 1e12
+    if args.gbps is not None:
+        extra["bytes_per_s"] = args.gbps * 1e9
+    remats = REMAT_CHOICES if args.remat is None else (args.remat,)
+    result = plan_train_step(
+        args.model, config, spec, batch=args.batch, seq=args.seq, remats=remats,
+        memory_budget_bytes=budget, **extra,
+    )  # fmt: skip
+    result.problem["preset"] = args.preset
+    row = result.chosen
+    if row is None and len(result.rows) == 1:
+        row = result.rows[0]  # one (strategy, remat) asked for: report it even if over budget
+    compiled = None
+    if args.compile and row is not None:
+        s = spec if spec.strategy == row.strategy else _with_strategy(spec, row.strategy)
+        c = dataclasses.replace(config, remat=row.remat)
+        compiled = compiled_step_bytes(
+            compile_train_step(args.model, c, s, batch=args.batch, seq=args.seq)
+        )
+    if args.json:
+        print(json.dumps(step_record(result, row, compiled)))
+    else:
+        print(result.explain())
+        if compiled is not None and row is not None:
+            print(
+                f"compiled {row.strategy}, remat={row.remat!r} on {len(spec.mesh.devices.flat)} "
+                f"fake CPU devices: {compiled.device / 2**20:.1f} MiB per device (arguments "
+                f"{compiled.arguments / 2**20:.1f} + outputs {compiled.outputs / 2**20:.1f} + "
+                f"temporaries {compiled.temporaries / 2**20:.1f} - donated "
+                f"{compiled.aliased / 2**20:.1f}), host {compiled.host / 2**20:.1f} MiB; "
+                f"predicted {row.device / 2**20:.1f} MiB, ratio {row.device / compiled.device:.2f}"
+            )
+    sys.stdout.flush()
+    if result.chosen is None and budget is not None:
+        raise ValueError(result.reason)
 
 
 if __name__ == "__main__":

@@ -468,15 +468,15 @@ def test_zigzag_chunk_aligned_tiles(strategy, one_head_tiles, monkeypatch):
     """Long enough rows switch the flash tiles to zig-zag's chunk length (here 128); the 8
     fake devices share the CPU's caches, so each gets 1/8 of the score-tile bytes (and, with
     `one_head_tiles`, so few that every score tile holds one head)."""
-    from eqx_longctx.attention import _plan
+    from eqx_longctx.attention import _tiling_policy as policy
 
     if one_head_tiles:  # 8 devices x one 128 x 128 float32 head
-        monkeypatch.setattr(_plan, "TILE_BYTES", 8 * 128 * 128 * 4)
+        monkeypatch.setattr(policy, "TILE_BYTES", 8 * 128 * 128 * 4)
     mesh = jax.make_mesh((1, 8), ("data", "context"))
     spec = ShardingSpec(mesh, strategy=strategy, load_balance="zigzag")
     seq = 2048
-    tiling = _plan.tiling(spec, seq)
-    assert tiling.block == 128 and tiling.tile_bytes == _plan.TILE_BYTES // 8
+    tiling = policy.tiling(spec, seq)
+    assert tiling.block == 128 and tiling.tile_bytes == policy.TILE_BYTES // 8
     ks = jax.random.split(jax.random.PRNGKey(3), 4)
     q = jax.random.normal(ks[0], (1, seq, 8, 8))
     k = jax.random.normal(ks[1], (1, seq, 2, 8))

@@ -315,3 +315,20 @@ def test_cli_prints_the_table_and_the_choice(capsys):
     assert "mesh data=2,context=4" in text and "chosen:" in text
     assert np.isfinite(plan(_context_spec(4), **SHAPE).costs["ring"].time_s)
     assert jnp.dtype(jnp.float32).name in text
+
+
+def test_sharding_imports_nothing_from_attention():
+    """`_sharding.py` sits below `attention/` (which imports it): no import goes back up.
+    The planner's table is `eqx_longctx.explain(spec, ...)`, not a `ShardingSpec` method."""
+    import ast
+    import pathlib
+
+    tree = ast.parse(pathlib.Path(el._sharding.__file__).read_text())
+    imported = [
+        node.module or ""
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+    ]
+    assert not [m for m in imported if m.startswith("attention")], imported
+    assert not hasattr(el.ShardingSpec, "explain")
+    assert "chosen:" in el.explain(_context_spec(8), **SHAPE)

@@ -36,7 +36,7 @@ class _RingConfig(NamedTuple):
     # expand(params, source) -> (k, v): how a travelling K/V source becomes keys and values.
     expand: Callable
     # Hops that can see anything (the own shard first); fewer than the ring's length when a
-    # sliding window hides the shards further back (`_plan.ring_hops`). None: every hop.
+    # sliding window hides the shards further back (`_tiling_policy.ring_hops`). None: every hop.
     hops: int | None = None
 
 

@@ -18,7 +18,7 @@ DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 # Heads are tiled so that one block of float32 scores stays within this many bytes (8 heads
 # of a 512 x 512 block). Devices that share one cache hierarchy (fake CPU devices) get less:
-# see `_plan.tiling`.
+# see `_tiling_policy.tiling`.
 TILE_BYTES = 8 * 2**20
 # Padded query rows and padded keys get segment ids that match nothing real.
 _PAD_Q_SEGMENT = -2

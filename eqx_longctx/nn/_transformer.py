@@ -203,7 +203,12 @@ class LayerStack(eqx.Module):
         """
         params, static = eqx.partition(self.layers, eqx.is_array)
 
-        def body(h, layer_params):
+        # Positions and segment ids go in as per-layer inputs, not closed over: under
+        # differentiation JAX hoists whatever depends only on loop invariants out of the
+        # scan, which would materialise every attention block mask of every ring hop
+        # (O(local seq x seq) bytes) instead of computing each one where it is used.
+        def body(h, xs):
+            layer_params, positions, segment_ids = xs
             layer = gather_for_compute(eqx.combine(layer_params, static), self.spec)
             if self.remat == "offload":
                 h = checkpoint_name(h, OFFLOAD_NAME)
@@ -225,5 +230,9 @@ class LayerStack(eqx.Module):
                 offload_dst="pinned_host",
             )
             body = jax.checkpoint(body, prevent_cse=False, policy=policy)
-        x, _ = lax.scan(body, x, params)
+
+        def per_layer(a):
+            return None if a is None else jnp.broadcast_to(a, (self.n_layers, *a.shape))
+
+        x, _ = lax.scan(body, x, (params, per_layer(positions), per_layer(segment_ids)))
         return x

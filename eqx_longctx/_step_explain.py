@@ -1,0 +1,81 @@
+"""The whole-step planner's table and JSON record (`StepPlan.explain`, `step_record`)."""
+
+from typing import Any
+
+from .attention._explain import gib, sec
+
+_COLUMNS = (
+    ("params", "params"),
+    ("grads", "grads"),
+    ("opt_state", "opt state"),
+    ("batch", "batch"),
+    ("activations", "activations"),
+    ("layer_backward", "layer bwd"),
+    ("attention", "(attention)"),
+    ("logits", "logits"),
+)
+
+
+def step_table(plan: Any) -> str:
+    """Every (strategy, remat) row of a `StepPlan` as an aligned table, then the choice."""
+    pr = plan.problem
+    mesh = ",".join(f"{k}={v}" for k, v in pr["mesh"].items())
+    fsdp = ",".join(pr["fsdp_axes"]) or "none"
+    lines = [
+        f"train step: {pr['model']} {pr.get('preset', '')}, batch {pr['batch']} x seq "
+        f"{pr['seq']} on mesh {mesh} (weights split over fsdp axes {fsdp}); per device "
+        f"{pr['local_batch']} x {pr['local_seq']} tokens; parameters {pr['param_dtype']}, "
+        f"compute {pr['compute_dtype']}; bytes per device",
+    ]
+    head = ("strategy", "remat", *(title for _, title in _COLUMNS), "device", "host", "time")
+    rows: list[tuple[str, ...]] = [head]
+    for r in plan.rows:
+        cells = [r.strategy, r.remat, *(gib(getattr(r, name)) for name, _ in _COLUMNS)]
+        rows.append((*cells, gib(r.device), gib(r.host), sec(r.time_s)))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    for row in rows:
+        lines.append("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
+    lines.append(
+        "device = params + grads + opt state + batch + activations + max(layer bwd, logits); "
+        "host = offloaded activations"
+    )
+    budget = pr["memory_budget_bytes"]
+    where = f"budget {gib(budget)}" if budget is not None else "no budget"
+    if plan.chosen is None:
+        lines.append(f"{where}: nothing fits ({plan.reason})")
+    else:
+        c = plan.chosen
+        lines.append(f"{where}: chosen {c.strategy}, remat={c.remat!r} ({plan.reason})")
+    return "\n".join(lines)
+
+
+def step_record(plan: Any, row: Any, compiled: Any = None) -> dict:
+    """One JSON-able record of a planner run: the problem, the row predicted for the
+    (strategy, remat) compiled or chosen, XLA's numbers when compiled, and every row."""
+    record = dict(plan.problem)
+    record.update(
+        strategy=None if row is None else row.strategy,
+        remat=None if row is None else row.remat,
+        predicted_bytes_per_device=None if row is None else row.device,
+        predicted_host_bytes=None if row is None else row.host,
+        compiled_bytes_per_device=None if compiled is None else compiled.device,
+        compiled_host_bytes=None if compiled is None else compiled.host,
+        compiled=None if compiled is None else compiled._asdict(),
+        breakdown=None if row is None else row.breakdown(),
+        chosen=None
+        if plan.chosen is None
+        else {"strategy": plan.chosen.strategy, "remat": plan.chosen.remat},
+        reason=plan.reason,
+        rows=[
+            dict(
+                strategy=r.strategy,
+                remat=r.remat,
+                device=r.device,
+                host=r.host,
+                time_s=r.time_s,
+                breakdown=r.breakdown(),
+            )  # fmt: skip
+            for r in plan.rows
+        ],
+    )
+    return record

@@ -1,0 +1,375 @@
+"""The whole-step memory planner: what one training step holds on each device.
+
+For a model family, a preset, a sequence length, a batch and a mesh, `plan_train_step`
+predicts the per-device memory of a train step (AdamW, `eqx_longctx.train`) for every
+context-parallel strategy the mesh can run and every remat policy, and picks the fastest
+(strategy, remat) that fits a memory budget. The breakdown, per device:
+
+- **parameters**: `eqx_longctx.param_bytes_per_device` (the rules table: fsdp, tensor and
+  expert axes split the weights, everything else is replicated);
+- **gradients**: the same layout and dtype as the parameters (ZeRO-3: each device keeps
+  the reduce-scattered shard);
+- **optimizer state**: AdamW's two moments, in the parameters' layout and dtype (float32
+  for float32 parameters);
+- **batch**: the five `[batch, seq]` int32/float32 arrays of the local tokens;
+- **activations**: what every layer keeps for the backward pass under the remat policy
+  (`_activations.py` asks JAX for one layer's saved residuals at the local shapes), times
+  the number of layers; `"offload"` keeps the layer inputs in host memory instead (the
+  **host** column, not counted on the device);
+- **layer backward**: the working set of the layer being differentiated: its attention
+  temporaries (the attention cost model, `eqx_longctx.attention._cost`) and, when the layer
+  is recomputed (`"full"`, `"dots"`, `"offload"`), the activations it rebuilds;
+- **logits and loss**: float32 logits of the local tokens over the whole vocabulary (the
+  loss runs in the token layout, so a tensor axis does not split them), their softmax and
+  their gradient; with fsdp axes also the output head gathered, and its gradient before
+  the reduce-scatter.
+
+The peak is parameters + gradients + optimizer state + batch + activations + the larger of
+the layer backward and the logits. The parameters and optimizer state passed in are donated
+(the trainer's step does so), so the updated ones take no extra memory.
+
+`--compile` (`_step_compile.py`) checks the prediction against XLA's memory analysis of
+the real step, compiled for abstract arrays on fake CPU devices.
+"""
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._activations import REMATS, stack_activations, stacks
+from ._partition import param_bytes_per_device, param_pspecs
+from ._sharding import ShardingSpec
+from ._step_explain import step_table
+from .attention._choose import plan as plan_attention
+from .attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S
+from .attention._explain import gib
+
+_F32 = 4
+_BATCH_FIELDS = 5  # tokens, targets, positions, segment ids (int32), loss mask (float32)
+# Logits phase, in float32 [tokens, vocab] arrays: the logits (kept for the backward), their
+# softmax and their gradient, partly fused: 2.5 copies measured (XLA:CPU, vocab 259 to 64K).
+LOGIT_COPIES = 2.5
+# The backward of a rematerialised MoE layer holds cotangents as large as the residuals it
+# rebuilt (the expert matmuls' inputs, on the CPU's tiled path per-tile weight slices too):
+# about twice the residuals, measured on the tiny preset with and without expert parallelism.
+MOE_BACKWARD = 2
+# What each policy runs again in the backward pass: the layer's matmuls ("full" and
+# "offload" run each layer's forward twice; "dots" keeps the projections) and the attention
+# (its custom backward keeps nothing a policy can save, so every policy but "none" reruns it).
+RECOMPUTE_MATMULS = {"none": 0, "dots": 0, "offload": 1, "full": 1}
+RECOMPUTE_ATTENTION = {"none": 0, "dots": 1, "offload": 1, "full": 1}
+
+
+class StepMemory(NamedTuple):
+    """Predicted per-device bytes of one train step under one (strategy, remat)."""
+
+    strategy: str
+    remat: str
+    params: int
+    grads: int
+    opt_state: int
+    batch: int
+    activations: int  # saved for the backward pass, all layers
+    layer_backward: int  # working set of the layer being differentiated
+    attention: int  # attention temporaries (part of layer_backward)
+    logits: int  # logits, softmax and their gradient
+    host: int  # offloaded activations, in host memory
+    time_s: float  # rough step time, to rank the choices (see `_time`)
+
+    @property
+    def device(self) -> int:
+        """Predicted peak bytes on each device."""
+        fixed = self.params + self.grads + self.opt_state + self.batch + self.activations
+        return fixed + max(self.layer_backward, self.logits)
+
+    def breakdown(self) -> dict:
+        """The rows of the breakdown, name -> bytes per device (host memory separate)."""
+        names = (
+            "params", "grads", "opt_state", "batch", "activations", "layer_backward",
+            "attention", "logits", "host",
+        )  # fmt: skip
+        return {name: int(getattr(self, name)) for name in names}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What `plan_train_step` predicts: every candidate and the choice.
+
+    - `problem`: the model, shapes, mesh and budget the prediction is for.
+    - `rows`: a `StepMemory` per (strategy, remat) the mesh can run.
+    - `chosen`: the fastest row that fits `memory_budget_bytes` (the fastest row when there
+      is no budget); `None` when nothing fits.
+    - `reason`: why it was chosen, or what would fit.
+    """
+
+    problem: dict
+    rows: tuple[StepMemory, ...]
+    chosen: StepMemory | None
+    reason: str
+
+    def row(self, strategy: str, remat: str) -> StepMemory:
+        """**Returns:** the prediction for one (strategy, remat)."""
+        for r in self.rows:
+            if (r.strategy, r.remat) == (strategy, remat):
+                return r
+        have = sorted({(r.strategy, r.remat) for r in self.rows})
+        raise ValueError(
+            f"no prediction for strategy={strategy!r}, remat={remat!r} on this mesh; the "
+            f"planned ones are {have}."
+        )
+
+    def explain(self) -> str:
+        """The breakdown of every candidate as a table, then the choice."""
+        return step_table(self)
+
+
+def plan_train_step(
+    family: str,
+    config: Any,
+    spec: ShardingSpec,
+    *,
+    batch: int,
+    seq: int,
+    remats: tuple[str, ...] = REMATS,
+    strategies: tuple[str, ...] | None = None,
+    memory_budget_bytes: int | float | None = None,
+    flops_per_s: float = DEFAULT_FLOPS_PER_S,
+    bytes_per_s: float = DEFAULT_BYTES_PER_S,
+) -> StepPlan:
+    """Predict the per-device memory of a train step; choose a strategy and remat policy.
+
+    **Arguments:**
+
+    - `family`: `"llama"` or `"deepseek"` (`models.family`).
+    - `config`: the model's config (its `remat` is ignored: every policy in `remats` is
+      planned).
+    - `spec`: the `ShardingSpec` the model runs under (its mesh, fsdp, tensor and expert
+      axes; its strategy, unless `"auto"`, is the only one planned).
+    - `batch`, `seq`: global batch rows and sequence length.
+    - `remats`: the remat policies to plan.
+    - `strategies`: the strategies to plan (default: the spec's, or under `"auto"` every one
+      this mesh can run).
+    - `memory_budget_bytes`: per-device budget; `None` picks the fastest row.
+    - `flops_per_s`, `bytes_per_s`: roofline constants for the time estimate.
+
+    **Returns:** a `StepPlan`. Raises `ValueError` when the shapes do not split over the
+    mesh, and when nothing fits the budget (naming what would).
+    """
+    from models import family as model_family
+
+    fam = model_family(family)
+    spec.check_batch(batch)
+    n_seq = spec.context_parallel_size
+    need = 2 * n_seq if spec.load_balance == "zigzag" else n_seq
+    if seq % need:
+        raise ValueError(
+            f"seq={seq} must be divisible by {need} to split over the {n_seq} sequence shards "
+            f"of the mesh ({spec.load_balance} layout); use seq={-(-seq // need) * need}."
+        )
+    if hasattr(config, "kv_lora_rank") and spec.tensor_axis is not None:
+        raise ValueError(
+            f"{family}'s multi-head latent attention replicates its up-projection, so it cannot "
+            f"split heads over tensor_axis={spec.tensor_axis!r}; drop the tensor axis from the "
+            "mesh (split the experts over expert=, the weights over the fsdp axes)."
+        )
+    nt = spec.axis_size(spec.tensor_axis)
+    b_local, s_local = batch // spec.batch_parallel_size, seq // n_seq
+    model = eqx.filter_eval_shape(fam.model, config, key=jax.random.key(0), spec=spec)
+    params = param_bytes_per_device(model, spec)
+    opt_state = 2 * params  # AdamW's first and second moments, laid out as the parameters
+    batch_bytes = _BATCH_FIELDS * b_local * s_local * 4
+    ne = spec.axis_size(spec.expert_axis)
+    per_stack = stack_activations(family, config, batch=b_local, seq=s_local, tensor=nt, expert=ne)
+    heads = attention_heads(config)
+    dtype = jnp.dtype(config.compute_dtype)
+    attn = plan_attention(
+        spec, batch=batch, seq=seq, q_heads=heads[0], kv_heads=heads[1], head_dim=heads[2],
+        v_head_dim=heads[3], dtype=dtype, window=getattr(config, "sliding_window", None),
+        segment_ids=True, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
+    )  # fmt: skip
+    if strategies is None:
+        strategies = tuple(
+            name
+            for name, c in attn.costs.items()
+            if c.feasible and c.runnable and (spec.strategy in ("auto", name))
+        )
+    # The loss runs in the token layout, so the logits are gathered over the tensor axis:
+    # each device holds its tokens' logits over the whole vocabulary.
+    logits = int(LOGIT_COPIES * b_local * s_local * config.vocab_size * _F32)
+    gathered = _gathered_layer_bytes(model, spec)
+    param_itemsize = jnp.dtype(config.param_dtype).itemsize
+    if spec.fsdp_axis:  # the output head gathered over the fsdp axes, its compute-dtype
+        # copy, and its gradient before the reduce-scatter
+        head = config.vocab_size * config.dim // nt
+        logits += head * (2 * param_itemsize + dtype.itemsize)
+    active = active_params(family, config) / nt
+    rows = []
+    for strategy in strategies:
+        cost = attn.costs[strategy]
+        if not cost.feasible:
+            raise ValueError(
+                f"strategy {strategy!r} cannot run these shapes on mesh "
+                f"{dict(spec.mesh.shape)}: {cost.reason}."
+            )
+        attn_temp = _attention_temporaries(cost.memory_train, b_local, s_local, nt, heads, dtype)
+        kept = _strategy_residuals(strategy, spec, b_local, s_local, nt, heads, dtype)
+        ep = _dispatch_buffers(config, ne, b_local * s_local, dtype)
+        for remat in remats:
+            acts = host = work = 0
+            for s in per_stack:
+                # Under "none" a layer also keeps its gathered weights (fsdp; the copies cast
+                # to the compute dtype that its matmuls read) and what the strategy's
+                # backward needs beyond the local kernel's residuals.
+                saved_weights = gathered[s.path] * dtype.itemsize // param_itemsize  # as cast
+                extra = saved_weights + kept + ep * s.moe if remat == "none" else 0
+                acts += s.n_layers * (s.saved[remat] + extra)
+                host += s.n_layers * s.host[remat]
+                # Differentiating a layer: its gathered weights and their unreduced
+                # gradient, the activations it rebuilds when rematerialised, attention.
+                rebuild = s.recompute * (MOE_BACKWARD if s.moe else 1) if remat != "none" else 0
+                weights = gathered[s.path] * (1 if remat == "none" else 2)
+                work = max(work, rebuild + weights + attn_temp)
+            time = _time(active * b_local * s_local, cost, remat, flops_per_s)
+            rows.append(
+                StepMemory(
+                    strategy,
+                    remat,
+                    params,
+                    params,
+                    opt_state,
+                    batch_bytes,
+                    acts,
+                    work,
+                    attn_temp,
+                    logits,
+                    host,
+                    time,
+                )  # fmt: skip
+            )
+    budget = None if memory_budget_bytes is None else int(memory_budget_bytes)
+    chosen, reason = _choose(rows, budget)
+    problem = dict(
+        model=family, seq=seq, batch=batch, mesh=dict(spec.mesh.shape),
+        fsdp_axes=list(spec.fsdp_axis), tensor_axis=spec.tensor_axis,
+        expert_axis=spec.expert_axis, load_balance=spec.load_balance,
+        param_dtype=str(jnp.dtype(config.param_dtype)), compute_dtype=str(dtype),
+        n_layers=config.n_layers, local_batch=b_local, local_seq=s_local,
+        memory_budget_bytes=budget, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
+    )  # fmt: skip
+    return StepPlan(problem, tuple(rows), chosen, reason)
+
+
+def attention_heads(config: Any) -> tuple[int, int, int, int]:
+    """**Returns:** `(query heads, key/value heads, query/key width, value width)` of the
+    model's attention: GQA's, or MLA's (keys and values up-projected per query head)."""
+    c = config
+    if hasattr(c, "qk_rope_head_dim"):
+        return c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    return c.n_heads, c.n_kv_heads, c.head_dim, c.head_dim
+
+
+def active_params(family: str, config: Any) -> float:
+    """Parameters one token's forward pass multiplies with (embeddings excluded; an MoE
+    counts its `top_k` routed experts of `n_routed_experts`)."""
+    from models import family as model_family
+
+    model = eqx.filter_eval_shape(model_family(family).model, config, key=jax.random.key(0))
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(model))
+    total -= math.prod(model.embed.shape)
+    if family == "deepseek":
+        c = config
+        routed = (c.n_layers - c.first_k_dense) * c.n_routed_experts * 3 * c.dim
+        total -= routed * c.moe_hidden_dim * (1 - c.top_k / c.n_routed_experts)
+    return float(total)
+
+
+def _gathered_layer_bytes(model: Any, spec: ShardingSpec) -> dict[str, int]:
+    """Bytes of one layer's weights gathered over the fsdp axes (still split over the
+    tensor and expert axes), per `LayerStack` path: 0 without fsdp axes."""
+    out = {}
+    for path, stack in stacks(model).items():
+        if not spec.fsdp_axis:
+            out[path] = 0
+            continue
+        arrays = jax.tree.leaves(eqx.filter(stack, lambda a: isinstance(a, jax.ShapeDtypeStruct)))
+        pspecs = jax.tree.leaves(param_pspecs(stack, spec, gathered=True))
+        total = 0
+        for leaf, ps in zip(arrays, pspecs, strict=True):
+            shards = math.prod(
+                spec.axis_size(a)
+                for e in ps
+                if e is not None
+                for a in ((e,) if isinstance(e, str) else e)
+            )
+            total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize // shards
+        out[path] = total // stack.n_layers
+    return out
+
+
+def _strategy_residuals(strategy, spec, b, s, nt, heads, dtype) -> int:
+    """Bytes a strategy keeps per layer for its backward beyond the local kernel's
+    residuals: all-gather keeps the gathered K/V (and their positions and segment ids)."""
+    if strategy != "all_gather":
+        return 0
+    _, hk, d, dv = heads
+    n = spec.context_parallel_size
+    kv = b * s * (hk // nt) * (d + dv) * jnp.dtype(dtype).itemsize + 2 * b * s * 4
+    return (n - 1) * kv
+
+
+def _dispatch_buffers(config: Any, ne: int, tokens: int, dtype) -> int:
+    """Bytes an expert-parallel MoE layer keeps beyond its local experts' residuals: the
+    buffers of token copies sent to and received back from the `ne` expert devices, each
+    with room for `tokens x top_k` copies per destination when dropless, else
+    `capacity_factor x tokens x top_k / ne`."""
+    if ne == 1:
+        return 0
+    n = tokens * config.top_k
+    cf = config.capacity_factor
+    room = n if cf is None else min(n, math.ceil(cf * n / ne))
+    return 2 * ne * room * config.dim * jnp.dtype(dtype).itemsize
+
+
+def _attention_temporaries(memory_train: int, b, s, nt, heads, dtype) -> int:
+    # The attention cost model counts its inputs and gradients (q, k, v and dq, dk, dv) in
+    # its memory; in a model those are the layer's activations, counted there.
+    hq, hk, d, dv = heads
+    qkv = b * s * (hq * d + hk * (d + dv)) // nt * jnp.dtype(dtype).itemsize
+    return max(0, int(memory_train) - 2 * qkv)
+
+
+def _time(param_tokens: float, cost, remat: str, flops_per_s: float) -> float:
+    """Seconds, to rank the choices: the matmuls (6 FLOPs per active parameter and token, 2
+    more per recomputed forward) at the roofline, plus the attention's predicted time (and
+    its forward again when the policy reruns it: about 2/7 of its forward + backward)."""
+    matmuls = (6 + 2 * RECOMPUTE_MATMULS[remat]) * param_tokens / flops_per_s
+    return matmuls + cost.time_s + RECOMPUTE_ATTENTION[remat] * cost.compute_s * 2 / 7
+
+
+def _choose(rows: list[StepMemory], budget: int | None) -> tuple[StepMemory | None, str]:
+    if not rows:
+        return None, "no strategy can run these shapes on this mesh"
+    fastest = min(rows, key=lambda r: r.time_s)
+    if budget is None:
+        return fastest, "the fastest predicted step (no memory budget given)"
+    fits = [r for r in rows if r.device <= budget]
+    if not fits:
+        least = min(rows, key=lambda r: r.device)
+        parts = {k: v for k, v in least.breakdown().items() if k not in ("attention", "host")}
+        big = max(parts, key=lambda k: parts[k])
+        return None, (
+            f"nothing fits {gib(budget)} per device; the least is {least.strategy} with remat="
+            f"{least.remat!r} at {gib(least.device)} (largest part: {big} {gib(parts[big])}), "
+            f"which fits a budget of {gib(least.device)}. To fit {gib(budget)}, spread the "
+            "tokens over more devices (a larger context axis, or a smaller batch: activations "
+            "and logits scale with the tokens per device), or the weights over more axes "
+            "(--fsdp-axes, tensor=, expert=)"
+        )
+    best = min(fits, key=lambda r: r.time_s)
+    return best, (
+        f"the fastest predicted step that fits {gib(budget)} ({gib(best.device)} per device)"
+    )

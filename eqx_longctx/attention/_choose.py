@@ -1,0 +1,187 @@
+"""`plan`: every strategy's predicted cost for one attention call, and the choice of `"auto"`.
+
+The cost model is `_cost.py`; the table `Plan.explain()` prints is `_explain.py`.
+"""
+
+from typing import Any, no_type_check
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._checks import check_bool, check_int, check_real
+from .._sharding import ShardingSpec
+from ._cost import (
+    DEFAULT_BYTES_PER_S,
+    DEFAULT_FLOPS_PER_S,
+    STRATEGY_ORDER,
+    Problem,
+    common_problem,
+    strategy_cost,
+)
+from ._explain import Plan, gib, sec
+from ._tiling_policy import block_size, tile_bytes, token_positions
+from ._validate import check_options
+
+# Budget for one attention call's activations: this fraction of device memory when the
+# device reports it, else the constant (a quarter of a 16 GiB chip). The rest holds weights,
+# optimizer state and the other layers' activations.
+MEMORY_FRACTION = 0.25
+DEFAULT_MEMORY_BUDGET = 4 * 2**30
+# "auto" keeps the simplest strategy (fewest collectives, in STRATEGY_ORDER) whose predicted
+# time is within this fraction of the best: per-hop overheads (merges, synchronisation) of
+# ring and usp are not priced, so a saving smaller than this is not worth them.
+TIE_FRACTION = 0.05
+
+
+@no_type_check  # validated eagerly, with errors that say what to fix
+def plan(
+    spec: ShardingSpec,
+    *,
+    batch: int,
+    seq: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    v_head_dim: int | None = None,
+    dtype: Any = jnp.float32,
+    causal: bool = True,
+    window: int | None = None,
+    segment_ids: bool = False,
+    backward: bool = True,
+    memory_budget_bytes: int | float | None = None,
+    flops_per_s: int | float = DEFAULT_FLOPS_PER_S,
+    bytes_per_s: int | float = DEFAULT_BYTES_PER_S,
+) -> Plan:
+    """Predict every strategy's memory, communication, balance and time; choose one.
+
+    **Arguments:**
+
+    - `spec`: the `ShardingSpec` (mesh sizes, token layout; `strategy="auto"` lets the model
+      choose, any other strategy is kept and the table shows the alternatives).
+    - `batch`, `seq`, `q_heads`, `kv_heads`, `head_dim`, `v_head_dim`: global shapes.
+    - `dtype`: of q, k, v (any NumPy/JAX dtype or its name).
+    - `causal`, `segment_ids`: the masks (segment ids add int32 traffic next to positions).
+    - `window`: a sliding window (needs `causal`): work counts only the block pairs within
+      it, and the ring only the hops it reaches (`ring_hops`).
+    - `backward`: choose by forward + backward cost (training) rather than forward alone.
+    - `memory_budget_bytes`: per-device budget for one call; default `MEMORY_FRACTION` of
+      the device's memory when it reports it, else `DEFAULT_MEMORY_BUDGET`.
+    - `flops_per_s`, `bytes_per_s`: roofline constants of the target device.
+
+    **Returns:** a `Plan`; `print(plan(...).explain())` shows the table.
+    """
+    where = "plan"
+    if not isinstance(spec, ShardingSpec):
+        raise TypeError(f"{where} needs a ShardingSpec; got {type(spec).__name__}.")
+    shape = dict(batch=batch, seq=seq, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    for name, value in shape.items():
+        check_int(value, f"{where}: {name}")
+    if v_head_dim is not None:
+        check_int(v_head_dim, f"{where}: v_head_dim")
+    for name, value in (("segment_ids", segment_ids), ("backward", backward)):
+        check_bool(value, f"{where}: {name}")
+    window = check_options(where, None, causal, None, window)
+    if memory_budget_bytes is not None:
+        check_real(memory_budget_bytes, f"{where}: memory_budget_bytes", positive=True)
+    check_real(flops_per_s, f"{where}: flops_per_s", positive=True)
+    check_real(bytes_per_s, f"{where}: bytes_per_s", positive=True)
+    try:
+        e = int(np.dtype(dtype).itemsize)
+    except TypeError as err:
+        raise TypeError(
+            f"{where}: dtype must be a NumPy/JAX dtype or its name; got {dtype!r}."
+        ) from err
+    dv = head_dim if v_head_dim is None else v_head_dim
+    if memory_budget_bytes is None:
+        memory_budget_bytes = _default_budget(spec)
+    nb, nt = spec.batch_parallel_size, spec.axis_size(spec.tensor_axis)
+    p = Problem(
+        nb, nt, spec.context_parallel_size, batch, seq, q_heads, kv_heads, head_dim, dv, e,
+        bool(causal), bool(segment_ids), block_size(spec, seq), tile_bytes(spec), window,
+    )  # fmt: skip
+    common = common_problem(spec, p)
+    order = None if common else token_positions(spec, seq)
+    costs = {}
+    for name in STRATEGY_ORDER:
+        costs[name] = strategy_cost(
+            name, spec, p, order, common, backward, flops_per_s, bytes_per_s
+        )
+    chosen, reason = choose(spec, costs, backward, int(memory_budget_bytes))
+    problem = dict(
+        batch=batch,
+        seq=seq,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        v_head_dim=dv,
+        dtype=str(np.dtype(dtype)),
+        causal=bool(causal),
+        window=window,
+        segment_ids=bool(segment_ids),
+        backward=bool(backward),
+        mesh=dict(spec.mesh.shape),
+        load_balance=spec.load_balance,
+        memory_budget_bytes=int(memory_budget_bytes),
+        flops_per_s=flops_per_s,
+        bytes_per_s=bytes_per_s,
+    )
+    return Plan(strategy=chosen, reason=reason, costs=costs, problem=problem)
+
+
+@no_type_check  # validated eagerly, with errors that say what to fix
+def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs) -> Plan:
+    """`plan` for arrays (or `jax.ShapeDtypeStruct`s) `q`, `k`, `v` of global shape
+    `[batch, seq, heads, head_dim]`; `v` defaults to `k`'s shape. Keywords go to `plan`."""
+    b, s, hq, d = q.shape
+    dv = d if v is None else v.shape[-1]
+    shape = dict(batch=b, seq=s, q_heads=hq, kv_heads=k.shape[2], head_dim=d, v_head_dim=dv)
+    return plan(spec, dtype=q.dtype, **shape, **kwargs)
+
+
+@no_type_check  # validated eagerly, with errors that say what to fix
+def explain(spec: ShardingSpec, **shape) -> str:
+    """`plan(spec, **shape).explain()`: the cost table and the choice, as a string."""
+    return plan(spec, **shape).explain()
+
+
+def _default_budget(spec: ShardingSpec) -> int:
+    try:
+        stats = spec.mesh.devices.flat[0].memory_stats() or {}
+    except Exception:  # some backends raise instead of returning None
+        stats = {}
+    limit = stats.get("bytes_limit")
+    return int(limit * MEMORY_FRACTION) if limit else DEFAULT_MEMORY_BUDGET
+
+
+def choose(spec, costs, backward: bool, budget: int) -> tuple[str, str]:
+    """(strategy, reason): the spec's fixed strategy, or for `"auto"` the simplest one
+    within `TIE_FRACTION` of the fastest among those that fit `budget`."""
+    mem = (lambda c: c.memory_train) if backward else (lambda c: c.memory_forward)
+    if spec.strategy != "auto":
+        c = costs[spec.strategy]
+        note = f"; {gib(mem(c))} of the {gib(budget)} budget" if c.feasible else ""
+        return spec.strategy, f"fixed by ShardingSpec(strategy={spec.strategy!r}){note}"
+    ok = [c for c in costs.values() if c.feasible and c.runnable]
+    if not ok:
+        why = "; ".join(f"{c.strategy}: {c.reason}" for c in costs.values())
+        return "ring", f"no strategy fits these shapes ({why}); ring reports the error"
+    fits = [c for c in ok if mem(c) <= budget]
+    if not fits:
+        c = min(ok, key=mem)
+        return c.strategy, (
+            f"nothing fits the {gib(budget)} budget; {c.strategy} needs the least ({gib(mem(c))})"
+        )
+    best = min(fits, key=lambda c: c.time_s)
+    pick = next(c for c in fits if c.time_s <= best.time_s * (1 + TIE_FRACTION))  # simplest
+    over = [f"{c.strategy} ({gib(mem(c))})" for c in ok if mem(c) > budget]
+    why = f"over the {gib(budget)} memory budget: {', '.join(over)}; " if over else ""
+    time = (
+        f"{sec(pick.time_s)}: compute {sec(pick.compute_s)} + exposed communication "
+        f"{sec(pick.exposed_s)}"
+    )
+    if pick is best:
+        return pick.strategy, why + f"{pick.strategy} has the lowest predicted time ({time})"
+    return pick.strategy, why + (
+        f"{pick.strategy} ({time}) is within {TIE_FRACTION:.0%} of the fastest, "
+        f"{best.strategy} ({sec(best.time_s)}), with fewer collectives"
+    )

@@ -1,0 +1,205 @@
+"""The whole-step memory planner against XLA, and its errors.
+
+Every entry of `CASES` is planned and then compiled (never run) on the 8 fake CPU devices:
+the real train step (`eqx_longctx.train`) for abstract sharded arrays. The predicted bytes
+per device must be within `TOLERANCE` of XLA's memory analysis (arguments + outputs +
+temporaries - donated buffers).
+"""
+
+import dataclasses
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import eqx_longctx as el
+import models
+from eqx_longctx._step_compile import compile_train_step, compiled_step_bytes
+from eqx_longctx._step_plan import plan_train_step
+from eqx_longctx.plan import main, step_config, step_spec
+
+TOLERANCE = 0.2
+
+# id: (family, mesh, fsdp axes, strategy, remat, seq, batch, config overrides)
+CASES = {
+    "llama-context-none": ("llama", {"context": 8}, (), "ring", "none", 8192, 1, {}),
+    "llama-context-full": ("llama", {"context": 8}, (), "ring", "full", 16384, 1, {}),
+    "llama-data-dots-vocab": (
+        "llama", {"data": 2, "context": 4}, (), "ring", "dots", 8192, 2, {"vocab_size": 8192},
+    ),
+    "llama-fsdp-none": ("llama", {"fsdp": 2, "context": 4}, ("fsdp",), "ring", "none", 8192, 2, {}),
+    "llama-fsdp-full": ("llama", {"fsdp": 2, "context": 4}, ("fsdp",), "ring", "full", 8192, 2, {}),
+    "llama-fsdp-over-context-dots": (
+        "llama", {"fsdp": 2, "context": 4}, ("fsdp", "context"), "ring", "dots", 8192, 2, {},
+    ),
+    "llama-weights-on-context-full": (
+        "llama", {"context": 8}, ("context",), "ring", "full", 8192, 1, {},
+    ),
+    "llama-tensor-full": (
+        "llama", {"tensor": 2, "context": 4}, (), "ring", "full", 8192, 1, {"vocab_size": 512},
+    ),
+    "llama-usp-none": ("llama", {"ulysses": 2, "context": 4}, (), "usp", "none", 8192, 1, {}),
+    "llama-all_gather-none": ("llama", {"context": 8}, (), "all_gather", "none", 8192, 1, {}),
+    "deepseek-context-full": ("deepseek", {"context": 8}, (), "ring", "full", 8192, 1, {}),
+    "deepseek-expert-none": (
+        "deepseek", {"expert": 2, "context": 4}, (), "ring", "none", 8192, 2, {},
+    ),
+}  # fmt: skip
+
+
+def _spec(mesh: dict, fsdp: tuple, strategy: str) -> el.ShardingSpec:
+    n = math.prod(mesh.values())
+    devices = np.array(jax.devices()[:n]).reshape(tuple(mesh.values()))
+    return el.ShardingSpec(
+        jax.sharding.Mesh(devices, tuple(mesh)), strategy=strategy, load_balance="zigzag",
+        fsdp_axis=fsdp, ulysses_axis="ulysses" if "ulysses" in mesh else None,
+        tensor_axis="tensor" if "tensor" in mesh else None,
+        expert_axis="expert" if "expert" in mesh else None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_prediction_is_within_tolerance_of_compiled(case):
+    family, mesh, fsdp, strategy, remat, seq, batch, overrides = CASES[case]
+    config = models.family(family).config.from_preset("tiny", max_seq_len=seq, **overrides)
+    spec = _spec(mesh, fsdp, strategy)
+    plan = plan_train_step(
+        family, config, spec, batch=batch, seq=seq, remats=(remat,), strategies=(strategy,)
+    )
+    predicted = plan.row(strategy, remat)
+    compiled = compiled_step_bytes(
+        compile_train_step(
+            family, dataclasses.replace(config, remat=remat), spec, batch=batch, seq=seq
+        )
+    )
+    ratio = predicted.device / compiled.device
+    assert abs(ratio - 1) <= TOLERANCE, (case, ratio, predicted.breakdown(), compiled)
+
+
+def test_offload_moves_the_layer_inputs_to_host_memory():
+    config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
+    plan = plan_train_step("llama", config, _spec({"context": 8}, (), "ring"), batch=1, seq=8192)
+    full, offload = plan.row("ring", "full"), plan.row("ring", "offload")
+    layer_input = 8192 // 8 * config.dim * 4
+    assert offload.host == config.n_layers * layer_input and full.host == 0
+    assert full.device - offload.device == config.n_layers * layer_input
+
+
+def test_budget_picks_the_fastest_row_that_fits():
+    config = models.family("llama").config.from_preset("tiny", max_seq_len=16384)
+    spec = _spec({"context": 8}, (), "auto")
+    free = plan_train_step("llama", config, spec, batch=1, seq=16384)
+    assert free.chosen is not None and free.chosen.remat == "none"  # no budget: fastest
+    none = min(r.device for r in free.rows if r.remat == "none")
+    tight = plan_train_step("llama", config, spec, batch=1, seq=16384, memory_budget_bytes=none - 1)
+    assert tight.chosen is not None and tight.chosen.remat != "none"
+    assert tight.chosen.device < none
+    assert "chosen" in tight.explain() and "layer bwd" in tight.explain()
+
+
+def test_nothing_fits_the_budget_says_what_would():
+    config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
+    spec = _spec({"context": 8}, (), "ring")
+    plan = plan_train_step("llama", config, spec, batch=1, seq=8192, memory_budget_bytes=2**20)
+    assert plan.chosen is None
+    assert "nothing fits 1 MiB per device; the least is ring with remat=" in plan.reason
+    assert "which fits a budget of" in plan.reason and "more devices" in plan.reason
+    with pytest.raises(ValueError, match="no prediction for strategy='ring', remat='fast'"):
+        plan.row("ring", "fast")
+    with pytest.raises(SystemExit):
+        main(_argv("--memory-budget-gib", "0.001"))
+
+
+def _argv(*extra):
+    return [
+        "--model", "llama", "--preset", "tiny", "--seq", "8192", "--batch", "2", "--mesh",
+        "fsdp=2,context=4", "--train", *extra,
+    ]  # fmt: skip
+
+
+def test_cli_prints_the_breakdown_and_the_choice(capsys):
+    main(_argv("--memory-budget-gib", "1"))
+    text = capsys.readouterr().out
+    for word in ("params", "grads", "opt state", "activations", "logits", "offload", "chosen"):
+        assert word in text
+
+
+def test_cli_json_has_predicted_and_compiled_bytes(capsys):
+    main(_argv("--remat", "full", "--strategy", "ring", "--json"))
+    record = json.loads(capsys.readouterr().out)
+    assert record["predicted_bytes_per_device"] > 0
+    assert record["compiled_bytes_per_device"] is None
+    assert set(record["breakdown"]) >= {"params", "grads", "opt_state", "activations", "logits"}
+    main(_argv("--remat", "full", "--strategy", "ring", "--json", "--compile"))
+    record = json.loads(capsys.readouterr().out)
+    ratio = record["predicted_bytes_per_device"] / record["compiled_bytes_per_device"]
+    assert abs(ratio - 1) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--model", "gpt", "--preset", "tiny", "--train"], "unknown model family 'gpt'"),
+        (["--model", "llama", "--preset", "huge", "--train"], "unknown llama preset 'huge'"),
+        (["--model", "llama", "--preset", "tiny"], "--model plans a train step: pass --train"),
+        (["--model", "llama", "--train"], "needs --preset"),
+        (
+            ["--model", "llama", "--preset", "tiny", "--train", "--set", "layers=2"],
+            "--set takes FIELD=VALUE with a field of LlamaConfig",
+        ),
+        (
+            ["--model", "llama", "--preset", "tiny", "--train", "--fsdp-axes", "fsdp"],
+            "--fsdp-axes names mesh axes joined by commas, each one of --mesh",
+        ),
+        (
+            [
+                "--model",
+                "llama",
+                "--preset",
+                "tiny",
+                "--train",
+                "--batch",
+                "1",
+                "--mesh",
+                "data=2,context=4",
+            ],
+            "batch must be divisible by 2",
+        ),  # fmt: skip
+        (
+            ["--model", "llama", "--preset", "tiny", "--train", "--mesh", "tensor=8,context=1"],
+            "does not split over mesh axes tensor=8",
+        ),
+    ],
+)
+def test_cli_errors_name_the_rule_and_the_fix(argv, match, capsys):
+    base = ["--mesh", "context=8", "--seq", "8192"]
+    with pytest.raises(SystemExit) as e:
+        main([*base, *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert pytest.importorskip("re").search(match, err), err
+    assert "Traceback" not in err
+
+
+def test_step_config_and_spec_errors():
+    with pytest.raises(ValueError, match="unknown model family 'gpt'"):
+        step_config("gpt", "tiny", 1024, [])
+    with pytest.raises(ValueError, match="unknown deepseek preset 'tiny2'"):
+        step_config("deepseek", "tiny2", 1024, [])
+    with pytest.raises(ValueError, match="--set takes FIELD=VALUE"):
+        step_config("llama", "tiny", 1024, ["n_layers"])
+    assert step_config("llama", "tiny", 4096, ["n_layers=2"]).n_layers == 2
+    with pytest.raises(ValueError, match="got --fsdp-axes 'expert'"):
+        step_spec({"context": 8}, strategy="ring", load_balance="zigzag", fsdp_axes="expert")
+    deepseek = models.family("deepseek").config.from_preset("tiny", max_seq_len=8192)
+    with pytest.raises(ValueError, match="cannot split heads over tensor_axis='tensor'"):
+        spec = _spec({"tensor": 2, "context": 4}, (), "ring")
+        plan_train_step("deepseek", deepseek, spec, batch=1, seq=8192)
+    with pytest.raises(ValueError, match="strategy 'ulysses' cannot run these shapes"):
+        spec = _spec({"context": 8}, (), "ulysses")  # 4 heads over 8 devices
+        plan_train_step("deepseek", deepseek, spec, batch=1, seq=8192, strategies=("ulysses",))
+    config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
+    with pytest.raises(ValueError, match="seq=1000 must be divisible by 16"):
+        plan_train_step("llama", config, _spec({"context": 8}, (), "ring"), batch=1, seq=1000)

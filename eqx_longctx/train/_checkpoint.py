@@ -1,5 +1,11 @@
 """Orbax checkpoints of (params, optimizer state) plus a JSON record of step and config.
 
+In a multi-process run every process calls every method (orbax's saves, restores and
+deletes are collective: each process writes and reads the shards its devices hold, and
+process 0 alone writes the JSON record); what is done here to files directly (cleaning
+half-written saves, moving an unreadable step aside) is done by process 0 while the others
+wait.
+
 A checkpoint directory holds only orbax step folders (`<step>/state`, `<step>/meta`).
 Anything else there means the path is not ours: we refuse to write into or resume from it
 rather than clobber someone's files.
@@ -21,6 +27,8 @@ from typing import Any
 import equinox as eqx
 import jax
 import orbax.checkpoint as ocp
+
+from ._processes import all_readable, is_primary, sync
 
 RESHARDABLE_MODEL_FIELDS = ("remat",)
 _TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
@@ -98,11 +106,13 @@ class Checkpointer:
             )
         self.directory = check_checkpoint_dir(directory)
         # Half-written saves of a killed run; removed here, synchronously (orbax's own
-        # cleanup runs in a thread that a quick close() would cut short).
-        if self.directory.is_dir():
+        # cleanup runs in a thread that a quick close() would cut short), by process 0 while
+        # the others wait.
+        if self.directory.is_dir() and is_primary():
             for p in self.directory.iterdir():
                 if _TMP_RE.match(p.name):
                     shutil.rmtree(p)
+        sync("checkpoint directory cleaned")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save
         )
@@ -191,10 +201,16 @@ class Checkpointer:
         failures: list[tuple[int, str]] = []
         for step in reversed(self.steps()):
             where = str(self.directory / str(step))
+            meta, why = None, ""
             try:
                 meta = {"step": step, **self.read_meta(step)}
             except Exception as e:  # orbax and tensorstore raise many types
-                failures.append((step, unreadable_reason(e)))
+                why = unreadable_reason(e)
+            # Every process must pick the same step: one that any process cannot read is
+            # unreadable for all (else they would train from different states).
+            why = all_readable(f"checkpoint {step} record", why)
+            if meta is None or why:
+                failures.append((step, why))
                 continue
             if check is not None:
                 try:
@@ -204,10 +220,14 @@ class Checkpointer:
                         raise
                     listed = "; ".join(f"step {s}: {why}" for s, why in failures)
                     raise ValueError(f"{e} (Newer checkpoints cannot be read: {listed}.)") from None
+            restored, why = None, ""
             try:
                 restored = self.restore(model, opt_state, step)
             except Exception as e:
-                failures.append((step, unreadable_reason(e)))
+                why = unreadable_reason(e)
+            why = all_readable(f"checkpoint {step} arrays", why)
+            if restored is None or why:
+                failures.append((step, why))
                 continue
             return Restored(*restored, step=step, unreadable=failures)
         listed = "; ".join(f"step {s}: {why}" for s, why in failures)
@@ -219,7 +239,7 @@ class Checkpointer:
 
     def set_aside(self, step: int) -> pathlib.Path:
         """Move the folder of `step` (an unreadable checkpoint) out of the checkpoint
-        directory, so training can save that step again.
+        directory, so training can save that step again (collective: process 0 moves it).
 
         **Arguments:**
 
@@ -229,13 +249,16 @@ class Checkpointer:
         if that exists).
         """
         self.wait()
+        sync("checkpoint set aside")  # nobody still reads it
         target = self.directory.with_name(self.directory.name + "-unreadable") / str(step)
         n = 0
         while target.exists():
             n += 1
             target = target.with_name(f"{step}-{n}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(self.directory / str(step), target)
+        if is_primary():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(self.directory / str(step), target)
+        sync("checkpoint moved")
         self._manager.reload()
         return target
 

@@ -7,13 +7,16 @@ arrays when imported) are imported inside `main`, after that.
 """
 
 import argparse
-import os
+import dataclasses
 import sys
+import traceback
 from collections.abc import Sequence
 
 from models import FAMILY_NAMES
 
 from ._config import TrainConfig
+from ._distributed import PEER_TIMEOUT
+from ._processes import INIT_TIMEOUT
 
 
 def _override(text: str) -> tuple[str, str]:
@@ -155,24 +158,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="rematerialisation policy (default: the preset's)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group(
+        "multi-process runs (one process per host; on a Cloud TPU slice of several workers "
+        "these are found automatically)"
+    )
+    g.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's host and a free port, the same on every process",
+    )
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    g.add_argument("--process-id", type=int, default=None, help="this process: 0..N-1")
+    g.add_argument(
+        "--init-timeout",
+        type=_positive_int,
+        default=INIT_TIMEOUT,
+        metavar="SECONDS",
+        help="wait at most this long for the coordinator and every process to join",
+    )
+    g.add_argument(
+        "--peer-timeout",
+        type=_positive_int,
+        default=PEER_TIMEOUT,
+        metavar="SECONDS",
+        help="exit (status 3) when another process has sent no heartbeat for this long",
+    )
     return p
 
 
-def _set_cpu_devices(n: int) -> None:
-    """Ask for `n` CPU devices; possible only before JAX creates its backends."""
-    import jax
-
-    current = jax.config.jax_num_cpu_devices  # pyright: ignore[reportAttributeAccessIssue]
-    if n <= 1 or current >= n:
-        return
-    flag = f"--xla_force_host_platform_device_count={n}"
-    os.environ["XLA_FLAGS"] = " ".join(
-        [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f] + [flag]
-    )
+def _positive_int(text: str) -> int:
     try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass  # backends already exist (e.g. inside a notebook); the Trainer checks the count
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of seconds >= 1; got {text!r}")
+    return value
 
 
 def error_line(error: BaseException | str) -> str:
@@ -181,11 +203,17 @@ def error_line(error: BaseException | str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse flags, train, print a summary.
+    """Parse flags, join the other processes of a multi-process run, train, print a summary.
 
     Every invalid flag (unparsable, out of range, inconsistent with the mesh, or changing a
     resumed run) and every checkpoint that cannot be resumed from is reported as one line on
     stderr, `eqx-longctx-train: error: <rule, values, fix>`, with no traceback.
+
+    A multi-process run (`--coordinator`, `--num-processes`, `--process-id`, or a Cloud TPU
+    slice of several workers) starts `jax.distributed` first (see
+    `eqx_longctx.train._distributed`), checks that every process got the same flags, and
+    takes process 0's run directory; only process 0 prints progress and the summary and
+    writes the run's files.
 
     **Arguments:**
 
@@ -193,20 +221,69 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     **Returns:** the exit status: 0 when training completed, and also when `--resume` finds
     the run already at or past `--steps` (it says there is nothing left to do and trains
-    nothing); 1 when it stopped at a non-finite loss; 2 on invalid flags or when no
-    checkpoint can be resumed from; 130 on Ctrl-C (background checkpoint writes are
-    finished first).
+    nothing); 1 when it stopped at a non-finite loss (or, in a multi-process run, on an
+    unexpected error); 2 on invalid flags, when no checkpoint can be resumed from, or when
+    the processes cannot all join within `--init-timeout`; 3 when another process of the
+    run died, hung or failed (see `--peer-timeout`); 130 on Ctrl-C (background checkpoint
+    writes are finished first). A multi-process run that fails does not wait for its
+    peers: it tells them why (they exit with 3) and ends at once.
     """
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
         print(error_line(f"{e} (see --help)"), file=sys.stderr)
         return 2
-    _set_cpu_devices(args.devices)
-
-    from ._loop import Trainer
+    from . import _distributed as dist
 
     try:
+        cluster = dist.cluster_from_flags(
+            args.coordinator, args.num_processes, args.process_id, args.devices
+        )
+    except ValueError as e:
+        print(error_line(e), file=sys.stderr)
+        return 2
+    if cluster is None:
+        dist.set_cpu_devices(args.devices)
+        return _train(args, None, {})
+    runtime = dist.start(
+        cluster,
+        devices=args.devices,
+        init_timeout=args.init_timeout,
+        peer_timeout=args.peer_timeout,
+    )
+    failure: dict[str, str] = {}
+    try:
+        code = _train(args, runtime, failure)
+    except BaseException as e:  # tell the peers, then leave without waiting for them
+        traceback.print_exc()
+        failure["message"], code = f"{type(e).__name__}: {e}", 1
+    if code == 0:
+        runtime.finish()
+        return 0
+    runtime.fail(failure.get("message", f"it stopped with exit status {code}"))
+    dist.exit_now(code)
+    return code  # not reached
+
+
+def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
+    """The run itself; `runtime` is `None` for one process. Error messages go to stderr
+    and into `failure["message"]`."""
+    from ._loop import Trainer
+    from ._processes import primary_value
+
+    primary = runtime is None or runtime.process_id == 0
+
+    def fail(error: BaseException | str, code: int) -> int:
+        text = str(error)
+        if runtime is not None:
+            text = f"process {runtime.process_id} of {runtime.num_processes}: {text}"
+        print(error_line(text), file=sys.stderr, flush=True)
+        failure["message"] = str(error)
+        return code
+
+    try:
+        if runtime is not None:
+            runtime.check_same_flags({k: v for k, v in vars(args).items() if k != "process_id"})
         config = TrainConfig(
             model=args.model,
             preset=args.preset,
@@ -236,22 +313,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             on_nonfinite=args.on_nonfinite,
             remat=args.remat,
-            progress=not args.no_progress,
+            progress=not args.no_progress and primary,
         )
+        if runtime is not None:  # a default run dir is stamped with the time: take process 0's
+            run_dir = primary_value("run_dir", str(config.run_dir), runtime.timeout)
+            config = dataclasses.replace(config, run_dir=run_dir)
         trainer = Trainer(config)
         if trainer.nothing_to_do is not None:
             trainer.close()
-            print(trainer.nothing_to_do, flush=True)
+            if primary:
+                print(trainer.nothing_to_do, flush=True)
             return 0
-        print(
-            f"training {config.model} {config.preset} ({trainer.model.num_params():,} "
-            "parameters) for "
-            f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
-            f"{trainer.parallel.describe()}, "
-            f"{'resuming at step ' + str(trainer.step) if config.resume else 'fresh run'} "
-            f"in {trainer.run_dir}",
-            flush=True,
-        )
+        if primary:
+            print(
+                f"training {config.model} {config.preset} ({trainer.model.num_params():,} "
+                "parameters) for "
+                f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
+                f"{trainer.parallel.describe()}, "
+                f"{'resuming at step ' + str(trainer.step) if config.resume else 'fresh run'} "
+                f"in {trainer.run_dir}",
+                flush=True,
+            )
         try:
             result = trainer.run()
         except KeyboardInterrupt:
@@ -261,11 +343,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"Continue with the same flags plus --resume (run dir {trainer.run_dir}).",
                 file=sys.stderr,
             )
+            failure["message"] = f"interrupted at step {trainer.step}"
             return 130
         finally:
             trainer.close()
     except ValueError as e:
-        print(error_line(e), file=sys.stderr)
-        return 2
-    print(result.summary(), flush=True)
-    return 0 if result.status == "completed" else 1
+        return fail(e, 2)
+    if primary:
+        print(result.summary(), flush=True)
+    if result.status == "completed":
+        return 0
+    failure["message"] = f"the run stopped ({result.status}) at step {result.step + 1}"
+    return 1

@@ -1,12 +1,20 @@
 """The training loop: data, model, optimizer, metrics, evaluation and checkpoints in order.
 
-Resume is exact: batches are a pure function of (seed, step), and the checkpoint holds the
-parameters, the optimizer state (whose step count drives the schedule), the step and the
-skipped-step count, so step `s + 1` after a resume sees what it would have seen.
+Batches come from `GrainBatches`: a pure function of (seed, step), each process reading and
+placing only the rows and sequence slots its devices hold. Resume is exact: the checkpoint
+holds the parameters, the optimizer state (whose step count drives the schedule), the step,
+the skipped-step count and the data iterator's state, so step `s + 1` after a resume sees
+what it would have seen, at any process count and mesh (the arithmetic then equal up to
+floating-point summation order).
 
 A fresh run writes its flags to `<run_dir>/flags.json`; `--resume` refuses flags that would
 make it a different run (see `_record.py` for which may change) and falls back past
 checkpoints it cannot read.
+
+In a multi-process run (`jax.distributed` initialized) every process runs the same loop on
+its share of the global arrays; process 0 alone prints, shows the progress bar and writes
+`flags.json`, `metrics.jsonl` and the plot, while checkpoints are written by all (see
+`_checkpoint.py`).
 """
 
 import dataclasses
@@ -18,15 +26,33 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
 from ._config import TrainConfig, build_model_config
 from ._metrics import MetricsLog, plot_metrics
 from ._parallel import Placement
+from ._processes import agree, is_primary, sync
 from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
 from ._step import check_batch, evaluate, make_optimizer, make_train_step
 
 BatchHook = Callable[[int, Any], Any]
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    """Where the messages of processes other than process 0 go."""
+
+
+def _as_global(batch, like):
+    """`batch` with every host-array field placed like the field of `like` it replaces."""
+
+    def place(x, ref):
+        if isinstance(x, jax.Array):
+            return x
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, ref.sharding, lambda i: host[i])
+
+    return type(batch)(*(place(x, ref) for x, ref in zip(batch, like, strict=True)))
 
 
 def describe_loss(record: dict[str, Any]) -> str:
@@ -122,16 +148,20 @@ class Trainer:
       the loop trains a Llama or a DeepSeek (MLA + MoE) alike.
     - `datasets`: `(train, val)` `PackedDataset`s to use instead of loading `config.data`
       (encoded with `ByteTokenizer`, like `load_datasets`).
-    - `batch_hook`: `hook(step, batch) -> batch` applied to every training batch (to inject
+    - `batch_hook`: `hook(step, batch) -> batch` applied to every training batch, a
+      `Batch` of global `jax.Array`s in the spec's token layout (a field returned as a host
+      array of the same shape, e.g. by `np.full_like`, is placed like the one it replaces)
+      (to inject
       faults in tests, or augment).
     """
 
     def __init__(self, config: TrainConfig, *, datasets=None, batch_hook: BatchHook | None = None):
-        from eqx_longctx.data import ByteTokenizer, load_datasets
+        from eqx_longctx.data import ByteTokenizer, GrainBatches, GrainEvalBatches, load_datasets
         from models import family
 
         self.config = config
         self.batch_hook = batch_hook
+        self.primary = is_primary()
         self.tokenizer = ByteTokenizer()
         # Every check that needs no data comes first: bad flags fail before the corpus is
         # read and the model built.
@@ -179,6 +209,12 @@ class Trainer:
                 f"{sorted(lengths)} and seq_len={config.seq_len}. Pack them with "
                 f"load_datasets(seq_len={config.seq_len}) or change seq_len."
             )
+        # Each process reads and places only the rows and sequence slots its devices hold.
+        spec, seed = self.parallel.spec, getattr(self.train_data, "seed", config.seed)
+        self.batches = GrainBatches(
+            self.train_data, batch_size=config.batch_size, seed=seed, spec=spec
+        )
+        self.val_batches = GrainEvalBatches(self.val_data, batch_size=config.batch_size, spec=spec)
 
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.plot_path = self.run_dir / "loss.png"
@@ -186,7 +222,7 @@ class Trainer:
         try:
             self._init_state()
         except BaseException:
-            self.checkpointer.close()
+            self.close()
             raise
         self.last_val: dict[str, float] | None = None
 
@@ -217,8 +253,10 @@ class Trainer:
             model = parallel.build_model(self._make_model)
             opt_state = parallel.init_opt_state(self.optimizer, model)
             checkpointer.delete_all()  # empty unless overwrite=True
-            self.metrics.reset()
-            write_flags(self.run_dir, config)
+            if self.primary:
+                self.metrics.reset()
+                write_flags(self.run_dir, config)
+            sync("fresh run recorded")
         self.model, self.opt_state = model, opt_state
 
     def _resume(self, model, opt_state):
@@ -245,6 +283,9 @@ class Trainer:
         self.step = found.step
         self.skipped = found.meta.get("skipped_steps", 0)
         self.wall_offset = found.meta.get("wall_time", 0.0)
+        if "data_state" in found.meta:  # older checkpoints: the step says where data is
+            self.batches.set_state(found.meta["data_state"])
+        self._seek_data()
         if done:
             self.nothing_to_do = (
                 f"nothing left to do: the newest readable checkpoint in {checkpointer.directory} "
@@ -252,7 +293,7 @@ class Trainer:
                 "trained or changed. To train longer, start a new --run-dir with a larger "
                 "--steps (the cosine schedule spans --steps, so a run cannot be extended)."
             )
-        else:
+        elif self.primary:
             self.metrics.truncate_after(self.step)
         return found.model, found.opt_state
 
@@ -263,6 +304,8 @@ class Trainer:
                 then = f"resuming from step {good} instead (step {step} moved to {moved})"
             else:
                 then = f"the newest readable checkpoint is step {good}"
+            if not self.primary:
+                continue
             print(
                 f"checkpoint step {step} in {self.checkpointer.directory} cannot be read "
                 f"({why}); {then}.",
@@ -276,7 +319,16 @@ class Trainer:
             "train_config": run_flags(self.config),
             "skipped_steps": self.skipped,
             "wall_time": wall_time,
+            "data_state": self.batches.get_state(),
         }
+
+    def _seek_data(self) -> None:
+        """Make the batch iterator's next batch the one of `self.step` (after a resume
+        from a checkpoint without a data state, or a step that stopped the run)."""
+        if self.batches.step == self.step:
+            return
+        state = self.batches.get_state()
+        self.batches.set_state({**state, "grain": {**state["grain"], "next_index": self.step}})
 
     def evaluate(self, final: bool = False) -> dict[str, float]:
         """Validation loss (nats and bits per token; bits per byte for a byte tokenizer)
@@ -286,10 +338,9 @@ class Trainer:
         max_batches = cfg.final_eval_batches if final else cfg.eval_batches
         val = evaluate(
             self.model,
-            self.val_data,
+            self.val_batches,
             cfg.batch_size,
             max_batches=max_batches,
-            put=self.parallel.shard_batch,
             tokenizer=self.tokenizer,
         )
         return {**val, "final": final}
@@ -314,29 +365,30 @@ class Trainer:
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,
-            disable=not cfg.progress,
+            disable=not (cfg.progress and self.primary),
             desc="train",
             unit="step",
             dynamic_ncols=True,
             file=sys.stderr,
         )
-        say = bar.write if cfg.progress else print
+        say = (bar.write if cfg.progress else print) if self.primary else _quiet
         status = "completed" if stop_at is None or stop_at >= cfg.steps else "interrupted"
-        smooth, checked = None, False
+        smooth, checked, last = None, False, None
         try:
             while self.step < end:
                 t0 = time.perf_counter()
-                batch = self.train_data.batch(self.step, cfg.batch_size)
+                if not checked:
+                    self._seek_data()
+                batch = next(self.batches)
                 if self.batch_hook is not None:
-                    batch = self.batch_hook(self.step, batch)
+                    batch = _as_global(self.batch_hook(self.step, batch), batch)
                 if not checked:  # once per segment: ids are all in range or nothing runs
                     check_batch(batch, self.model_config.vocab_size)
                     checked = True
                 # The step donates the state passed in; a non-finite step returns it unchanged.
-                self.model, self.opt_state, m = self.train_step(
-                    self.model, self.opt_state, self.parallel.shard_batch(batch)
-                )
+                self.model, self.opt_state, m = self.train_step(self.model, self.opt_state, batch)
                 m = {k: v.item() for k, v in jax.device_get(m).items()}
+                last = m
                 dt = time.perf_counter() - t0
                 if not m["finite"]:
                     if cfg.on_nonfinite == "stop":
@@ -363,12 +415,14 @@ class Trainer:
                     record = {"split": "train", "step": self.step}
                     record.update({k: m[k] for k in keys if k in m})
                     record.update(tokens_per_s=tokens_per_step / dt, wall_time=wall)
-                    self.metrics.write({**record, "skipped_steps": self.skipped})
+                    if self.primary:
+                        self.metrics.write({**record, "skipped_steps": self.skipped})
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     self.last_val = self.evaluate(final=self.step == cfg.steps)
-                    self.metrics.write(
-                        {"split": "val", "step": self.step, **self.last_val, "wall_time": wall}
-                    )
+                    if self.primary:
+                        self.metrics.write(
+                            {"split": "val", "step": self.step, **self.last_val, "wall_time": wall}
+                        )
                     say(f"step {self.step}: val loss {describe_loss(self.last_val)}")
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.checkpointer.save(
@@ -380,7 +434,10 @@ class Trainer:
         finally:
             bar.close()
             self.checkpointer.wait()
-        records = self.metrics.read()
+        # Metrics are replicated results of the jitted step, so every process holds the
+        # same values and process 0's file speaks for all: checked here once per run.
+        agree("the last step's metrics", {"step": self.step, "last": last, "val": self.last_val})
+        records = self.metrics.read() if self.primary else []
         if records:
             title = f"{cfg.model} {cfg.preset} on {cfg.data or 'stdlib'}"
             plot_metrics(records, self.plot_path, title=title)
@@ -417,5 +474,7 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Finish background saves and release the checkpoint manager."""
+        """Finish background saves, release the checkpoint manager, stop the data
+        iterator's prefetch thread."""
         self.checkpointer.close()
+        self.batches.close()

@@ -50,14 +50,8 @@ class Placement:
         fsdp_axes: str | None = None,
         vocab_size: int | None = None,
     ):
-        available = jax.devices()
-        if not 1 <= devices <= len(available):
-            raise ValueError(
-                f"devices={devices} needs that many JAX devices (and at least 1); this "
-                f"process has {len(available)}. On CPU, pass --devices before JAX starts (the "
-                "CLI does) or set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{devices}; or pass fewer devices."
-            )
+        available = jax.devices()  # global: every process's devices
+        check_device_count(devices, len(available), jax.process_count())
         self.num_devices = devices
         self.spec: ShardingSpec | None = None
         self.device = available[0]
@@ -68,8 +62,7 @@ class Placement:
         text = mesh or default_mesh(devices)
         shape = mesh_shape(mesh, devices)
         fsdp = fsdp_axes_of(fsdp_axes, shape, text)
-        grid = np.array(available[:devices]).reshape(tuple(shape.values()))
-        self.mesh = Mesh(grid, tuple(shape))
+        self.mesh = Mesh(device_grid(available[:devices], tuple(shape.values())), tuple(shape))
         tensor = shape.get("tensor", 1)
         self.whole_vocab = vocab_size is not None and tensor > 1 and vocab_size % tensor != 0
         try:
@@ -165,8 +158,10 @@ class Placement:
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
         weights = ",".join(self.spec.fsdp_axis) or "none"
         vocab = ", vocabulary kept whole over tensor" if self.whole_vocab else ""
+        processes = jax.process_count()
+        where = f" on {processes} processes" if processes > 1 else ""
         return (
-            f"{self.num_devices} devices (mesh {axes}; strategy={self.spec.strategy}, "
+            f"{self.num_devices} devices{where} (mesh {axes}; strategy={self.spec.strategy}, "
             f"load_balance={self.spec.load_balance}, weights split over fsdp axes "
             f"{weights}{vocab})"
         )
@@ -272,8 +267,62 @@ class Placement:
         return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
     def shard_batch(self, batch):
-        """**Returns:** `batch` in the spec's token layout, split over the mesh."""
-        return place_batch(batch, self.spec)
+        """**Returns:** `batch` (a host `Batch` of the global batch) in the spec's token
+        layout, split over the mesh. With several processes each fills only the shards its
+        own devices hold."""
+        if self.spec is None or jax.process_count() == 1:
+            return place_batch(batch, self.spec)
+        from eqx_longctx._layout import to_layout
+
+        sharding = self.spec.sharding(self.spec.token_pspec())
+
+        def put(x):
+            host = np.asarray(to_layout(np.asarray(x), self.spec, axis=1))
+            return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+        return type(batch)(*(put(x) for x in batch))
+
+
+def check_device_count(devices: int, available: int, processes: int) -> None:
+    """Check that a run on `devices` devices can have them.
+
+    One process may use the first `devices` of its devices; a multi-process run uses all of
+    them (every process must hold part of the mesh), so `--devices` must be the global count.
+
+    **Arguments:**
+
+    - `devices`: `--devices`.
+    - `available`: `len(jax.devices())` (global).
+    - `processes`: `jax.process_count()`.
+    """
+    if processes > 1 and devices != available:
+        raise ValueError(
+            f"--devices is the global device count of a multi-process run and must equal the "
+            f"devices of all {processes} processes together; got --devices {devices}, and the "
+            f"processes have {available} ({available // processes} each). Pass --devices "
+            f"{available} with a --mesh whose sizes multiply to {available}."
+        )
+    if not 1 <= devices <= available:
+        raise ValueError(
+            f"devices={devices} needs that many JAX devices (and at least 1); this "
+            f"process has {available}. On CPU, pass --devices before JAX starts (the "
+            "CLI does) or set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{devices}; or pass fewer devices."
+        )
+
+
+def device_grid(devices: list, shape: tuple[int, ...]) -> np.ndarray:
+    """**Returns:** `devices` arranged in a mesh of `shape`: on TPU in the order that keeps
+    neighbouring mesh positions on neighbouring chips (`mesh_utils.create_device_mesh`),
+    elsewhere in device-id order (so on CPU each process holds a contiguous block)."""
+    if devices and devices[0].platform == "tpu":
+        from jax.experimental import mesh_utils
+
+        try:
+            return mesh_utils.create_device_mesh(shape, devices)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass  # a shape the topology helper does not handle: plain order still works
+    return np.array(devices).reshape(shape)
 
 
 def attention_heads(model_config) -> tuple[int, int, int]:

@@ -3,6 +3,7 @@
 Everything here is a pure function of its arguments; the loop in `_loop.py` owns all state.
 """
 
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -315,19 +316,21 @@ def evaluate(
     byte tokenizer `"bpb"` (bits per byte of text) and `"bytes"`.
     """
     byte_ids = byte_ids_of(tokenizer)
-    batches: Iterable = dataset.eval_batches(batch_size)
-    keep = None
     num_rows = getattr(dataset, "num_rows", None)
+    picks: list[int] | None = None
     if max_batches is not None and isinstance(num_rows, int):
         num_batches = -(-num_rows // batch_size)
-        picks = np.linspace(0, num_batches - 1, min(max_batches, num_batches))
-        keep = set(np.round(picks).astype(int).tolist())
+        spaced = np.linspace(0, num_batches - 1, min(max_batches, num_batches))
+        picks = sorted(set(np.round(spaced).astype(int).tolist()))
+    if picks is not None and callable(getattr(dataset, "get", None)):
+        batches: Iterable = (dataset.get(i) for i in picks)  # random access: read only those
+    elif picks is not None:
+        keep = set(picks)
+        batches = (b for i, b in enumerate(dataset.eval_batches(batch_size)) if i in keep)
+    else:
+        batches = itertools.islice(dataset.eval_batches(batch_size), max_batches)
     total, count, num_bytes = 0.0, 0.0, 0.0
-    for i, batch in enumerate(batches):
-        if keep is None and max_batches is not None and i >= max_batches:
-            break
-        if keep is not None and i not in keep:
-            continue
+    for batch in batches:
         if put is not None:
             batch = put(batch)
         loss_sum, num_tokens, batch_bytes = _eval_sums(model, batch, byte_ids)
@@ -352,17 +355,26 @@ def check_batch(batch, vocab_size: int) -> None:
 
     **Arguments:**
 
-    - `batch`: a `Batch`.
+    - `batch`: a `Batch` of host arrays, or of global `jax.Array`s (then the shards this
+      process holds are checked: each process checks its own part).
     - `vocab_size`: the model's vocabulary size.
 
     **Returns:** nothing; raises `ValueError` naming the offending ids otherwise.
     """
     for name in ("tokens", "targets"):
-        ids = np.asarray(getattr(batch, name))
-        lo, hi = int(ids.min()), int(ids.max())
+        parts = _host_parts(getattr(batch, name))
+        lo, hi = min(int(p.min()) for p in parts), max(int(p.max()) for p in parts)
         if lo < 0 or hi >= vocab_size:
             raise ValueError(
                 f"every {name} id must lie in [0, vocab_size) = [0, {vocab_size}); got ids in "
                 f"[{lo}, {hi}]. Use a tokenizer whose vocab_size fits the model, or build the "
                 f"model with vocab_size >= {hi + 1}."
             )
+
+
+def _host_parts(x) -> list[np.ndarray]:
+    """The parts of `x` this process can read: a host array whole, a `jax.Array` as its
+    addressable shards (in a multi-process run the rest lives on other hosts)."""
+    if isinstance(x, jax.Array):
+        return [np.asarray(s.data) for s in x.addressable_shards]
+    return [np.asarray(x)]

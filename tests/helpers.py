@@ -72,3 +72,17 @@ def make_mesh(shape: tuple, names: tuple, axes: str = "explicit"):
         return jax.make_mesh(shape, names)
     n = int(np.prod(shape))
     return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+def packed_rows(vocab_size: int, batch: int = 4, seq: int = 64, seed: int = 0):
+    """Random `(tokens, positions, segment_ids)` int32 rows of up to 3 packed documents
+    each, positions restarting at 0 in every document."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab_size, (batch, seq)).astype(np.int32)
+    seg = np.sort(rng.integers(1, 4, (batch, seq)), axis=1).astype(np.int32)
+    pos = np.zeros_like(seg)
+    for r in range(batch):
+        for d in np.unique(seg[r]):
+            idx = np.flatnonzero(seg[r] == d)
+            pos[r, idx] = np.arange(idx.size)
+    return tokens, pos, seg

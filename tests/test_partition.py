@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, packed_rows
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float
 
@@ -34,15 +34,7 @@ def _mesh(shape, names, explicit=True):
 
 @pytest.fixture(scope="module")
 def packed():
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, CONFIG.vocab_size, (4, 64)).astype(np.int32)
-    seg = np.sort(rng.integers(1, 4, (4, 64)), axis=1).astype(np.int32)
-    pos = np.zeros_like(seg)
-    for r in range(4):
-        for d in np.unique(seg[r]):
-            idx = np.flatnonzero(seg[r] == d)
-            pos[r, idx] = np.arange(idx.size)
-    return tokens, pos, seg
+    return packed_rows(CONFIG.vocab_size)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ of a large float32 matmul measured in the same run.
 
     python benchmarks/attention_local.py                 # seq 1K, 4K, 16K, 64K
     python benchmarks/attention_local.py --seqs 1024 4096 --repeats 5
+    python benchmarks/attention_local.py --seqs 1024 4096 16384 --plot docs/img/benchmarks
 
 XLA's version is compiled at every length (its memory analysis is printed) but only run
 where its predicted peak fits `--max-xla-gib`; at 64K it would need ~128 GiB of scores.
@@ -68,6 +69,7 @@ def main(argv=None) -> None:
         default=400.0,
         help="skip our fwd+bwd when the forward predicts more than this",
     )
+    p.add_argument("--plot", metavar="DIR", help="also write DIR/attention_local.png")
     args = p.parse_args(argv)
 
     mm = _matmul_flops_per_s()
@@ -96,6 +98,7 @@ def main(argv=None) -> None:
 
         return jax.grad(loss, argnums=(0, 1, 2))
 
+    rows = []
     for s in args.seqs:
         shape = jax.ShapeDtypeStruct((1, s, args.heads, args.head_dim), jnp.float32)
         ks = jax.random.split(jax.random.PRNGKey(s), 3)
@@ -123,10 +126,18 @@ def main(argv=None) -> None:
             + " ".join(f"{x:8.3f}G" for x in peaks)
             + f" | {causal_flops / t_of / mm:7.0%}"
         )
+        times = dict(ours_fwd=t_of, xla_fwd=t_xf, ours_fb=t_ob, xla_fb=t_xb)
+        rows.append(dict(seq=s, **times, **{
+            f"mem_{k}": peak * 2**30 for k, peak in zip(times, peaks, strict=True)
+        }))  # fmt: skip
     print(
         "ratio = ours / xla time (lower is better); peak = compiled peak memory (GiB);"
         " fwd %mm = our forward's causal FLOP/s over the matmul's"
     )
+    if args.plot:
+        import _plots
+
+        _plots.attention_local(rows, args.plot)
 
 
 if __name__ == "__main__":

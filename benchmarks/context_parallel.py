@@ -30,6 +30,7 @@ share this machine's cores, so (d) measures overheads, not speed-up.
     python benchmarks/context_parallel.py --sections a b --seqs 8192 32768
     python benchmarks/context_parallel.py --sections d --time-seq 4096 --repeats 3
     python benchmarks/context_parallel.py --sections w --window-seq 32768 --window 2048
+    python benchmarks/context_parallel.py --plot docs/img/benchmarks   # also one PNG a topic
 """
 
 import argparse
@@ -41,6 +42,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _ringattention import ring_attention_package  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from eqx_longctx import ShardingSpec, attention, latent_attention  # noqa: E402
@@ -90,7 +92,9 @@ class _Compiled:
         return self.cache[key]
 
 
-def memory_section(compiled: _Compiled, seqs: list, per_device: int) -> None:
+def memory_section(compiled: _Compiled, seqs: list, per_device: int) -> dict:
+    """Prints (a) and (a'); returns the forward + backward bytes (compiled, model) for plots."""
+    plot: dict = {"memory": {s: [] for s in STRATEGIES}, "weak": {s: [] for s in STRATEGIES}}
     print("\n(a) per-device memory, MiB: compiled (arguments + outputs + temporaries) / model")
     for backward in (False, True):
         head = ["seq"] + [f"{s} {'f+b' if backward else 'fwd'}" for s in STRATEGIES]
@@ -100,6 +104,8 @@ def memory_section(compiled: _Compiled, seqs: list, per_device: int) -> None:
             for s in STRATEGIES:
                 mem, _, cost = compiled(s, 8, seq, backward)
                 pred = cost.memory_train if backward else cost.memory_forward
+                if backward:
+                    plot["memory"][s].append((seq, mem, pred))
                 row.append(f"{mem / MIB:.1f} / {pred / MIB:.1f} ({mem / pred:.2f})")
             rows.append(row)
         _table(rows)
@@ -119,6 +125,7 @@ def memory_section(compiled: _Compiled, seqs: list, per_device: int) -> None:
                 row.append("-")
                 continue
             mem, _, cost = got
+            plot["weak"][s].append((n, mem, cost.memory_train))
             if n >= (4 if s == "usp" else 2):
                 first.setdefault(s, mem)
             xc = f", xc {mem / first[s]:.2f}" if s in first else ""
@@ -131,6 +138,7 @@ def memory_section(compiled: _Compiled, seqs: list, per_device: int) -> None:
         "accumulators; after that growth is the gathered sequence (all_gather) or K/V heads "
         "repeated r = N / gcd(kv_heads, N) times (ulysses))"
     )
+    return plot
 
 
 def _minimum(strategy: str, seq: int, shape: dict, backward: bool) -> float:
@@ -159,40 +167,44 @@ def _minimum(strategy: str, seq: int, shape: dict, backward: bool) -> float:
     return (2 * a2a + 3 * ring) if backward else (a2a + ring)
 
 
-def comm_section(compiled: _Compiled, seqs: list, shape: dict) -> None:
+def comm_section(compiled: _Compiled, seqs: list, shape: dict) -> list:
     print(
         "\n(b) collective bytes per device per layer: compiled HLO, HLO / model, "
         "HLO / theoretical minimum"
     )
     rows = [["seq", "strategy", "pass", "HLO MiB", "/ model", "/ minimum", "by op (MiB)"]]
+    plot = []  # (seq, strategy, backward, HLO bytes, model bytes, minimum bytes)
     for seq in seqs:
         for s in STRATEGIES:
             for backward in (False, True):
                 _, comm, cost = compiled(s, 8, seq, backward)
                 pred = sum((cost.comm_train if backward else cost.comm_forward).values())
                 got = sum(comm.values())
+                least = _minimum(s, seq, shape, backward)
+                plot.append((seq, s, backward, got, pred, least))
                 ops = ", ".join(f"{k} {v / MIB:.2f}" for k, v in comm.items() if v > 64)
                 rows.append([
                     seq, s, "f+b" if backward else "fwd", f"{got / MIB:.2f}",
-                    f"{got / pred:.3f}", f"{got / _minimum(s, seq, shape, backward):.3f}", ops,
+                    f"{got / pred:.3f}", f"{got / least:.3f}", ops,
                 ])  # fmt: skip
     _table(rows)
     print(
         "(the all-reduce of a few bytes in f+b is the loss; above the minimum: int32 "
         "positions and segment ids)"
     )
+    return plot
 
 
-def balance_section(seq: int, shape: dict) -> None:
+def balance_section(seq: int, shape: dict) -> dict:
     print(f"\n(c) causal work balance at seq {seq} on 8 devices: max / mean non-empty score")
     rows = [["layout"] + list(STRATEGIES)]
+    plot = {layout: {} for layout in LAYOUTS}
     for layout in LAYOUTS:
-        row = [layout]
         for s in STRATEGIES:
-            spec = _spec(s, 8, layout)
-            row.append(f"{plan(spec, seq=seq, **shape).costs[s].balance:.3f}")
-        rows.append(row)
+            plot[layout][s] = plan(_spec(s, 8, layout), seq=seq, **shape).costs[s].balance
+        rows.append([layout] + [f"{plot[layout][s]:.3f}" for s in STRATEGIES])
     _table(rows)
+    return plot
 
 
 class _UpProject(eqx.Module):
@@ -209,7 +221,7 @@ class _UpProject(eqx.Module):
         return jnp.concatenate([k_nope, k_rope], axis=-1), v
 
 
-def mla_section(seq: int) -> None:
+def mla_section(seq: int) -> list:
     heads, rank, rope, nope, dv = 16, 512, 64, 128, 128
     print(
         f"\n(e) MLA, DeepSeek-V2-Lite attention shapes (heads {heads}, kv_lora_rank {rank}, "
@@ -218,6 +230,7 @@ def mla_section(seq: int) -> None:
     )
     f32 = jnp.float32
     rows = [["strategy", "K/V kind", "memory MiB", "comm fwd MiB", "comm f+b MiB", "f+b ratio"]]
+    plot = []  # (strategy, kind, memory, comm fwd, comm f+b) in bytes
     for strategy in STRATEGIES:
         spec = _spec(strategy, 8)
         if spec is None:
@@ -254,6 +267,7 @@ def mla_section(seq: int) -> None:
                 sum(collective_bytes(train).values()),
             )
         for kind, (mem, cf, ct) in results.items():
+            plot.append((strategy, kind, mem, cf, ct))
             ratio = ct / results["per-head"][2]
             rows.append(
                 [
@@ -271,6 +285,7 @@ def mla_section(seq: int) -> None:
         "split heads as usual, so their bytes match per-head K/V up to the latent's own "
         "gradient reduction)"
     )
+    return plot
 
 
 def _interleaved(calls: dict, repeats: int) -> dict:
@@ -295,7 +310,7 @@ def _loss(fn):
     return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1, 2)))
 
 
-def time_section(seq: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> None:
+def time_section(seq: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
     print(
         f"\n(d) wall time, batch 1, seq {seq}, heads {heads}/{kv_heads}, head_dim {head_dim}, "
         f"causal, f32; best of {repeats} interleaved rounds; x = / single device"
@@ -316,7 +331,7 @@ def time_section(seq: int, heads: int, kv_heads: int, head_dim: int, repeats: in
 
         calls[(name, "fwd")] = (jax.jit(fwd), args)
         calls[(name, "f+b")] = (_loss(fwd), args)
-    theirs = _ring_attention_package(q, k, v, calls)
+    theirs = ring_attention_package(q, k, v, calls)
     best = _interleaved(calls, repeats)
     names = ("single device",) + STRATEGIES
     base = best[("single device", "fwd")], best[("single device", "f+b")]
@@ -325,8 +340,9 @@ def time_section(seq: int, heads: int, kv_heads: int, head_dim: int, repeats: in
         f, t = best[(name, "fwd")], best[(name, "f+b")]
         rows.append([name, f"{f:.3f}", f"{f / base[0]:.2f}", f"{t:.3f}", f"{t / base[1]:.2f}"])
     _table(rows)
+    plot = {name: (best[(name, "fwd")], best[(name, "f+b")]) for name in names}
     if theirs is None:
-        return
+        return plot
     t_fwd, t_bwd = best[("theirs", "fwd")], best[("theirs", "f+b")]
     print(f"ringattention package (max |theirs - single device| = {theirs:.1e}):")
     rows = [["", "fwd s", "ours/theirs", "fwd+bwd s", "ours/theirs"]]
@@ -335,9 +351,11 @@ def time_section(seq: int, heads: int, kv_heads: int, head_dim: int, repeats: in
         f, t = best[(name, "fwd")], best[(name, "f+b")]
         rows.append([label, f"{f:.3f}", f"{f / t_fwd:.2f}", f"{t:.3f}", f"{t / t_bwd:.2f}"])
     _table(rows)
+    plot["ringattention pkg"] = (t_fwd, t_bwd)
+    return plot
 
 
-def window_section(seq: int, window: int, heads: int, head_dim: int, repeats: int) -> None:
+def window_section(seq: int, window: int, heads: int, head_dim: int, repeats: int) -> dict:
     print(
         f"\n(w) sliding window: ring on 8 devices, batch 1, seq {seq}, heads {heads}, head_dim "
         f"{head_dim}, f32; W = {window} against full causal; best of {repeats} interleaved rounds"
@@ -374,54 +392,7 @@ def window_section(seq: int, window: int, heads: int, head_dim: int, repeats: in
             f"{predicted[label][1] / MIB:.1f}", f"{model:.2f}",
         ])  # fmt: skip
     _table(rows)
-
-
-def _ring_attention_package(q, k, v, calls: dict) -> float | None:
-    """Add the Ring Attention authors' pure-JAX ring (`pip install ringattention flax`) to
-    `calls`, on the same shapes and 8 fake devices, in the contiguous layout its causal mask
-    assumes, beside our ring in that layout. Returns its max error against one device."""
-    import types
-
-    import jax.extend
-    import jax.lib
-
-    if not hasattr(jax.lib, "xla_bridge"):  # removed from JAX; the package still imports it
-        backend = types.SimpleNamespace(get_backend=jax.extend.backend.get_backend)
-        jax.lib.xla_bridge = backend  # pyright: ignore[reportAttributeAccessIssue]
-    try:
-        from ringattention import ringattention as their_ring
-    except ImportError as e:
-        print(f"ringattention is not installed ({e}): skipped (pip install ringattention flax).")
-        return None
-    mesh = jax.make_mesh((8,), ("context",))
-    chunk = min(512, q.shape[1] // 8)
-    blockwise = dict(
-        causal_block_size=1, query_chunk_size=chunk, key_chunk_size=chunk, deterministic=True,
-        dropout_rng=None, attn_pdrop=0.0, dtype=jnp.float32, precision=None, prevent_cse=True,
-        policy=jax.checkpoint_policies.nothing_saveable,
-    )  # fmt: skip
-    pspec = PartitionSpec(None, "context", None, None)
-
-    def theirs(q, k, v):
-        def local(q, k, v):
-            bias = jnp.zeros((q.shape[0], 1, 1, k.shape[1]), jnp.float32)
-            return their_ring(q, k, v, bias, None, None, "context", True, blockwise)
-
-        return jax.shard_map(
-            local, mesh=mesh, in_specs=(pspec,) * 3, out_specs=pspec, check_vma=False
-        )(q, k, v)
-
-    contiguous = ShardingSpec(mesh, strategy="ring", load_balance="none")
-
-    def ours_none(q, k, v):
-        return attention(q, k, v, spec=contiguous)
-
-    args = tuple(jax.device_put(x, NamedSharding(mesh, pspec)) for x in (q, k, v))
-    calls[("theirs", "fwd")] = (jax.jit(theirs), args)
-    calls[("theirs", "f+b")] = (_loss(theirs), args)
-    calls[("ring none", "fwd")] = (jax.jit(ours_none), args)
-    calls[("ring none", "f+b")] = (_loss(ours_none), args)
-    return float(jnp.max(jnp.abs(jax.jit(theirs)(*args) - attention(q, k, v))))
+    return {label: (best[(label, "fwd")], best[(label, "f+b")]) for label in cases}
 
 
 def main(argv=None) -> None:
@@ -442,6 +413,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--window-seq", type=int, default=32768)
     p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--plot", metavar="DIR", help="also write one PNG per topic into DIR")
     args = p.parse_args(argv)
 
     shape = dict(
@@ -455,23 +427,28 @@ def main(argv=None) -> None:
     )
     t0 = time.perf_counter()
     compiled = _Compiled(shape)
+    results: dict = {}
     if "a" in args.sections:
-        memory_section(compiled, args.seqs, args.per_device)
+        results.update(memory_section(compiled, args.seqs, args.per_device))
     if "b" in args.sections:
-        comm_section(compiled, args.comm_seqs, shape)
+        results["comm"] = comm_section(compiled, args.comm_seqs, shape)
     if "c" in args.sections:
-        balance_section(args.balance_seq, shape)
+        results["balance"] = balance_section(args.balance_seq, shape)
     if "e" in args.sections:
-        mla_section(args.mla_seq)
+        results["mla"] = mla_section(args.mla_seq)
     if "w" in args.sections:
-        window_section(
+        results["window"] = window_section(
             args.window_seq, args.window, args.time_heads, args.time_head_dim, args.repeats
         )
     if "d" in args.sections:
-        time_section(
+        results["time"] = time_section(
             args.time_seq, args.time_heads, args.time_kv_heads, args.time_head_dim, args.repeats
         )
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    if args.plot:
+        import _plots
+
+        _plots.context_parallel(results, args.plot)
 
 
 if __name__ == "__main__":

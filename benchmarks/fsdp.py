@@ -13,6 +13,7 @@ measures FSDP's overhead (gathers, reduce-scatters, scheduling), not a speed-up.
 
     python benchmarks/fsdp.py
     python benchmarks/fsdp.py --dim 512 --layers 4 --seq 1024 --repeats 5
+    python benchmarks/fsdp.py --plot docs/img/benchmarks      # also writes fsdp.png
 """
 
 import argparse
@@ -75,7 +76,10 @@ def _build(config, fsdp: int, batch: int, seq: int) -> dict:
         state["loss"] = float(value)
         return time.perf_counter() - t0
 
-    run()  # warm up
+    # Warm up twice: the first call's outputs may come back in other shardings than `init`
+    # gave (a scalar count, a propagated layout), and the second call compiles for those.
+    run()
+    run()
     mem = compiled.memory_analysis()
     text = compiled.as_text()
     return dict(
@@ -93,7 +97,7 @@ def _build(config, fsdp: int, batch: int, seq: int) -> dict:
     )
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -104,7 +108,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--fsdp", type=int, nargs="+", default=[1, 2, 4, 8])
-    args = p.parse_args()
+    p.add_argument("--plot", metavar="DIR", help="also write DIR/fsdp.png")
+    args = p.parse_args(argv)
     config = dataclasses.replace(
         PRESETS["tiny"], dim=args.dim, n_layers=args.layers, hidden_dim=args.hidden,
         n_heads=args.heads, n_kv_heads=args.heads, head_dim=args.dim // args.heads,
@@ -140,6 +145,10 @@ def main() -> None:
             f"{r['step']:.3f} | {r['step'] / base['step']:.2f}x | {r['gathers']} | "
             f"{r['scatters']} | {r['reduces']} | {r['state']['loss']:.5f} |"
         )
+    if args.plot:
+        import _plots
+
+        _plots.fsdp(rows, args.plot)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ v2-alpha-tpuv5-lite`):
     python benchmarks/kernels.py                        # 8K .. 128K tokens
     python benchmarks/kernels.py --seqs 8192 32768 --heads 16 --block-q 512 --block-k 1024
     python benchmarks/kernels.py --window 4096          # sliding window (splash: LocalMask)
+    python benchmarks/kernels.py --plot docs/img/benchmarks   # also writes kernels.png
     gcloud compute tpus tpu-vm delete eqx-bench --zone=us-east5-a
 
 A v5p-8 VM has 4 chips; the script uses `jax.devices()[0]` only.
@@ -154,7 +155,7 @@ def _tokamax(seq, heads, head_dim, block_q, block_k, interpret, window=None):
     return fwd, fwd_bwd
 
 
-def benchmark(args) -> None:
+def benchmark(args) -> list[dict]:
     kind = jax.devices()[0].device_kind
     bq, bk = default_block_sizes(kind)
     bq, bk = args.block_q or bq, args.block_k or bk
@@ -162,6 +163,7 @@ def benchmark(args) -> None:
           f"head_dim={args.head_dim}, block_q={bq}, block_k={bk}")  # fmt: skip
     print(f"{'tokens':>8} | {'fwd TFLOP/s ours':>16} {'splash':>7} {'ratio':>6} | "
           f"{'fwd+bwd ours':>12} {'splash':>7} {'ratio':>6}")  # fmt: skip
+    rows = []
     for seq in args.seqs:
         inputs = _inputs(seq, args.heads, args.head_dim, jnp.bfloat16)
         w = seq if args.window is None else min(args.window, seq)
@@ -182,6 +184,9 @@ def benchmark(args) -> None:
         print(f"{seq:>8} | {row[0]:>16.1f} {row[1]:>7.1f} {row[2]:>6.2f} | "
               f"{row[3]:>12.1f} {row[4]:>7.1f} {row[5]:>6.2f}"
               + ("  (" + ", ".join(extra) + ")" if extra else ""))  # fmt: skip
+        keys = ("ours_fwd", "splash_fwd", "ratio_fwd", "ours_fb", "splash_fb", "ratio_fb")
+        rows.append(dict(seq=seq, **dict(zip(keys, row, strict=True))))
+    return rows
 
 
 def smoke() -> None:
@@ -207,13 +212,22 @@ def main(argv=None) -> None:
     p.add_argument("--block-k", type=int, default=None)
     p.add_argument("--window", type=int, default=None, help="sliding window (tokens)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--plot", metavar="DIR", help="on a TPU, also write DIR/kernels.png")
     args = p.parse_args(argv)
     if jax.devices()[0].platform != "tpu":
         print(f"benchmarks/kernels.py needs a TPU for timings (found {jax.devices()[0]}); "
               "running the interpret-mode smoke test instead.")  # fmt: skip
         smoke()
+        if args.plot:
+            print("--plot: no TFLOP/s to plot without a TPU (the smoke test only checks values)")
         return
-    benchmark(args)
+    rows = benchmark(args)
+    if args.plot:
+        import _plots
+
+        kind = jax.devices()[0].device_kind
+        window = "causal" if args.window is None else f"causal, window {args.window}"
+        _plots.kernels(rows, f"{kind}: {window}, bfloat16, heads {args.heads}", args.plot)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ set -euo pipefail
 PROJECT=${PROJECT:-$(gcloud config get-value project 2>/dev/null)}
 SLICE=${SLICE:-v5p}                 # v5p or v6e
 TPU_NAME=${TPU_NAME:-eqx-longctx-$SLICE}
-REPO_URL=${REPO_URL:-https://github.com/YOUR-ORG/eqx_longctx.git}
+REPO_URL=${REPO_URL:-https://github.com/eqx-longctx/eqx_longctx.git}
 BUCKET=${BUCKET:-}                  # e.g. my-bucket: mounted at /mnt/runs on every worker
 RUN_ROOT=${RUN_ROOT:-/mnt/runs}     # shared by all workers (gcsfuse mount or NFS)
 RECIPE=${RECIPE:-}

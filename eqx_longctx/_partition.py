@@ -11,7 +11,15 @@ get a leading `"layers"` axis. One table, `ShardingRules`, maps logical axes to 
 | `q_heads`, `kv_heads`, `heads`, `hidden`  | `spec.tensor_axis`       | tensor (Megatron)    |
 | `vocab`                                   | `spec.tensor_axis`       | vocabulary-parallel  |
 | `experts`                                 | `spec.expert_axis`       | expert               |
-| everything else (`layers`, `head_dim`, norms, low-rank latents) | replicated |           |
+| `q_lora_rank`, `kv_lora_rank` (MLA)       | `spec.fsdp_axis`, as a fallback | FSDP          |
+| everything else (`layers`, `head_dim`, norms, latent widths) | replicated |                |
+
+A *fallback* axis takes the fsdp axes only where no other dimension of the same weight
+does and its size divides: MLA's up-projections `wq_b` `[q_lora_rank, heads, ...]` and
+`wkv_b` `[kv_lora_rank, heads, ...]` have no `embed` dimension, and would otherwise stay
+whole on every device (12.4 GiB per chip for DeepSeek-V3 in float32), while `wq_a`
+`[embed, q_lora_rank]` keeps its split on `embed`. Naming a fallback axis in
+`ShardingSpec(rules=...)` makes it an ordinary entry.
 
 Column-parallel (Q/K/V, gate, up: `[embed, heads|hidden]`) and row-parallel (O, down:
 `[heads|hidden, embed]`) layouts follow from the same table. A layer computes with its
@@ -42,11 +50,13 @@ DEFAULT_ROLES: dict[str, str | None] = {
     "hidden": "tensor",
     "vocab": "tensor",
     "experts": "expert",
+    "q_lora_rank": "fsdp_fallback",
+    "kv_lora_rank": "fsdp_fallback",
     **{
         name: None
         for name in (
-            "layers", "head_dim", "dim", "qk_head_dim", "v_head_dim", "q_lora_rank",
-            "kv_lora_rank", "latent_and_rope", "nope_and_v", "nope_plus_v",
+            "layers", "head_dim", "dim", "qk_head_dim", "v_head_dim", "latent_and_rope",
+            "nope_and_v", "nope_plus_v",
         )
     },
 }  # fmt: skip
@@ -63,11 +73,19 @@ class ShardingRules:
 
     - `table`: logical axis name -> tuple of mesh axis names (`()` = replicated).
     - `spec`: the spec the table belongs to (for mesh sizes and the fsdp axes).
+    - `fallback`: names whose entry applies only where no other dimension of a weight uses
+      those mesh axes and the size divides (otherwise the dimension stays whole).
     """
 
-    def __init__(self, table: Mapping[str, tuple[str, ...]], spec: ShardingSpec):
+    def __init__(
+        self,
+        table: Mapping[str, tuple[str, ...]],
+        spec: ShardingSpec,
+        fallback: frozenset[str] = frozenset(),
+    ):
         self.table = dict(table)
         self.spec = spec
+        self.fallback = frozenset(fallback)
 
     @classmethod
     def for_spec(cls, spec: ShardingSpec) -> "ShardingRules":
@@ -77,11 +95,13 @@ class ShardingRules:
         """
         by_role = {
             "fsdp": spec.fsdp_axis,
+            "fsdp_fallback": spec.fsdp_axis,
             "tensor": () if spec.tensor_axis is None else (spec.tensor_axis,),
             "expert": () if spec.expert_axis is None else (spec.expert_axis,),
             None: (),
         }
         table = {name: by_role[role] for name, role in DEFAULT_ROLES.items()}
+        fallback = {name for name, role in DEFAULT_ROLES.items() if role == "fsdp_fallback"}
         names = spec.mesh.axis_names
         for name, axes in spec.rules:
             for axis in axes:
@@ -91,7 +111,8 @@ class ShardingRules:
                         f"axis of the mesh {tuple(names)}. Use those names, or None."
                     )
             table[name] = axes
-        return cls(table, spec)
+            fallback.discard(name)
+        return cls(table, spec, frozenset(fallback))
 
     def mesh_axes(self, name: str, where: str = "a weight") -> tuple[str, ...]:
         """**Returns:** the mesh axes logical axis `name` is split over (`where` names the
@@ -118,15 +139,24 @@ class ShardingRules:
         - `where`: the array's path, for messages.
         - `gathered`: leave out the fsdp axes (the layout a layer computes with).
 
-        **Returns:** the spec; raises `ValueError` if a mesh axis would be used twice or a
-        dimension does not divide over its mesh axes.
+        **Returns:** the spec. A fallback axis (`self.fallback`) is split only where its mesh
+        axes are free in this array and its size divides; otherwise it stays whole.
+
+        **Raises:** `ValueError` if the table does not map a name, a mesh axis would be used
+        twice, or a dimension does not divide over its mesh axes.
         """
-        entries: list[Any] = []
+        entries: list[Any] = [None] * len(names)
         used: dict[str, str] = {}
-        for name, size in zip(names, shape, strict=True):
+        order = sorted(range(len(names)), key=lambda i: names[i] in self.fallback)
+        for i in order:
+            name, size = names[i], shape[i]
             axes = self.mesh_axes(name, where)
             if gathered:
                 axes = tuple(a for a in axes if a not in self.spec.fsdp_axis)
+            if name in self.fallback:
+                n = math.prod(self.spec.axis_size(a) for a in axes)
+                if any(a in used for a in axes) or size % n:
+                    continue  # whole: the axes are taken here, or the size does not divide
             for axis in axes:
                 if axis in used:
                     raise ValueError(
@@ -145,7 +175,7 @@ class ShardingRules:
                     f"to a multiple of {n} (e.g. {-(-size // n) * n}), or keep it whole: "
                     f"ShardingSpec(..., rules={{{name!r}: None}})."
                 )
-            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+            entries[i] = None if not axes else axes[0] if len(axes) == 1 else axes
         return PartitionSpec(*entries)
 
 

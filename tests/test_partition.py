@@ -141,6 +141,33 @@ def test_logical_axes_come_from_the_annotations():
     assert rules.mesh_axes("vocab") == () and rules.mesh_axes("embed") == ("fsdp",)
 
 
+def test_mla_up_projections_take_fsdp_as_a_fallback():
+    # wq_b / wkv_b have no `embed` dimension: their low-rank input splits over fsdp instead,
+    # while wq_a [embed, q_lora_rank] keeps fsdp on embed (a mesh axis splits one dimension).
+    config = dataclasses.replace(DS_PRESETS["tiny"], q_lora_rank=12, kv_lora_rank=16)
+    model = eqx.filter_eval_shape(DeepSeek, config, key=jax.random.key(0))
+    spec = el.ShardingSpec(_mesh((2, 4), ("fsdp", "context")), fsdp_axis="fsdp")
+    attn = el.param_pspecs(model, spec).moe_layers.layers.attn
+    assert attn.wq_b == P(None, "fsdp", None, None)
+    assert attn.wkv_b == P(None, "fsdp", None, None)
+    assert attn.wq_a == P(None, "fsdp", None)
+    gathered = el.param_pspecs(model, spec, gathered=True).moe_layers.layers.attn
+    assert gathered.wq_b == P(None, None, None, None)
+    # A size that does not divide stays whole (no error): q_lora_rank 12 over fsdp x context.
+    wide = el.ShardingSpec(_mesh((2, 4), ("fsdp", "context")), fsdp_axis=("fsdp", "context"))
+    wide_attn = el.param_pspecs(model, wide).moe_layers.layers.attn
+    assert wide_attn.wq_b == P(None, None, None, None)
+    assert wide_attn.wkv_b == P(None, ("fsdp", "context"), None, None)
+    # Named in the rules, a fallback axis is an ordinary entry: whole, or a hard split.
+    whole = el.param_pspecs(model, spec.replace(rules={"kv_lora_rank": None}))
+    assert whole.moe_layers.layers.attn.wkv_b == P(None, None, None, None)
+    hard = spec.replace(rules={"q_lora_rank": "fsdp"})
+    with pytest.raises(ValueError, match=r"'fsdp' is used twice.*'embed' and 'q_lora_rank'"):
+        el.param_pspecs(model, hard)
+    full = el.param_bytes_per_device(model, el.ShardingSpec(spec.mesh))
+    assert el.param_bytes_per_device(model, spec) < 0.55 * full
+
+
 DS_PLANS = [
     ("fsdp_context", (2, 4), ("fsdp", "context"), dict(fsdp_axis=("fsdp", "context"))),
     ("fsdp_expert", (2, 2, 2), ("fsdp", "expert", "context"),

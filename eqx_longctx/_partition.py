@@ -118,8 +118,10 @@ class ShardingRules:
         - `where`: the array's path, for messages.
         - `gathered`: leave out the fsdp axes (the layout a layer computes with).
 
-        **Returns:** the spec; raises `ValueError` if a mesh axis would be used twice or a
-        dimension does not divide over its mesh axes.
+        **Returns:** the spec.
+
+        **Raises:** `ValueError` when the table does not map a name, a mesh axis would be
+        used twice, or a dimension does not divide over its mesh axes.
         """
         entries: list[Any] = []
         used: dict[str, str] = {}

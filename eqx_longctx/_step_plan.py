@@ -112,7 +112,10 @@ class StepPlan:
     reason: str
 
     def row(self, strategy: str, remat: str) -> StepMemory:
-        """**Returns:** the prediction for one (strategy, remat)."""
+        """**Returns:** the prediction for one (strategy, remat).
+
+        **Raises:** `ValueError` when that pair was not planned.
+        """
         for r in self.rows:
             if (r.strategy, r.remat) == (strategy, remat):
                 return r
@@ -123,7 +126,8 @@ class StepPlan:
         )
 
     def explain(self) -> str:
-        """The breakdown of every candidate as a table, then the choice."""
+        """**Returns:** the breakdown of every candidate as a table, then the choice, as
+        text."""
         return step_table(self)
 
 
@@ -156,8 +160,16 @@ def plan_train_step(
     - `memory_budget_bytes`: per-device budget; `None` picks the fastest row.
     - `flops_per_s`, `bytes_per_s`: roofline constants for the time estimate.
 
-    **Returns:** a `StepPlan`. Raises `ValueError` when the shapes do not split over the
-    mesh, and when nothing fits the budget (naming what would).
+    **Returns:** a `StepPlan`; when nothing fits the budget its `chosen` is `None` and its
+    `reason` names what would fit.
+
+    **Raises:** `ValueError` for an unknown `family`; when `batch` does not split over the
+    spec's batch axes or `seq` over its sequence shards (`2N` chunks under `"zigzag"`);
+    for a multi-head latent attention config with a `tensor_axis`; when a weight dimension
+    does not split over its mesh axes (as `eqx_longctx.param_pspecs`); or when a strategy
+    in `strategies` cannot run these shapes. `TypeError` when `config` is not the family's
+    config class; `TypeError` or `ValueError` for `flops_per_s` or `bytes_per_s` that is
+    not a finite positive number.
     """
     from models import family as model_family
 

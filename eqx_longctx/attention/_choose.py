@@ -130,8 +130,37 @@ def plan(
 
 @no_type_check  # validated eagerly, with errors that say what to fix
 def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs) -> Plan:
-    """`plan` for arrays (or `jax.ShapeDtypeStruct`s) `q`, `k`, `v` of global shape
-    `[batch, seq, heads, head_dim]`; `v` defaults to `k`'s shape. Keywords go to `plan`."""
+    """Predict every context-parallel strategy's cost for one attention call, and choose.
+
+    The choice is what `strategy="auto"` runs: the simplest strategy (fewest collectives)
+    within `TIE_FRACTION` (5%) of the fastest among those that fit the memory budget. A spec
+    with another strategy keeps it; the plan still prices the alternatives.
+
+    **Arguments:**
+
+    - `spec`: the `ShardingSpec` (mesh sizes, token layout, strategy).
+    - `q`, `k`, `v`: arrays or `jax.ShapeDtypeStruct`s of global shape
+      `[batch, seq, heads, head_dim]`; only their shapes and `q`'s dtype are read. `v`
+      defaults to `k`'s shape.
+    - `causal`: causal masking (default `True`).
+    - `window`: a sliding window in tokens (needs `causal`), or `None`: work counts only the
+      block pairs within it, and the ring only the hops it reaches.
+    - `segment_ids`: whether the call passes segment ids (they add int32 traffic; default
+      `False`).
+    - `backward`: choose by forward + backward cost (training; the default) rather than
+      forward alone.
+    - `memory_budget_bytes`: per-device budget for the call; default `MEMORY_FRACTION` (a
+      quarter) of the device's memory when it reports it, else `DEFAULT_MEMORY_BUDGET`
+      (4 GiB).
+    - `flops_per_s`, `bytes_per_s`: roofline constants of the target device.
+
+    **Returns:** a `Plan`; `print(plan.explain())` shows the table.
+
+    **Raises:** `TypeError` when `spec` is not a `ShardingSpec`, `causal`, `segment_ids` or
+    `backward` is not a bool, `window` not an int, or a budget or roofline constant not a
+    real number; `ValueError` when a dimension is not positive, `window < 1` or is set
+    without `causal`, or a budget or roofline constant is not finite and `> 0`.
+    """
     b, s, hq, d = q.shape
     dv = d if v is None else v.shape[-1]
     shape = dict(batch=b, seq=s, q_heads=hq, kv_heads=k.shape[2], head_dim=d, v_head_dim=dv)
@@ -140,7 +169,22 @@ def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs)
 
 @no_type_check  # validated eagerly, with errors that say what to fix
 def explain(spec: ShardingSpec, **shape) -> str:
-    """`plan(spec, **shape).explain()`: the cost table and the choice, as a string."""
+    """The cost table of every strategy and the choice, as text (`Plan.explain()`).
+
+    **Arguments:**
+
+    - `spec`: the `ShardingSpec`.
+    - `batch`, `seq`, `q_heads`, `kv_heads`, `head_dim` (keywords, required),
+      `v_head_dim` (default `head_dim`): the global shapes of one attention call.
+    - `dtype`: of q, k, v (a NumPy/JAX dtype or its name; default float32).
+    - `causal`, `window`, `segment_ids`, `backward`, `memory_budget_bytes`,
+      `flops_per_s`, `bytes_per_s`: as for `choose_strategy`.
+
+    **Returns:** the table, one line per strategy, then the choice and its reason.
+
+    **Raises:** `TypeError` for a shape that is not an int, a `dtype` that is not a dtype,
+    and as `choose_strategy`; `ValueError` as `choose_strategy`.
+    """
     return plan(spec, **shape).explain()
 
 

@@ -8,7 +8,7 @@ from typing import Any, no_type_check
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_bool, check_int, check_real
+from .._checks import check_bool, check_int, check_memory_budget, check_real, check_spec
 from .._sharding import ShardingSpec
 from ._cost import (
     DEFAULT_BYTES_PER_S,
@@ -20,7 +20,7 @@ from ._cost import (
 )
 from ._explain import Plan, gib, sec
 from ._tiling_policy import block_size, tile_bytes, token_positions
-from ._validate import check_options
+from ._validate import check_layout, check_options
 
 # Budget for one attention call's activations: this fraction of device memory when the
 # device reports it, else the constant (a quarter of a 16 GiB chip). The rest holds weights,
@@ -51,6 +51,7 @@ def plan(
     memory_budget_bytes: int | float | None = None,
     flops_per_s: int | float = DEFAULT_FLOPS_PER_S,
     bytes_per_s: int | float = DEFAULT_BYTES_PER_S,
+    where: str = "plan",
 ) -> Plan:
     """Predict every strategy's memory, communication, balance and time; choose one.
 
@@ -67,12 +68,14 @@ def plan(
     - `memory_budget_bytes`: per-device budget for one call; default `MEMORY_FRACTION` of
       the device's memory when it reports it, else `DEFAULT_MEMORY_BUDGET`.
     - `flops_per_s`, `bytes_per_s`: roofline constants of the target device.
+    - `where`: the name error messages give: the public function the caller called
+      (`choose_strategy`, `explain`, `plan_train_step`).
 
     **Returns:** a `Plan`; `print(plan(...).explain())` shows the table.
+
+    **Raises:** `TypeError` and `ValueError` as `choose_strategy`.
     """
-    where = "plan"
-    if not isinstance(spec, ShardingSpec):
-        raise TypeError(f"{where} needs a ShardingSpec; got {type(spec).__name__}.")
+    check_spec(spec, where, none_ok=False)
     shape = dict(batch=batch, seq=seq, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     for name, value in shape.items():
         check_int(value, f"{where}: {name}")
@@ -81,8 +84,7 @@ def plan(
     for name, value in (("segment_ids", segment_ids), ("backward", backward)):
         check_bool(value, f"{where}: {name}")
     window = check_options(where, None, causal, None, window)
-    if memory_budget_bytes is not None:
-        check_real(memory_budget_bytes, f"{where}: memory_budget_bytes", positive=True)
+    check_memory_budget(memory_budget_bytes, where)
     check_real(flops_per_s, f"{where}: flops_per_s", positive=True)
     check_real(bytes_per_s, f"{where}: bytes_per_s", positive=True)
     try:
@@ -156,15 +158,26 @@ def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs)
 
     **Returns:** a `Plan`; `print(plan.explain())` shows the table.
 
-    **Raises:** `TypeError` when `spec` is not a `ShardingSpec`, `causal`, `segment_ids` or
-    `backward` is not a bool, `window` not an int, or a budget or roofline constant not a
-    real number; `ValueError` when a dimension is not positive, `window < 1` or is set
-    without `causal`, or a budget or roofline constant is not finite and `> 0`.
+    **Raises:** `TypeError` when `spec` is not a `ShardingSpec`, `q`, `k` or `v` has no
+    `shape` and `dtype`, `causal`, `segment_ids` or `backward` is not a bool, `window` not
+    an int, or a budget or roofline constant not a real number; `ValueError` when `q`, `k`
+    or `v` is not of rank 4, a dimension is not positive, `window < 1` or is set without
+    `causal`, or a budget or roofline constant is not finite and `> 0`.
     """
+    where = "choose_strategy"
+    arrays = {"q": q, "k": k} | ({} if v is None else {"v": v})
+    for name, x in arrays.items():
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(
+                f"{where} needs q, k, v as arrays or jax.ShapeDtypeStructs (it reads their "
+                f"shapes and q's dtype); got {name} of type {type(x).__name__}. Pass "
+                f"jnp.asarray({name}), or jax.ShapeDtypeStruct(shape, dtype) to allocate nothing."
+            )
+    check_layout(where, **arrays)
     b, s, hq, d = q.shape
     dv = d if v is None else v.shape[-1]
     shape = dict(batch=b, seq=s, q_heads=hq, kv_heads=k.shape[2], head_dim=d, v_head_dim=dv)
-    return plan(spec, dtype=q.dtype, **shape, **kwargs)
+    return plan(spec, dtype=q.dtype, **shape, **kwargs, where=where)
 
 
 @no_type_check  # validated eagerly, with errors that say what to fix
@@ -185,7 +198,7 @@ def explain(spec: ShardingSpec, **shape) -> str:
     **Raises:** `TypeError` for a shape that is not an int, a `dtype` that is not a dtype,
     and as `choose_strategy`; `ValueError` as `choose_strategy`.
     """
-    return plan(spec, **shape).explain()
+    return plan(spec, **shape, where="explain").explain()
 
 
 def _default_budget(spec: ShardingSpec) -> int:

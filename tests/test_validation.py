@@ -147,6 +147,13 @@ BAD = [
      r"q\(8, 4, 4\), k\(8, 2, 4\)\. Add a batch axis"),
     ("plan rank 3 v", lambda: el.choose_strategy(_spec(), Q, KV, KV[0]), ValueError,
      r"needs q, k, v of rank 4 .* got q\(2, 8, 4, 4\), k\(2, 8, 2, 4\), v\(8, 2, 4\)"),
+    ("plan unknown keyword", lambda: _plan(heads=8), TypeError,
+     r"explain got unknown keyword argument\(s\) 'heads'; it takes batch, seq, q_heads,"),
+    ("plan missing shape", lambda: el.explain(_spec(), batch=2, seq=64), TypeError,
+     r"explain needs the keyword argument\(s\) q_heads, kv_heads, head_dim: the global shapes"),
+    ("plan shape keyword", lambda: el.choose_strategy(_spec(), Q, KV, batch=2), TypeError,
+     r"choose_strategy got unknown keyword argument\(s\) 'batch'; it takes causal, window, .*"
+     r"\(the shapes and dtype come from q, k, v\)"),
     ("plan list q", lambda: el.choose_strategy(_spec(), Q.tolist(), KV), TypeError,
      r"choose_strategy needs q, k, v as arrays or jax.ShapeDtypeStructs .* got q of type list"),
 ]  # fmt: skip

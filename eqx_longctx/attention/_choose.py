@@ -3,6 +3,7 @@
 The cost model is `_cost.py`; the table `Plan.explain()` prints is `_explain.py`.
 """
 
+import inspect
 from typing import Any, no_type_check
 
 import jax.numpy as jnp
@@ -130,6 +131,34 @@ def plan(
     return Plan(strategy=chosen, reason=reason, costs=costs, problem=problem)
 
 
+_SHAPES = ("batch", "seq", "q_heads", "kv_heads", "head_dim")  # required by plan and explain
+_KEYWORDS = tuple(
+    name
+    for name, p in inspect.signature(plan).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name != "where"
+)
+_OPTIONS = tuple(k for k in _KEYWORDS if k not in (*_SHAPES, "v_head_dim", "dtype"))
+
+
+def _check_keywords(
+    where: str, given: dict, allowed: tuple, required: tuple = (), note: str = ""
+) -> None:
+    """Raise `TypeError` naming `where` (not `plan`) for an unknown or missing keyword."""
+    unknown = [k for k in given if k not in allowed]
+    if unknown:
+        raise TypeError(
+            f"{where} got unknown keyword argument(s) {', '.join(map(repr, unknown))}; it "
+            f"takes {', '.join(allowed)}{note}."
+        )
+    missing = [k for k in required if k not in given]
+    if missing:
+        raise TypeError(
+            f"{where} needs the keyword argument(s) {', '.join(missing)}: the global shapes "
+            f"{', '.join(required)} of one attention call are required; got "
+            f"{', '.join(given) or 'none'}."
+        )
+
+
 @no_type_check  # validated eagerly, with errors that say what to fix
 def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs) -> Plan:
     """Predict every context-parallel strategy's cost for one attention call, and choose.
@@ -158,13 +187,15 @@ def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs)
 
     **Returns:** a `Plan`; `print(plan.explain())` shows the table.
 
-    **Raises:** `TypeError` when `spec` is not a `ShardingSpec`, `q`, `k` or `v` has no
-    `shape` and `dtype`, `causal`, `segment_ids` or `backward` is not a bool, `window` not
-    an int, or a budget or roofline constant not a real number; `ValueError` when `q`, `k`
+    **Raises:** `TypeError` for a keyword other than those above, when `spec` is not a
+    `ShardingSpec`, `q`, `k` or `v` has no `shape` and `dtype`, `causal`, `segment_ids` or
+    `backward` is not a bool, `window` not an int, or a budget or roofline constant not a
+    real number; `ValueError` when `q`, `k`
     or `v` is not of rank 4, a dimension is not positive, `window < 1` or is set without
     `causal`, or a budget or roofline constant is not finite and `> 0`.
     """
     where = "choose_strategy"
+    _check_keywords(where, kwargs, _OPTIONS, note=" (the shapes and dtype come from q, k, v)")
     arrays = {"q": q, "k": k} | ({} if v is None else {"v": v})
     for name, x in arrays.items():
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
@@ -195,9 +226,11 @@ def explain(spec: ShardingSpec, **shape) -> str:
 
     **Returns:** the table, one line per strategy, then the choice and its reason.
 
-    **Raises:** `TypeError` for a shape that is not an int, a `dtype` that is not a dtype,
-    and as `choose_strategy`; `ValueError` as `choose_strategy`.
+    **Raises:** `TypeError` for a missing shape or an unknown keyword, a shape that is not
+    an int, a `dtype` that is not a dtype, and as `choose_strategy`; `ValueError` as
+    `choose_strategy`.
     """
+    _check_keywords("explain", shape, _KEYWORDS, required=_SHAPES)
     return plan(spec, **shape, where="explain").explain()
 
 

@@ -143,6 +143,27 @@ def check_spec(spec: Any, owner: str, *, none_ok: bool = True) -> None:
     )
 
 
+def check_names(
+    values: Any, where: str, name: str, kind: str, choices: tuple[str, ...], fix: str = ""
+) -> tuple[str, ...]:
+    """**Returns:** `values` as a tuple, after checking it is a tuple or list of strings,
+    each one of `choices` (the argument `name` of `where`; `kind` names one entry in the
+    messages, e.g. `"strategy"`)."""
+    if not isinstance(values, tuple | list):
+        hint = f" Pass ({values!r},)." if isinstance(values, str) else ""
+        raise TypeError(
+            f"{where}: {name} must be a tuple of {kind} names; got {_seen(values)}.{hint}"
+        )
+    unknown = [v for v in values if not (isinstance(v, str) and v in choices)]
+    if unknown:
+        bad = ", ".join(_short(v) for v in unknown)
+        raise ValueError(
+            f"{where}: unknown {kind} {bad} in {name}={tuple(values)!r}; choose from "
+            f"{choices}.{fix}"
+        )
+    return tuple(values)
+
+
 def check_memory_budget(value: Any, where: str) -> float | None:
     """**Returns:** `None`, or the per-device memory budget `value` (bytes) as a `float`,
     after checking it is a finite real number `> 0` (the rule of every planner)."""

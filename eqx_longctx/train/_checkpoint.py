@@ -257,12 +257,26 @@ class Checkpointer:
 
         **Arguments:**
 
-        - `step`: a saved step.
+        - `step`: a saved step (its folder `<directory>/<step>` exists, readable or not).
 
         **Returns:** where it went: `<directory>-unreadable/<step>` (a suffix `-1`, `-2`, ...
         if that exists).
+
+        **Raises:** `ValueError` when `<directory>/<step>` is not a folder (naming the step
+        folders that are there).
         """
         self.wait()
+        source = self.directory / str(step)
+        if not source.is_dir():
+            held = []
+            if self.directory.is_dir():
+                held = sorted(int(p.name) for p in self.directory.iterdir() if _is_step_dir(p))
+            has = f"step folders {held}" if held else "no step folders"
+            raise ValueError(
+                f"set_aside moves a saved step's folder; {self.directory} holds {has}, not "
+                f"step {step}. Pass one of the steps there (Checkpointer.steps() lists the "
+                "readable ones)."
+            )
         sync("checkpoint set aside")  # nobody still reads it
         target = self.directory.with_name(self.directory.name + "-unreadable") / str(step)
         n = 0
@@ -271,7 +285,7 @@ class Checkpointer:
             target = target.with_name(f"{step}-{n}")
         if is_primary():
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(self.directory / str(step), target)
+            shutil.move(source, target)
         sync("checkpoint moved")
         self._manager.reload()
         return target

@@ -125,9 +125,10 @@ def check_instance(value: Any, what: str, cls: type, fix: str, *, none_ok: bool 
     raise TypeError(f"{what} must be {allowed}; got {_seen(value)}. {fix}")
 
 
-def check_spec(spec: Any, owner: str) -> None:
-    """Raise `TypeError` unless `spec` is a `ShardingSpec` or `None`, saying how to build one."""
-    if spec is None or isinstance(spec, ShardingSpec):
+def check_spec(spec: Any, owner: str, *, none_ok: bool = True) -> None:
+    """Raise `TypeError` unless `spec` is a `ShardingSpec` (or `None` when `none_ok`),
+    saying how to build one."""
+    if (spec is None and none_ok) or isinstance(spec, ShardingSpec):
         return
     if isinstance(spec, str) and spec in STRATEGIES:
         build = f"ShardingSpec(mesh, strategy={spec!r})"
@@ -135,7 +136,38 @@ def check_spec(spec: Any, owner: str) -> None:
         build = "ShardingSpec(mesh) (the mesh goes inside the spec)"
     else:
         build = "ShardingSpec(mesh, strategy='ring')"
+    allowed = "a ShardingSpec or None (one device)" if none_ok else "a ShardingSpec"
     raise TypeError(
-        f"{owner} needs spec=a ShardingSpec or None (one device); got {_seen(spec)}. Build one "
-        f"with {build}, where mesh = jax.make_mesh((2, 4), ('data', 'context')) for example."
+        f"{owner} needs spec={allowed}; got {_seen(spec)}. Build one with {build}, where "
+        "mesh = jax.make_mesh((2, 4), ('data', 'context')) for example."
     )
+
+
+def check_names(
+    values: Any, where: str, name: str, kind: str, choices: tuple[str, ...], fix: str = ""
+) -> tuple[str, ...]:
+    """**Returns:** `values` as a tuple, after checking it is a tuple or list of strings,
+    each one of `choices` (the argument `name` of `where`; `kind` names one entry in the
+    messages, e.g. `"strategy"`)."""
+    if not isinstance(values, tuple | list):
+        hint = f" Pass ({values!r},)." if isinstance(values, str) else ""
+        raise TypeError(
+            f"{where}: {name} must be a tuple of {kind} names; got {_seen(values)}.{hint}"
+        )
+    unknown = [v for v in values if not (isinstance(v, str) and v in choices)]
+    if unknown:
+        bad = ", ".join(_short(v) for v in unknown)
+        raise ValueError(
+            f"{where}: unknown {kind} {bad} in {name}={tuple(values)!r}; choose from "
+            f"{choices}.{fix}"
+        )
+    return tuple(values)
+
+
+def check_memory_budget(value: Any, where: str) -> float | None:
+    """**Returns:** `None`, or the per-device memory budget `value` (bytes) as a `float`,
+    after checking it is a finite real number `> 0` (the rule of every planner)."""
+    if value is None:
+        return None
+    fix = " Pass the bytes each device may use, e.g. 16 * 2**30 for 16 GiB."
+    return check_real(value, f"{where}: memory_budget_bytes", positive=True, fix=fix)

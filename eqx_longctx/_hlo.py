@@ -123,8 +123,21 @@ def collective_bytes(compiled: Any) -> dict[str, int]:
     """Bytes received per device by collective kind, over one run of `compiled`.
 
     Parses `compiled.as_text()` (or the text itself) for all-gather, all-to-all,
-    collective-permute, reduce-scatter and all-reduce, and their `-start` forms; see
-    `collectives` and the module docstring for what one instruction counts.
+    collective-permute, reduce-scatter and all-reduce, and their `-start` forms. An
+    instruction inside a `while` body counts once per known trip count; a `conditional`'s
+    branches count as if each ran (an upper bound). Each instruction counts the bytes one
+    device receives: `(n - 1) / n` of its result for an all-gather or all-to-all over `n`
+    devices, `n - 1` results for a reduce-scatter, `2 (n - 1) / n` for an all-reduce, the
+    whole result for a collective-permute.
+
+    **Arguments:**
+
+    - `compiled`: a `jax.stages.Compiled` (from `jax.jit(f).lower(...).compile()`) or its
+      `as_text()`.
+
+    **Returns:** bytes per device for each kind in `COLLECTIVES` (`"all-gather"`,
+    `"all-to-all"`, `"collective-permute"`, `"reduce-scatter"`, `"all-reduce"`), 0 for a
+    kind the program does not use.
     """
     out = dict.fromkeys(COLLECTIVES, 0)
     for c in collectives(compiled):

@@ -11,7 +11,11 @@ def parse_mesh(text: str) -> dict[str, int]:
     - `text`: comma-separated `AXIS=SIZE` parts; axes from `MESH_AXES`, each at most once,
       sizes positive integers, `context` required.
 
-    **Returns:** the axis sizes; raises `ValueError` naming the bad part and the fix.
+    **Returns:** the axis sizes.
+
+    **Raises:** `TypeError` when `text` is not a string; `ValueError` (naming the bad part
+    and the fix) for a part that is not `AXIS=SIZE` with an axis from `MESH_AXES`, a size
+    that is not a positive integer, an axis named twice, or no `context` axis.
     """
     if not isinstance(text, str):
         raise TypeError(

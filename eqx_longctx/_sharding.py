@@ -281,8 +281,11 @@ class ShardingSpec(eqx.Module):
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
     def check_batch(self, batch: int, what: str = "the batch") -> None:
-        """Raise `ValueError` unless `batch` splits evenly over the `batch_axes`; `what`
-        names the batch in the message."""
+        """Check that `batch` rows split evenly over the `batch_axes`; `what` names the
+        batch in the message.
+
+        **Raises:** `ValueError` unless `batch` is divisible by `batch_parallel_size`.
+        """
         nb = self.batch_parallel_size
         if batch % nb:
             axes = " x ".join(f"{a!r} ({self.axis_size(a)})" for a in self.batch_axes)

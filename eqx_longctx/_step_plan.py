@@ -34,18 +34,19 @@ the real step, compiled for abstract arrays on fake CPU devices.
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, no_type_check
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from ._activations import REMATS, stack_activations, stacks
+from ._checks import check_memory_budget, check_names, check_spec
 from ._partition import param_bytes_per_device, param_pspecs
 from ._sharding import ShardingSpec
 from ._step_explain import step_table
 from .attention._choose import plan as plan_attention
-from .attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S
+from .attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, STRATEGY_ORDER
 from .attention._explain import gib
 
 _F32 = 4
@@ -112,7 +113,10 @@ class StepPlan:
     reason: str
 
     def row(self, strategy: str, remat: str) -> StepMemory:
-        """**Returns:** the prediction for one (strategy, remat)."""
+        """**Returns:** the prediction for one (strategy, remat).
+
+        **Raises:** `ValueError` when that pair was not planned.
+        """
         for r in self.rows:
             if (r.strategy, r.remat) == (strategy, remat):
                 return r
@@ -123,10 +127,12 @@ class StepPlan:
         )
 
     def explain(self) -> str:
-        """The breakdown of every candidate as a table, then the choice."""
+        """**Returns:** the breakdown of every candidate as a table, then the choice, as
+        text."""
         return step_table(self)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def plan_train_step(
     family: str,
     config: Any,
@@ -150,18 +156,36 @@ def plan_train_step(
     - `spec`: the `ShardingSpec` the model runs under (its mesh, fsdp, tensor and expert
       axes; its strategy, unless `"auto"`, is the only one planned).
     - `batch`, `seq`: global batch rows and sequence length.
-    - `remats`: the remat policies to plan.
-    - `strategies`: the strategies to plan (default: the spec's, or under `"auto"` every one
-      this mesh can run).
-    - `memory_budget_bytes`: per-device budget; `None` picks the fastest row.
+    - `remats`: the remat policies to plan, among `"none"`, `"dots"`, `"offload"`, `"full"`.
+    - `strategies`: the strategies to plan, among `"all_gather"`, `"ulysses"`, `"ring"`,
+      `"usp"` (default: the spec's, or under `"auto"` every one this mesh can run).
+    - `memory_budget_bytes`: per-device budget in bytes, `> 0`; `None` picks the fastest
+      row.
     - `flops_per_s`, `bytes_per_s`: roofline constants for the time estimate.
 
-    **Returns:** a `StepPlan`. Raises `ValueError` when the shapes do not split over the
-    mesh, and when nothing fits the budget (naming what would).
+    **Returns:** a `StepPlan`; when nothing fits the budget its `chosen` is `None` and its
+    `reason` names what would fit.
+
+    **Raises:** `ValueError` for an unknown `family`, an unknown name in `strategies` or
+    `remats`; when `batch` does not split over the spec's batch axes or `seq` over its
+    sequence shards (`2N` chunks under `"zigzag"`); for a multi-head latent attention
+    config with a `tensor_axis`; when a weight dimension does not split over its mesh axes
+    (as `eqx_longctx.param_pspecs`); or when a strategy in `strategies` cannot run these
+    shapes. `TypeError` when `spec` is not a `ShardingSpec`, `config` is not the family's
+    config class, or `strategies` or `remats` is not a tuple of names; `TypeError` or
+    `ValueError` for `memory_budget_bytes`, `flops_per_s` or `bytes_per_s` that is not a
+    finite number `> 0`.
     """
     from models import family as model_family
 
+    where = "plan_train_step"
     fam = model_family(family)
+    check_spec(spec, where, none_ok=False)
+    remats = check_names(remats, where, "remats", "remat policy", REMATS)
+    if strategies is not None:
+        fix = " Or leave strategies=None to plan every strategy this mesh can run."
+        strategies = check_names(strategies, where, "strategies", "strategy", STRATEGY_ORDER, fix)
+    budget = check_memory_budget(memory_budget_bytes, where)
     spec.check_batch(batch)
     n_seq = spec.context_parallel_size
     need = 2 * n_seq if spec.load_balance == "zigzag" else n_seq
@@ -189,7 +213,7 @@ def plan_train_step(
     attn = plan_attention(
         spec, batch=batch, seq=seq, q_heads=heads[0], kv_heads=heads[1], head_dim=heads[2],
         v_head_dim=heads[3], dtype=dtype, window=getattr(config, "sliding_window", None),
-        segment_ids=True, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
+        segment_ids=True, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, where=where,
     )  # fmt: skip
     if strategies is None:
         strategies = tuple(
@@ -250,7 +274,7 @@ def plan_train_step(
                     time,
                 )  # fmt: skip
             )
-    budget = None if memory_budget_bytes is None else int(memory_budget_bytes)
+    budget = None if budget is None else int(budget)
     chosen, reason = _choose(rows, budget)
     problem = dict(
         model=family, seq=seq, batch=batch, mesh=dict(spec.mesh.shape),

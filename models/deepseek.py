@@ -93,6 +93,19 @@ class DeepSeekConfig:
       are always float32, routing runs in float32.
     - `init_std`: standard deviation of the normal initialisation; output projections use
       `init_std / sqrt(2 * n_layers)`.
+
+    **Raises:** each message names the field.
+
+    - `TypeError` for a size that is not an int, a real field (`norm_eps`, `rope_theta`,
+      `init_std`, `routed_scaling_factor`, `capacity_factor`) that is not a number, a flag
+      that is not a bool, or a `rope_scaling` that is not a `YarnRopeScaling` (or `None`).
+    - `ValueError` for a size that is not positive (`n_shared_experts` and `first_k_dense`
+      may be 0), a real field that is not finite and positive, a `remat`, dtype,
+      `grouped_matmul` or `topk_method` not among the choices, `first_k_dense > n_layers`,
+      an odd `qk_rope_head_dim`, a `top_k` not in `[1, n_routed_experts]`, or group-limited
+      routing with an `n_group` that does not divide the experts, a `topk_group` not in
+      `[1, n_group]`, `top_k > topk_group` x experts per group, or (`"noaux_tc"`) groups
+      of fewer than 2 experts.
     """
 
     vocab_size: int
@@ -165,6 +178,7 @@ class DeepSeekConfig:
 
     @property
     def n_moe_layers(self) -> int:
+        """Number of MoE blocks: `n_layers - first_k_dense`."""
         return self.n_layers - self.first_k_dense
 
     @classmethod
@@ -200,6 +214,11 @@ class DeepSeekBlock(eqx.Module):
         - `moe`: build the MoE feed-forward (else the dense SwiGLU).
         - `key`: PRNG key.
         - `spec`: the sharding spec, or `None` for one device.
+
+        **Raises:** `TypeError` when `spec` is not a `ShardingSpec` (or `None`); with
+        `moe`, `ValueError` when the spec's expert axis does not divide `n_routed_experts`;
+        and as `MultiHeadLatentAttention` and `MoE` for values a `DeepSeekConfig` has
+        already checked.
         """
         c = config
         dtype = jnp.dtype(c.param_dtype)
@@ -260,6 +279,16 @@ class DeepSeekBlock(eqx.Module):
     def __call__(
         self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
     ) -> Hidden:
+        """**Arguments:**
+
+        - `x`: `[batch, seq, embed]` residual stream.
+        - `positions`: `[batch, seq]` RoPE positions.
+        - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
+
+        **Returns:** the updated residual stream, same shape and dtype.
+
+        **Raises:** as `eqx_longctx.nn.MultiHeadLatentAttention.__call__`.
+        """
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -320,6 +349,8 @@ class DeepSeek(AbstractDecoder):
         self.spec = spec
 
     def run_layers(self, x, positions, segment_ids):
+        """The dense blocks, then the MoE blocks, from embeddings to the last hidden state
+        (before the final norm)."""
         for stack in (self.dense_layers, self.moe_layers):
             if stack is not None:
                 x = stack(x, positions, segment_ids)
@@ -430,8 +461,9 @@ def from_hf(
 
     **Raises:** `ValueError`, naming the file and the key or tensor, for a missing or
     damaged checkpoint, an unsupported `model_type` or architecture, config keys or values
-    this family does not support, and missing, extra or wrong-shape tensors; `TypeError` or
-    `ValueError` for `spec`, `dtype` or overrides that are not valid.
+    this family does not support, and missing, extra or wrong-shape tensors; `TypeError`
+    when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
+    `dtype` or overrides that are not valid.
     """
     path, hf, config = _hf_config.read_model_config(
         path, "models.deepseek", _config_from_hf,
@@ -467,8 +499,11 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     - `max_shard_size`: bytes per safetensors file; `None` writes one `model.safetensors`.
 
     **Raises:** `TypeError` when `model` is not a `DeepSeek` or `path` is not a path;
-    `ValueError` when `path` exists and is not a directory, or the model holds abstract
-    shapes or parameters this process cannot address.
+    `ValueError` when `path` exists and is not a directory, the model holds abstract
+    shapes or parameters this process cannot address, or it would be written as
+    DeepSeek-V2 (`topk_method` other than `"noaux_tc"`) with `norm_topk_prob=True` or
+    `rope_interleave=False`, which that model does not support; `TypeError` or
+    `ValueError` for a `max_shard_size` that is not a positive int.
     """
     check_instance(model, "models.deepseek.to_hf's model", DeepSeek, "Build it with DeepSeek(...).")
     model = cast(DeepSeek, model)

@@ -85,6 +85,18 @@ class LlamaConfig:
     - `layer_types`: `"full_attention"` or `"sliding_attention"` per layer, as in
       transformers; `None` = every layer slides if `sliding_window` is set (Mistral), else
       none. Stored as `None` when all layers are of one kind. See `windows`.
+
+    **Raises:** each message names the field.
+
+    - `TypeError` for a size that is not an int, `norm_eps`, `rope_theta` or `init_std`
+      not a number, a flag that is not a bool, a `rope_scaling` that is not a
+      `Llama3RopeScaling` (or `None`), or `layer_types` that is not a tuple or list.
+    - `ValueError` for a size that is not positive, `norm_eps`, `rope_theta` or `init_std`
+      not finite and positive, a `remat` or dtype not among the choices, `n_heads` not a
+      multiple of `n_kv_heads`, `dim` not divisible by `n_heads` when `head_dim` is
+      derived, an odd `head_dim`, `layer_types` not one of `"full_attention"` /
+      `"sliding_attention"` per layer, sliding layers without a `sliding_window`, or a
+      `sliding_window` that no layer in `layer_types` uses.
     """
 
     vocab_size: int
@@ -268,6 +280,8 @@ class Llama(AbstractDecoder):
         self.spec = spec
 
     def run_layers(self, x, positions, segment_ids):
+        """The blocks (one stack per run of equally windowed layers), from embeddings to
+        the last hidden state (before the final norm)."""
         for stack in self.layers if isinstance(self.layers, tuple) else (self.layers,):
             x = stack(x, positions, segment_ids)
         return x
@@ -371,8 +385,9 @@ def from_hf(
 
     **Raises:** `ValueError`, naming the file and the key or tensor, for a missing or
     damaged checkpoint, an unsupported `model_type` or architecture, config keys or values
-    this family does not support, and missing, extra or wrong-shape tensors; `TypeError` or
-    `ValueError` for `spec`, `dtype` or overrides that are not valid.
+    this family does not support, and missing, extra or wrong-shape tensors; `TypeError`
+    when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
+    `dtype` or overrides that are not valid.
     """
     path, _, config = _hf_config.read_model_config(
         path, "models.llama", _config_from_hf,
@@ -407,8 +422,10 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     - `max_shard_size`: bytes per safetensors file; `None` writes one `model.safetensors`.
 
     **Raises:** `TypeError` when `model` is not a `Llama` or `path` is not a path;
-    `ValueError` when `path` exists and is not a directory, or the model holds abstract
-    shapes or parameters this process cannot address.
+    `ValueError` when `path` exists and is not a directory, the model holds abstract
+    shapes or parameters this process cannot address, or its config has no Hugging Face
+    family (both `qk_norm` and `attention_bias`, or mixed `layer_types` with neither);
+    `TypeError` or `ValueError` for a `max_shard_size` that is not a positive int.
     """
     check_instance(model, "models.llama.to_hf's model", Llama, "Build it with Llama(config, ...).")
     model = cast(Llama, model)

@@ -203,3 +203,54 @@ def test_step_config_and_spec_errors():
     config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
     with pytest.raises(ValueError, match="seq=1000 must be divisible by 16"):
         plan_train_step("llama", config, _spec({"context": 8}, (), "ring"), batch=1, seq=1000)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (
+            dict(strategies=("rnig",)),
+            ValueError,
+            r"plan_train_step: unknown strategy 'rnig' in strategies=\('rnig',\); choose from "
+            r"\('all_gather', 'ulysses', 'ring', 'usp'\)\. Or leave strategies=None",
+        ),
+        (dict(strategies=("auto",)), ValueError, r"unknown strategy 'auto'"),
+        (
+            dict(remats=("full", "fast")),
+            ValueError,
+            r"plan_train_step: unknown remat policy 'fast' in remats=\('full', 'fast'\); "
+            r"choose from \('none', 'dots', 'offload', 'full'\)",
+        ),
+        (
+            dict(strategies="ring"),
+            TypeError,
+            r"plan_train_step: strategies must be a tuple of strategy names; got 'ring' \(str\)\. "
+            r"Pass \('ring',\)",
+        ),
+        (
+            dict(spec="mesh"),
+            TypeError,
+            r"plan_train_step needs spec=a ShardingSpec; got Mesh\(.*\) \(Mesh\)\. Build one with "
+            r"ShardingSpec\(mesh\) \(the mesh goes inside the spec\)",
+        ),
+        (
+            dict(memory_budget_bytes=-1),
+            ValueError,
+            r"plan_train_step: memory_budget_bytes must be > 0; got -1\.0\. Pass the bytes each "
+            r"device may use",
+        ),
+        (dict(memory_budget_bytes=0), ValueError, r"memory_budget_bytes must be > 0; got 0\.0"),
+        (dict(memory_budget_bytes=math.inf), ValueError, r"memory_budget_bytes must be finite"),
+        (dict(memory_budget_bytes="16G"), TypeError, r"memory_budget_bytes must be a real number"),
+        (dict(flops_per_s=-1.0), ValueError, r"plan_train_step: flops_per_s must be > 0"),
+    ],
+)
+def test_step_argument_errors_name_the_rule(kwargs, error, match):
+    """Bad arguments raise before any planning, with the rule choose_strategy applies."""
+    config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
+    spec = _spec({"context": 8}, (), "ring")
+    if kwargs.get("spec") == "mesh":
+        kwargs = {**kwargs, "spec": spec.mesh}
+    args = {"spec": spec, **kwargs}
+    with pytest.raises(error, match=match):
+        plan_train_step("llama", config, args.pop("spec"), batch=1, seq=8192, **args)

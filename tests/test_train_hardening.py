@@ -343,6 +343,25 @@ def test_damaged_newest_and_refused_flags_say_both(run_copy, datasets, capsys):
     assert (run_copy / "checkpoints" / "8").is_dir()  # nothing moved when refusing
 
 
+def test_set_aside_needs_a_step_folder(tmp_path):
+    checkpointer = Checkpointer(tmp_path / "checkpoints", async_save=False)
+    with pytest.raises(ValueError, match=r"checkpoints holds no step folders, not step 3\."):
+        checkpointer.set_aside(3)
+    checkpointer.save(2, np.zeros(3, np.float32), {"count": np.int32(0)}, {})
+    checkpointer.save(4, np.ones(3, np.float32), {"count": np.int32(1)}, {})
+    with pytest.raises(
+        ValueError,
+        match=r"set_aside moves a saved step's folder; .*checkpoints holds step folders "
+        r"\[2, 4\], not step 3\. Pass one of the steps there",
+    ):
+        checkpointer.set_aside(3)
+    assert checkpointer.steps() == [2, 4]  # nothing moved
+    moved = checkpointer.set_aside(4)
+    assert moved == tmp_path / "checkpoints-unreadable" / "4" and moved.is_dir()
+    assert checkpointer.steps() == [2]
+    checkpointer.close()
+
+
 # ---- resume refuses flags that change the run ------------------------------------------------
 
 

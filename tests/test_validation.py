@@ -31,9 +31,11 @@ def _spec(strategy="ring", shape=(2, 4), names=("data", "context"), **kw):
     return ShardingSpec(make_mesh(shape, names), strategy, **kw)
 
 
+_SHAPE = dict(batch=2, seq=64, q_heads=8, kv_heads=2, head_dim=16)
+
+
 def _plan(**kw):
-    shape = dict(batch=2, seq=64, q_heads=8, kv_heads=2, head_dim=16) | kw
-    return el.explain(_spec(), **shape)
+    return el.explain(_spec(), **(_SHAPE | kw))
 
 
 def _layout(fn, x, **kw):
@@ -125,14 +127,35 @@ BAD = [
      TypeError, "to_layout needs a ShardingSpec; got NoneType"),
     ("to_layout seq", lambda: _layout(el.to_layout, np.zeros((2, 12))),
      ValueError, "seq must be divisible by 8; got seq=12"),
-    ("plan negative batch", lambda: _plan(batch=-2), ValueError, "plan: batch must be positive"),
+    ("plan negative batch", lambda: _plan(batch=-2), ValueError, "explain: batch must be positive"),
     ("plan seq 0", lambda: _plan(seq=0), ValueError, "seq must be positive; got 0"),
     ("plan float head_dim", lambda: _plan(head_dim=2.5), TypeError, "head_dim must be an int"),
     ("plan bool heads", lambda: _plan(q_heads=True), TypeError, "q_heads must be an int"),
     ("plan dtype", lambda: _plan(dtype="float64x"), TypeError, "dtype must be a NumPy/JAX"),
-    ("plan budget", lambda: _plan(memory_budget_bytes=-1), ValueError, "budget_bytes must be > 0"),
+    ("plan budget", lambda: _plan(memory_budget_bytes=-1), ValueError,
+     r"explain: memory_budget_bytes must be > 0; got -1.0. Pass the bytes each device may use"),
+    ("plan budget 0", lambda: el.choose_strategy(_spec(), Q, KV, memory_budget_bytes=0),
+     ValueError, "choose_strategy: memory_budget_bytes must be > 0; got 0.0"),
     ("plan flops nan", lambda: _plan(flops_per_s=float("nan")), ValueError, "flops_per_s"),
-    ("plan spec", lambda: el.choose_strategy(None, Q, KV), TypeError, "needs a ShardingSpec"),
+    ("plan spec", lambda: el.choose_strategy(None, Q, KV), TypeError,
+     r"choose_strategy needs spec=a ShardingSpec; got None \(NoneType\)\. Build one with"),
+    ("plan spec str", lambda: el.explain("ring", **_SHAPE), TypeError,
+     r"explain needs spec=a ShardingSpec; got 'ring' \(str\)\. Build one with "
+     r"ShardingSpec\(mesh, strategy='ring'\)"),
+    ("plan rank 3 q", lambda: el.choose_strategy(_spec(), Q[0], KV[0]), ValueError,
+     r"choose_strategy needs q, k of rank 4 laid out \[batch, seq, heads, head_dim\]; got "
+     r"q\(8, 4, 4\), k\(8, 2, 4\)\. Add a batch axis"),
+    ("plan rank 3 v", lambda: el.choose_strategy(_spec(), Q, KV, KV[0]), ValueError,
+     r"needs q, k, v of rank 4 .* got q\(2, 8, 4, 4\), k\(2, 8, 2, 4\), v\(8, 2, 4\)"),
+    ("plan unknown keyword", lambda: _plan(heads=8), TypeError,
+     r"explain got unknown keyword argument\(s\) 'heads'; it takes batch, seq, q_heads,"),
+    ("plan missing shape", lambda: el.explain(_spec(), batch=2, seq=64), TypeError,
+     r"explain needs the keyword argument\(s\) q_heads, kv_heads, head_dim: the global shapes"),
+    ("plan shape keyword", lambda: el.choose_strategy(_spec(), Q, KV, batch=2), TypeError,
+     r"choose_strategy got unknown keyword argument\(s\) 'batch'; it takes causal, window, .*"
+     r"\(the shapes and dtype come from q, k, v\)"),
+    ("plan list q", lambda: el.choose_strategy(_spec(), Q.tolist(), KV), TypeError,
+     r"choose_strategy needs q, k, v as arrays or jax.ShapeDtypeStructs .* got q of type list"),
 ]  # fmt: skip
 
 

@@ -3,12 +3,13 @@
 The cost model is `_cost.py`; the table `Plan.explain()` prints is `_explain.py`.
 """
 
+import inspect
 from typing import Any, no_type_check
 
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_bool, check_int, check_real
+from .._checks import check_bool, check_int, check_memory_budget, check_real, check_spec
 from .._sharding import ShardingSpec
 from ._cost import (
     DEFAULT_BYTES_PER_S,
@@ -20,7 +21,7 @@ from ._cost import (
 )
 from ._explain import Plan, gib, sec
 from ._tiling_policy import block_size, tile_bytes, token_positions
-from ._validate import check_options
+from ._validate import check_layout, check_options
 
 # Budget for one attention call's activations: this fraction of device memory when the
 # device reports it, else the constant (a quarter of a 16 GiB chip). The rest holds weights,
@@ -51,6 +52,7 @@ def plan(
     memory_budget_bytes: int | float | None = None,
     flops_per_s: int | float = DEFAULT_FLOPS_PER_S,
     bytes_per_s: int | float = DEFAULT_BYTES_PER_S,
+    where: str = "plan",
 ) -> Plan:
     """Predict every strategy's memory, communication, balance and time; choose one.
 
@@ -67,12 +69,14 @@ def plan(
     - `memory_budget_bytes`: per-device budget for one call; default `MEMORY_FRACTION` of
       the device's memory when it reports it, else `DEFAULT_MEMORY_BUDGET`.
     - `flops_per_s`, `bytes_per_s`: roofline constants of the target device.
+    - `where`: the name error messages give: the public function the caller called
+      (`choose_strategy`, `explain`, `plan_train_step`).
 
     **Returns:** a `Plan`; `print(plan(...).explain())` shows the table.
+
+    **Raises:** `TypeError` and `ValueError` as `choose_strategy`.
     """
-    where = "plan"
-    if not isinstance(spec, ShardingSpec):
-        raise TypeError(f"{where} needs a ShardingSpec; got {type(spec).__name__}.")
+    check_spec(spec, where, none_ok=False)
     shape = dict(batch=batch, seq=seq, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
     for name, value in shape.items():
         check_int(value, f"{where}: {name}")
@@ -81,8 +85,7 @@ def plan(
     for name, value in (("segment_ids", segment_ids), ("backward", backward)):
         check_bool(value, f"{where}: {name}")
     window = check_options(where, None, causal, None, window)
-    if memory_budget_bytes is not None:
-        check_real(memory_budget_bytes, f"{where}: memory_budget_bytes", positive=True)
+    check_memory_budget(memory_budget_bytes, where)
     check_real(flops_per_s, f"{where}: flops_per_s", positive=True)
     check_real(bytes_per_s, f"{where}: bytes_per_s", positive=True)
     try:
@@ -128,20 +131,107 @@ def plan(
     return Plan(strategy=chosen, reason=reason, costs=costs, problem=problem)
 
 
+_SHAPES = ("batch", "seq", "q_heads", "kv_heads", "head_dim")  # required by plan and explain
+_KEYWORDS = tuple(
+    name
+    for name, p in inspect.signature(plan).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name != "where"
+)
+_OPTIONS = tuple(k for k in _KEYWORDS if k not in (*_SHAPES, "v_head_dim", "dtype"))
+
+
+def _check_keywords(
+    where: str, given: dict, allowed: tuple, required: tuple = (), note: str = ""
+) -> None:
+    """Raise `TypeError` naming `where` (not `plan`) for an unknown or missing keyword."""
+    unknown = [k for k in given if k not in allowed]
+    if unknown:
+        raise TypeError(
+            f"{where} got unknown keyword argument(s) {', '.join(map(repr, unknown))}; it "
+            f"takes {', '.join(allowed)}{note}."
+        )
+    missing = [k for k in required if k not in given]
+    if missing:
+        raise TypeError(
+            f"{where} needs the keyword argument(s) {', '.join(missing)}: the global shapes "
+            f"{', '.join(required)} of one attention call are required; got "
+            f"{', '.join(given) or 'none'}."
+        )
+
+
 @no_type_check  # validated eagerly, with errors that say what to fix
 def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs) -> Plan:
-    """`plan` for arrays (or `jax.ShapeDtypeStruct`s) `q`, `k`, `v` of global shape
-    `[batch, seq, heads, head_dim]`; `v` defaults to `k`'s shape. Keywords go to `plan`."""
+    """Predict every context-parallel strategy's cost for one attention call, and choose.
+
+    The choice is what `strategy="auto"` runs: the simplest strategy (fewest collectives)
+    within `TIE_FRACTION` (5%) of the fastest among those that fit the memory budget. A spec
+    with another strategy keeps it; the plan still prices the alternatives.
+
+    **Arguments:**
+
+    - `spec`: the `ShardingSpec` (mesh sizes, token layout, strategy).
+    - `q`, `k`, `v`: arrays or `jax.ShapeDtypeStruct`s of global shape
+      `[batch, seq, heads, head_dim]`; only their shapes and `q`'s dtype are read. `v`
+      defaults to `k`'s shape.
+    - `causal`: causal masking (default `True`).
+    - `window`: a sliding window in tokens (needs `causal`), or `None`: work counts only the
+      block pairs within it, and the ring only the hops it reaches.
+    - `segment_ids`: whether the call passes segment ids (they add int32 traffic; default
+      `False`).
+    - `backward`: choose by forward + backward cost (training; the default) rather than
+      forward alone.
+    - `memory_budget_bytes`: per-device budget for the call; default `MEMORY_FRACTION` (a
+      quarter) of the device's memory when it reports it, else `DEFAULT_MEMORY_BUDGET`
+      (4 GiB).
+    - `flops_per_s`, `bytes_per_s`: roofline constants of the target device.
+
+    **Returns:** a `Plan`; `print(plan.explain())` shows the table.
+
+    **Raises:** `TypeError` for a keyword other than those above, when `spec` is not a
+    `ShardingSpec`, `q`, `k` or `v` has no `shape` and `dtype`, `causal`, `segment_ids` or
+    `backward` is not a bool, `window` not an int, or a budget or roofline constant not a
+    real number; `ValueError` when `q`, `k`
+    or `v` is not of rank 4, a dimension is not positive, `window < 1` or is set without
+    `causal`, or a budget or roofline constant is not finite and `> 0`.
+    """
+    where = "choose_strategy"
+    _check_keywords(where, kwargs, _OPTIONS, note=" (the shapes and dtype come from q, k, v)")
+    arrays = {"q": q, "k": k} | ({} if v is None else {"v": v})
+    for name, x in arrays.items():
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(
+                f"{where} needs q, k, v as arrays or jax.ShapeDtypeStructs (it reads their "
+                f"shapes and q's dtype); got {name} of type {type(x).__name__}. Pass "
+                f"jnp.asarray({name}), or jax.ShapeDtypeStruct(shape, dtype) to allocate nothing."
+            )
+    check_layout(where, **arrays)
     b, s, hq, d = q.shape
     dv = d if v is None else v.shape[-1]
     shape = dict(batch=b, seq=s, q_heads=hq, kv_heads=k.shape[2], head_dim=d, v_head_dim=dv)
-    return plan(spec, dtype=q.dtype, **shape, **kwargs)
+    return plan(spec, dtype=q.dtype, **shape, **kwargs, where=where)
 
 
 @no_type_check  # validated eagerly, with errors that say what to fix
 def explain(spec: ShardingSpec, **shape) -> str:
-    """`plan(spec, **shape).explain()`: the cost table and the choice, as a string."""
-    return plan(spec, **shape).explain()
+    """The cost table of every strategy and the choice, as text (`Plan.explain()`).
+
+    **Arguments:**
+
+    - `spec`: the `ShardingSpec`.
+    - `batch`, `seq`, `q_heads`, `kv_heads`, `head_dim` (keywords, required),
+      `v_head_dim` (default `head_dim`): the global shapes of one attention call.
+    - `dtype`: of q, k, v (a NumPy/JAX dtype or its name; default float32).
+    - `causal`, `window`, `segment_ids`, `backward`, `memory_budget_bytes`,
+      `flops_per_s`, `bytes_per_s`: as for `choose_strategy`.
+
+    **Returns:** the table, one line per strategy, then the choice and its reason.
+
+    **Raises:** `TypeError` for a missing shape or an unknown keyword, a shape that is not
+    an int, a `dtype` that is not a dtype, and as `choose_strategy`; `ValueError` as
+    `choose_strategy`.
+    """
+    _check_keywords("explain", shape, _KEYWORDS, required=_SHAPES)
+    return plan(spec, **shape, where="explain").explain()
 
 
 def _default_budget(spec: ShardingSpec) -> int:

@@ -4,7 +4,17 @@ from typing import NamedTuple
 
 
 class Plan(NamedTuple):
-    """What `plan` predicts for every strategy, and the one it picks."""
+    """What the planner (`choose_strategy`, `explain`) predicts for every strategy, and
+    the one it picks.
+
+    - `strategy`: the choice: the spec's own strategy, or under `"auto"` the planner's.
+    - `reason`: why, in one sentence.
+    - `costs`: strategy -> its predicted cost, in `STRATEGY_ORDER`: whether the shapes
+      divide as it needs (`feasible`, `runnable`, `reason`), per-device memory
+      (`memory_forward`, `memory_train`) and communication (`comm_forward`, `comm_train`)
+      in bytes, load `balance`, and `compute_s`, `exposed_s`, `time_s` in seconds.
+    - `problem`: the shapes, mesh sizes and constants the prediction used.
+    """
 
     strategy: str
     reason: str
@@ -12,7 +22,8 @@ class Plan(NamedTuple):
     problem: dict  # the shapes, mesh sizes and constants the prediction used
 
     def explain(self) -> str:
-        """A table of every strategy's predicted cost, then the choice and its reason."""
+        """**Returns:** a table of every strategy's predicted cost, then the choice and its
+        reason, as text."""
         return table(self)
 
 

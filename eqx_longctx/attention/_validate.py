@@ -73,14 +73,22 @@ def check_options(where: str, spec, causal, scale, window=None) -> int | None:
     return window
 
 
+def check_layout(where: str, **arrays) -> None:
+    """Raise `ValueError` unless every one of `arrays` (by name) is of rank 4, laid out
+    `[batch, seq, heads, head_dim]`."""
+    if all(len(x.shape) == 4 for x in arrays.values()):
+        return
+    got = ", ".join(f"{name}{tuple(x.shape)}" for name, x in arrays.items())
+    raise ValueError(
+        f"{where} needs {', '.join(arrays)} of rank 4 laid out [batch, seq, heads, head_dim]; "
+        f"got {got}. Add a batch axis (x[None]) or split heads "
+        "(einops.rearrange(x, 'b s (h d) -> b s h d', h=...))."
+    )
+
+
 def check_attention_inputs(q, k, v, segment_ids, *, self_attention: bool = True) -> None:
     """Raise `ValueError` naming the rule, the values and the fix for malformed inputs."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            "attention needs q, k, v of rank 4 laid out [batch, seq, heads, head_dim]; got "
-            f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}. Add a batch axis "
-            "(x[None]) or split heads (einops.rearrange(x, 'b s (h d) -> b s h d', h=...))."
-        )
+    check_layout("attention", q=q, k=k, v=v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if 0 in x.shape:
             dims = ("batch", "seq", "heads", "head_dim")

@@ -74,6 +74,12 @@ def load_corpus(
     **Returns:**
 
     The documents as strings; blank documents are dropped.
+
+    **Raises:** `ValueError` when `max_bytes < 1`, `path` does not exist, or no non-blank
+    UTF-8 text is found; for `"hf:..."` also when the source has an empty name or split, the
+    `datasets` package is not installed, a saved `DatasetDict` lacks the split, the Hub
+    dataset cannot be loaded, or the rows have no `"text"` column and not exactly one string
+    column.
     """
     if max_bytes <= 0:
         raise ValueError(
@@ -138,6 +144,9 @@ def split_documents(
     **Returns:**
 
     `(train_docs, val_docs)`, disjoint, together `docs`.
+
+    **Raises:** `ValueError` unless `0 < val_fraction < 1` and `docs` holds at least 2
+    documents.
     """
     if not 0 < val_fraction < 1:
         raise ValueError(
@@ -184,6 +193,8 @@ def load_datasets(
     **Returns:**
 
     `(train, val)` `PackedDataset`s.
+
+    **Raises:** `ValueError` when `seq_len < 2`, and as `load_corpus` and `split_documents`.
     """
     _check_seq_len(seq_len)
     docs = load_corpus(path, max_bytes=max_bytes, suffixes=suffixes, separator=separator)

@@ -21,6 +21,9 @@ def place_batch(batch: Batch, spec: ShardingSpec | None) -> Batch:
     - `spec`: the `ShardingSpec`, or `None`.
 
     **Returns:** a `Batch` of global `jax.Array`s sharded `P(batch_axis, sequence axes)`.
+
+    **Raises:** `ValueError` (with a spec) when a field has fewer than 2 axes or `seq` does
+    not split evenly under the spec's layout (see `eqx_longctx.to_layout`).
     """
     if spec is None:
         return Batch(*(jax.device_put(np.asarray(x)) for x in batch))

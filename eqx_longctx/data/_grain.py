@@ -95,6 +95,12 @@ def process_slice(
       each process of such a run would feed (its devices: equal groups in id order).
 
     **Returns:** a [`ProcessSlice`][].
+
+    **Raises:** `ValueError` when only one of `process_index` and `process_count` is given,
+    `process_index` is not in `[0, process_count)`, `spec=None` with more than one process,
+    `batch` does not split over the spec's batch axes or `seq` over its layout, a simulated
+    `process_count` is not the real one in a multi-process run or does not divide the
+    mesh's device count, or the process holds none of the mesh's devices.
     """
     batch, seq = global_shape
     real_index, real_count = jax.process_index(), jax.process_count()
@@ -194,18 +200,26 @@ class _Feed:
         self.dataset = _LocalBatches(rows, order, batch_size, self.part, num_steps)
 
     def _check_step(self, step: int | np.integer, what: str, stop: int | None = None) -> None:
+        """**Raises:** `ValueError` unless `step` is an int `>= 0` (and `< stop` if given)."""
         if not isinstance(step, int | np.integer) or step < 0 or (stop and step >= stop):
             bound = f"0 <= {what} < {stop}" if stop else f"{what} >= 0"
             raise ValueError(f"{bound} needed; got {what}={step}. Count {what}s from 0.")
 
     def local(self, step: int | np.integer) -> Batch:
         """This process's block of batch `step`: host arrays `[len(rows), len(slots)]` (see
-        `part`), in the layout; what it hands to `jax.make_array_from_process_local_data`."""
+        `part`), in the layout; what it hands to `jax.make_array_from_process_local_data`.
+
+        **Raises:** `ValueError` when `step` is not an int `>= 0`.
+        """
         self._check_step(step, "step")
         return self.dataset.block(int(step))
 
     def place(self, local: Batch) -> Batch:
-        """Global `jax.Array`s from this process's block (every process calls it)."""
+        """Global `jax.Array`s from this process's block (every process calls it).
+
+        **Raises:** `ValueError` when the feed simulates another process (built with a
+        `process_index` / `process_count` other than this run's).
+        """
         part = self.part
         if not part.is_this_process:
             raise ValueError(
@@ -246,6 +260,12 @@ class GrainBatches(_Feed):
       `jax.process_count()`; a single-process run may pass others to compute what such a
       process would feed (`local`, `part`), not to place it.
     - `prefetch`: batches Grain prepares ahead on a thread (0: none).
+
+    **Raises:** `ValueError` when `batch_size < 1`, `prefetch < 0`, `dataset` is not a
+    `PackedDataset` or `PackDocuments`, and as `process_slice` (e.g. a `batch_size` that
+    does not split over the spec's batch axes). `local(step)` and `get(step)` raise
+    `ValueError` for a step that is not an int `>= 0`; `get` and iteration also for a feed
+    that simulates another process.
     """
 
     def __init__(
@@ -274,7 +294,11 @@ class GrainBatches(_Feed):
         self._iterator: Any = None
 
     def get(self, step: int | np.integer) -> Batch:
-        """The global batch of `step` (random access; the iterator does not move)."""
+        """The global batch of `step` (random access; the iterator does not move).
+
+        **Raises:** `ValueError` when `step` is not an int `>= 0` or the feed simulates
+        another process.
+        """
         return self.place(self.local(step))
 
     def _iter(self):
@@ -305,7 +329,11 @@ class GrainBatches(_Feed):
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue from a `get_state()` (of any process count): the next batch is the one
-        of the step it recorded."""
+        of the step it recorded.
+
+        **Raises:** `ValueError` when `state` is not a dict holding a `"grain"` dict, or was
+        recorded with another seed, batch size or number of rows.
+        """
         if not isinstance(state, dict) or not isinstance(state.get("grain"), dict):
             raise ValueError(
                 f"set_state needs a dict from GrainBatches.get_state(); got {state!r}. Pass "
@@ -336,6 +364,10 @@ class GrainEvalBatches(_Feed):
     **Arguments:** `dataset`, `batch_size`, `spec`, `process_index`, `process_count` as
     for [`GrainBatches`][].
 
+    **Raises:** as `GrainBatches` for these arguments. `local(i)`, `get(i)` raise
+    `ValueError` unless `0 <= i < len(...)`, and `get` for a feed that simulates another
+    process.
+
     Use `len(...)`, `get(i)` (random access, e.g. an evenly spaced subset), iteration, or
     `eval_batches(batch_size)` (so it can stand in for the dataset in `evaluate` with
     `put=None`); `num_rows` is the split's row count.
@@ -362,18 +394,31 @@ class GrainEvalBatches(_Feed):
         return self.num_batches
 
     def local(self, step: int | np.integer) -> Batch:
+        """This process's block of evaluation batch `step`: host arrays
+        `[len(rows), len(slots)]` (see `part`), in the layout.
+
+        **Raises:** `ValueError` unless `step` is an int with `0 <= step < len(self)`.
+        """
         self._check_step(step, "batch", self.num_batches)
         return self.dataset.block(int(step))
 
     def get(self, i: int | np.integer) -> Batch:
-        """Evaluation batch `i` as global `jax.Array`s."""
+        """Evaluation batch `i` as global `jax.Array`s.
+
+        **Raises:** `ValueError` unless `0 <= i < len(self)`, or when the feed simulates
+        another process.
+        """
         return self.place(self.local(i))
 
     def __iter__(self) -> Iterator[Batch]:
         return (self.get(i) for i in range(self.num_batches))
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
-        """Every batch, placed (the `PackedDataset.eval_batches` interface)."""
+        """Every batch, placed (the `PackedDataset.eval_batches` interface).
+
+        **Raises:** `ValueError` when `batch_size` differs from the one these batches were
+        built with.
+        """
         if batch_size != self.batch_size:
             raise ValueError(
                 f"these evaluation batches hold {self.batch_size} rows; got "

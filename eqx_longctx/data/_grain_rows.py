@@ -61,6 +61,9 @@ class PackDocuments(_Rows):
     - `docs`: a Grain `MapDataset` of documents (`str` or `bytes`), or a sequence of them.
     - `seq_len`: tokens per row, at least 2.
     - `tokenizer`: default `ByteTokenizer()`.
+
+    **Raises:** `ValueError` when `seq_len < 2`, `docs` is empty, or a document is `None`
+    (as a Grain filter leaves a dropped one).
     """
 
     def __init__(
@@ -103,6 +106,8 @@ class PackDocuments(_Rows):
         return self._plan.num_rows
 
     def row(self, index: int) -> Batch:
+        """Row `index` (modulo the number of rows, as Grain's `MapDataset`s wrap), as a
+        `Batch` of 1-D arrays `[seq_len]`."""
         row = index % len(self)  # past the end wraps, as Grain's MapDatasets do
         rows = _fill(self._plan, range(row, row + 1), self._stream, self.tokenizer)
         return _squeeze(_with_targets(*rows, self.pad_id))

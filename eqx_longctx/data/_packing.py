@@ -156,6 +156,8 @@ def pack_documents(
     **Returns:**
 
     A `Batch` of numpy arrays of shape `[num_rows, seq_len]` holding every row.
+
+    **Raises:** `ValueError` when `seq_len < 2` or `docs` is empty.
     """
     _check_seq_len(seq_len)
     encoded, tokenizer = _encode_all(docs, tokenizer)
@@ -188,7 +190,10 @@ class PackedDataset:
         *,
         seed: int = 0,
     ) -> "PackedDataset":
-        """Tokenize and pack `docs` (see `pack_documents`); `seed` fixes the row order."""
+        """Tokenize and pack `docs` (see `pack_documents`); `seed` fixes the row order.
+
+        **Raises:** `ValueError` when `seq_len < 2` or `docs` is empty.
+        """
         _check_seq_len(seq_len)
         encoded, tokenizer = _encode_all(docs, tokenizer)
         rows = _pack(encoded, seq_len, tokenizer)
@@ -243,6 +248,8 @@ class PackedDataset:
         **Returns:**
 
         A `Batch` of numpy arrays of shape `[batch_size, seq_len]`.
+
+        **Raises:** `ValueError` when `step < 0` or `batch_size < 1`.
         """
         _check_batch_size(batch_size)
         if step < 0:
@@ -266,6 +273,8 @@ class PackedDataset:
 
         An iterator of `ceil(num_rows / batch_size)` `Batch`es of shape
         `[batch_size, seq_len]`.
+
+        **Raises:** `ValueError` when `batch_size < 1` (at the call, not at the first `next`).
         """
         _check_batch_size(batch_size)  # now, not at the first next()
         starts = range(0, self.num_rows, batch_size)

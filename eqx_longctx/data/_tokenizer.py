@@ -59,6 +59,8 @@ class ByteTokenizer:
 
         The string; bytes that are not valid UTF-8 (a model's sample, a cut character)
         become U+FFFD.
+
+        **Raises:** `ValueError` when `ids` is not 1-D.
         """
         ids = np.asarray(ids)
         if ids.ndim != 1:

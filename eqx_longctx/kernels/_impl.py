@@ -89,6 +89,21 @@ class PallasBlockImpl(AbstractBlockImpl):
         return PallasBlockImpl(block_q, block_k, interpret)
 
     def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
+        """The query side in the kernels' heads-major layout, with the kernel configuration.
+
+        **Arguments:**
+
+        - `q`: `[batch, seq, heads, head_dim]` queries; `positions`, `segment_ids` (or
+          `None`): their `[batch, seq]` ids.
+        - `kv_like`: a key block (its shape sizes the key blocks).
+        - `options`: the mask and scale.
+
+        **Returns:** the tiled queries that [`attend`][] and [`attend_backward`][] take.
+
+        **Raises:** `ValueError` when `q` is not float32 or bfloat16, `block_q` or `block_k`
+        is not a positive multiple of 128, or `options.window` is not a positive int or is
+        set without `options.causal`.
+        """
         if jnp.dtype(q.dtype) not in _DTYPES:
             raise ValueError(
                 f"impl='pallas' runs float32 or bfloat16 inputs; got {q.dtype}. Cast q, k, v "
@@ -102,6 +117,9 @@ class PallasBlockImpl(AbstractBlockImpl):
         return _Queries(_swap(q), positions, segment_ids, cfg)
 
     def attend(self, qt: _Queries, k, v, kv_positions, kv_segment_ids):
+        """**Returns:** `(out, lse)` of the queries `qt` against this K/V block
+        (`[batch, kv_seq, kv_heads, dim]`), heads-major; `lse` float32, `-inf` for rows that
+        see no key of the block."""
         return flash_forward_heads_major(
             qt.cfg, qt.qh, _swap(k), _swap(v), qt.positions, kv_positions, qt.segment_ids,
             kv_segment_ids,
@@ -110,6 +128,9 @@ class PallasBlockImpl(AbstractBlockImpl):
     def attend_backward(
         self, qt: _Queries, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq
     ):
+        """**Returns:** `(dq, dk, dv)`: the query-gradient accumulator `dq` plus this
+        block's part, and this block's float32 dK, dV (`[batch, kv_seq, kv_heads, dim]`),
+        given the row's global `lse` and `delta = rowsum(dout * out) - dlse`."""
         dq_j, dk, dv = flash_backward_heads_major(
             qt.cfg, qt.qh, _swap(k), _swap(v), qt.positions, kv_positions, qt.segment_ids,
             kv_segment_ids, dout, lse, delta,

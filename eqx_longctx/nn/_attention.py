@@ -144,10 +144,12 @@ class SelfAttention(eqx.Module):
 
     @property
     def qkv_bias(self) -> bool:
+        """Whether the q/k/v projections have biases."""
         return self.bq is not None
 
     @property
     def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalised before RoPE."""
         return self.q_norm is not None
 
     def __call__(
@@ -160,6 +162,10 @@ class SelfAttention(eqx.Module):
         - `segment_ids`: `[batch, seq]` packed-document ids, or `None` (one document).
 
         **Returns:** `[batch, seq, embed]` in the dtype of `x`.
+
+        **Raises:** as `eqx_longctx.attention`: `ValueError` when the batch, sequence or
+        heads do not split over the spec's mesh, or `segment_ids` is not `[batch, seq]`
+        integers.
         """
         dtype = x.dtype
         q = jnp.einsum("bse,ehd->bshd", x, self.wq.astype(dtype))

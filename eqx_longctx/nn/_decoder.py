@@ -56,15 +56,22 @@ class AbstractDecoder(eqx.Module):
         return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(self))
 
     def check_tokens(self, tokens: Int[Array | np.ndarray, "..."]) -> None:
-        """Raise `ValueError` if a concrete token id lies outside `[0, vocab_size)`.
+        """Check that every token id lies in `[0, vocab_size)`.
 
         Needs concrete values (call it outside `jit`); `__call__` runs it automatically
         whenever its tokens are concrete.
+
+        **Raises:** `ValueError` for an id out of range, or for a tracer.
         """
         check_token_ids(tokens, self.config.vocab_size, self._config_name)
 
     def embed_tokens(self, tokens: Tokens) -> Hidden:
-        """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype."""
+        """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype (ids
+        are not checked here: see `check_tokens`).
+
+        **Raises:** with fsdp axes, `ValueError` as `eqx_longctx.param_pspecs` when the
+        embedding does not split over the spec's mesh.
+        """
         embed = self._gathered("embed")
         return jnp.take(embed, tokens, axis=0).astype(self.config.compute_dtype)
 

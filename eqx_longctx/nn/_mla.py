@@ -367,10 +367,12 @@ class MultiHeadLatentAttention(eqx.Module):
 
     @property
     def qk_head_dim(self) -> int:
+        """Width of each query/key head: `qk_nope_head_dim + qk_rope_head_dim`."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def q_lora_rank(self) -> int | None:
+        """Width of the query latent, or `None` for a direct query projection."""
         return None if self.wq_a is None else self.wq_a.shape[-1]
 
     def queries(
@@ -442,6 +444,10 @@ class MultiHeadLatentAttention(eqx.Module):
         - `segment_ids`: `[batch, seq]` packed-document ids, or `None` (one document).
 
         **Returns:** `[batch, seq, embed]` in the dtype of `x`.
+
+        **Raises:** as `eqx_longctx.latent_attention`: `ValueError` when the spec has a
+        `tensor_axis`, the batch, sequence or heads do not split over its mesh, or
+        `segment_ids` is not `[batch, seq]` integers.
         """
         # Context-parallel strategies move the latent (kv_lora_rank + qk_rope_head_dim per
         # token), not per-head K/V; each device up-projects the tokens it holds.

@@ -235,6 +235,7 @@ class MoE(eqx.Module):
 
     @property
     def n_experts(self) -> int:
+        """Number of routed experts."""
         return self.router.shape[-1]
 
     def route(

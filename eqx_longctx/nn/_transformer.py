@@ -111,6 +111,8 @@ class DecoderBlock(eqx.Module):
         - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
 
         **Returns:** the updated residual stream, same shape and dtype.
+
+        **Raises:** as [`SelfAttention.__call__`][eqx_longctx.nn.SelfAttention.__call__].
         """
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         return x + self.mlp(self.mlp_norm(x))
@@ -200,6 +202,10 @@ class LayerStack(eqx.Module):
         - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
 
         **Returns:** the residual stream after all layers, same shape and dtype.
+
+        **Raises:** as each layer's `__call__` (e.g. `SelfAttention`'s, for a batch or
+        sequence the spec's mesh does not split); with fsdp axes, `ValueError` as
+        `eqx_longctx.param_pspecs` for a weight that does not split over the mesh.
         """
         params, static = eqx.partition(self.layers, eqx.is_array)
 

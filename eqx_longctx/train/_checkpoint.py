@@ -47,7 +47,10 @@ def check_checkpoint_dir(directory: str | pathlib.Path) -> pathlib.Path:
 
     - `directory`: the checkpoint directory.
 
-    **Returns:** the directory as a `pathlib.Path`; raises `ValueError` otherwise.
+    **Returns:** the directory as an absolute `pathlib.Path`.
+
+    **Raises:** `ValueError` when `directory` is a file, or a folder that holds anything but
+    orbax step folders (`<step>/`) and orbax's half-written ones.
     """
     path = pathlib.Path(directory).absolute()
     if path.exists() and not path.is_dir():
@@ -95,6 +98,8 @@ class Checkpointer:
     - `max_to_keep`: how many of the newest checkpoints to keep.
     - `async_save`: write in a background thread (the host copy is taken before `save`
       returns, so training may continue at once).
+
+    **Raises:** `ValueError` when `max_to_keep < 1`, and as [`check_checkpoint_dir`][].
     """
 
     def __init__(
@@ -146,7 +151,10 @@ class Checkpointer:
         )
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
-        """**Returns:** the JSON record of `step` (default: the newest)."""
+        """**Returns:** the JSON record of `step` (default: the newest).
+
+        **Raises:** `ValueError` when no checkpoint is saved, or `step` is not a saved one.
+        """
         step = self._require_step(step)
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(restored["meta"])
@@ -166,6 +174,8 @@ class Checkpointer:
         - `step`: which checkpoint (default: the newest).
 
         **Returns:** `(model, opt_state, meta)`.
+
+        **Raises:** `ValueError` when no checkpoint is saved, or `step` is not a saved one.
         """
         step = self._require_step(step)
         params, static = eqx.partition(model, _is_array_or_shape)
@@ -194,8 +204,12 @@ class Checkpointer:
         - `check`: called as `check(meta, where)` on each readable record before its arrays
           are read; its `ValueError` (e.g. another model config) ends the search.
 
-        **Returns:** a [`Restored`][]; raises `ValueError` naming every step and why it could
-        not be read when none can.
+        **Returns:** a [`Restored`][].
+
+        **Raises:** `ValueError` when no checkpoint is saved; when none can be read (naming
+        every step and why); when `check` raises `ValueError` (raised again, with the newer
+        unreadable steps appended); and in a multi-process run when a process does not
+        report whether it could read a checkpoint within the timeout.
         """
         self._require_step(None)
         failures: list[tuple[int, str]] = []
@@ -243,12 +257,26 @@ class Checkpointer:
 
         **Arguments:**
 
-        - `step`: a saved step.
+        - `step`: a saved step (its folder `<directory>/<step>` exists, readable or not).
 
         **Returns:** where it went: `<directory>-unreadable/<step>` (a suffix `-1`, `-2`, ...
         if that exists).
+
+        **Raises:** `ValueError` when `<directory>/<step>` is not a folder (naming the step
+        folders that are there).
         """
         self.wait()
+        source = self.directory / str(step)
+        if not source.is_dir():
+            held = []
+            if self.directory.is_dir():
+                held = sorted(int(p.name) for p in self.directory.iterdir() if _is_step_dir(p))
+            has = f"step folders {held}" if held else "no step folders"
+            raise ValueError(
+                f"set_aside moves a saved step's folder; {self.directory} holds {has}, not "
+                f"step {step}. Pass one of the steps there (Checkpointer.steps() lists the "
+                "readable ones)."
+            )
         sync("checkpoint set aside")  # nobody still reads it
         target = self.directory.with_name(self.directory.name + "-unreadable") / str(step)
         n = 0
@@ -257,7 +285,7 @@ class Checkpointer:
             target = target.with_name(f"{step}-{n}")
         if is_primary():
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(self.directory / str(step), target)
+            shutil.move(source, target)
         sync("checkpoint moved")
         self._manager.reload()
         return target

@@ -25,6 +25,9 @@ def mesh_shape(mesh: str | None, devices: int) -> dict[str, int]:
     - `devices`: the device count (`--devices`).
 
     **Returns:** the axis sizes (see [`parse_mesh`][]).
+
+    **Raises:** `ValueError` when the axis sizes do not multiply to `devices`; `TypeError`
+    and `ValueError` as [`parse_mesh`][].
     """
     shape = parse_mesh(mesh or default_mesh(devices))
     total = math.prod(shape.values())
@@ -70,6 +73,9 @@ class TrainConfig:
     Every field is checked on construction by [`check_train_config`][] (types, ranges,
     choices, the mesh), before any data is read or anything traced; `Trainer` then checks
     the mesh against the batch, sequence and heads with [`Placement.check_run`][].
+
+    **Raises:** `TypeError` and `ValueError` as [`check_train_config`][]; `ValueError` also
+    when `resume` is set without a `run_dir` and no run under `runs/` has checkpoints.
 
     **Arguments:**
 
@@ -199,15 +205,29 @@ def _is_int(x: Any) -> bool:
 def check_train_config(config: "TrainConfig") -> None:
     """Check every field of `config` before anything runs: types, ranges, choices, the mesh.
 
-    Raises `TypeError` for a value of the wrong type and `ValueError` for one out of range,
-    each naming the flag, the value and the fix. Each rule has one home: the optimizer's
-    ranges are `check_optimizer_settings`'s (which `make_optimizer` runs too), the mesh
-    syntax is [`parse_mesh`][]'s, and batch, sequence-length and head divisibility by the
-    mesh are the `ShardingSpec`'s, run by `Placement.check_run`.
+    Each rule has one home: the optimizer's ranges are `check_optimizer_settings`'s (which
+    `make_optimizer` runs too), the mesh syntax is [`parse_mesh`][]'s, and batch,
+    sequence-length and head divisibility by the mesh are the `ShardingSpec`'s, run by
+    `Placement.check_run`.
 
     **Arguments:**
 
     - `config`: the settings to check.
+
+    **Raises:** each error names the flag, the value and the fix.
+
+    - `TypeError` for a field of the wrong type: an integer field that is not an int (a
+      bool is not one), `lr`, `weight_decay`, `clip_norm` or `val_fraction` not a number, a
+      string or bool field that is not one, or `model_overrides` not a mapping with string
+      keys.
+    - `ValueError` for an integer below its minimum (`seq_len`, `batch_size`, the strides,
+      `keep_checkpoints`, `devices`, `max_bytes`, the evaluation sizes: 1; `seed`: 0), a
+      `seed >= 2**32`, `val_fraction` not strictly between 0 and 1, a `model`, `strategy`,
+      `load_balance`, `on_nonfinite` or `remat` not among the choices, an optimizer setting
+      out of range (`lr` finite and > 0, `steps >= 1`, `warmup_steps >= 0`,
+      `weight_decay` finite and >= 0, `clip_norm` finite and > 0), `warmup_steps >= steps`,
+      a `mesh` or `fsdp_axes` rejected by [`mesh_shape`][] or [`fsdp_axes_of`][], or both
+      `resume` and `overwrite`.
     """
     from eqx_longctx._sharding import LOAD_BALANCES, STRATEGIES
     from eqx_longctx.nn import REMAT_POLICIES
@@ -318,6 +338,11 @@ def build_model_config(config: TrainConfig, vocab_size: int):
     - `vocab_size`: the tokenizer's vocabulary size.
 
     **Returns:** an instance of `models.family(config.model).config` (e.g. `LlamaConfig`).
+
+    **Raises:** `ValueError` for a `preset` the family does not have, an override that is
+    not a field of its config or whose text does not parse as the preset's value for that
+    field; `TypeError` and `ValueError` as the config's constructor for the values that
+    result.
     """
     from models import family
 
@@ -376,9 +401,11 @@ def fsdp_axes_of(fsdp_axes: str | None, shape: Mapping[str, int] | None, mesh: s
     - `shape`: the parsed mesh ([`mesh_shape`][]), or `None` for one device without a mesh.
     - `mesh`: the `--mesh` text, for the messages.
 
-    **Returns:** the axis names, in the order given. Raises `ValueError` for an axis the mesh
-    lacks, one named twice, or a mesh `fsdp` axis left out (its devices would repeat the
-    same work).
+    **Returns:** the axis names, in the order given.
+
+    **Raises:** `ValueError` when `fsdp_axes` is given without a mesh, names an axis the
+    mesh lacks (or an empty one), names one twice, or leaves out a mesh `fsdp` axis (its
+    devices would repeat the same work).
     """
     if fsdp_axes is None:
         return ("fsdp",) if shape is not None and "fsdp" in shape else ()

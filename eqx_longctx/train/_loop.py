@@ -153,6 +153,22 @@ class Trainer:
       array of the same shape, e.g. by `np.full_like`, is placed like the one it replaces)
       (to inject
       faults in tests, or augment).
+
+    **Raises:** `ValueError` (before any step is trained) for:
+
+    - a `preset` or `model_overrides` the family rejects (see [`build_model_config`][]),
+      and `TypeError` or `ValueError` from the model config's own checks;
+    - a mesh the devices, batch, sequence, heads or experts do not fit (see
+      [`Placement`][] and [`Placement.check_run`][]), or a weight dimension it does not
+      divide (see `eqx_longctx.param_pspecs`);
+    - a `run_dir` that is a file, or whose `checkpoints/` holds foreign files (see
+      [`check_checkpoint_dir`][]);
+    - a fresh run (neither `resume` nor `overwrite`) over an earlier run's checkpoints;
+    - `resume` with no checkpoint, none readable, flags that differ from the recorded
+      run's (`flags.json`, or the checkpoint's record; an unreadable `flags.json`), another
+      model config, or a data state from another seed, batch size or data;
+    - a corpus that `load_datasets` cannot read or split, or `datasets` packed at another
+      `seq_len`.
     """
 
     def __init__(self, config: TrainConfig, *, datasets=None, batch_hook: BatchHook | None = None):
@@ -333,7 +349,12 @@ class Trainer:
     def evaluate(self, final: bool = False) -> dict[str, float]:
         """Validation loss (nats and bits per token; bits per byte for a byte tokenizer)
         of the current model, on `eval_batches` batches (`final_eval_batches` when
-        `final`)."""
+        `final`).
+
+        **Returns:** as [`evaluate`][eqx_longctx.train.evaluate], plus `"final"`.
+
+        **Raises:** `ValueError` when the batches hold no loss-bearing token.
+        """
         cfg = self.config
         max_batches = cfg.final_eval_batches if final else cfg.eval_batches
         val = evaluate(
@@ -353,6 +374,11 @@ class Trainer:
         - `stop_at`: end after this step without a final evaluation or checkpoint.
 
         **Returns:** a [`TrainResult`][].
+
+        **Raises:** `ValueError` when the first batch of the segment (after `batch_hook`)
+        holds a token or target id outside the model's vocabulary. In a multi-process run,
+        `RuntimeError` when the processes end with different metrics (a bug), and
+        `ValueError` when one does not report them within the timeout.
         """
         from tqdm.auto import tqdm
 

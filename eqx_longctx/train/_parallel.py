@@ -39,6 +39,12 @@ class Placement:
     - `vocab_size`: the model's vocabulary; one the tensor axis does not divide (the byte
       tokenizer's 259) is kept whole rather than split over it (the embedding and output
       head then hold every row on each tensor shard; the arithmetic is unchanged).
+
+    **Raises:** `ValueError` when `devices` is not in `[1, len(jax.devices())]` (in a
+    multi-process run: not the global device count); `TypeError` and `ValueError` as
+    [`mesh_shape`][] and [`fsdp_axes_of`][] for `mesh` and `fsdp_axes`, and as
+    `eqx_longctx.ShardingSpec` for `strategy`, `load_balance` and the spec the mesh makes
+    (its `ValueError`s prefixed with the flags that set it).
     """
 
     def __init__(
@@ -100,6 +106,13 @@ class Placement:
         - `model_config`: the model's config (`LlamaConfig`, `DeepSeekConfig`: anything
           with `n_heads` and either `n_kv_heads`/`head_dim` or MLA's
           `qk_nope_head_dim`/`qk_rope_head_dim`).
+
+        **Raises:** `ValueError` (nothing on one device) when `batch_size` does not split
+        over the batch axes or `seq_len` over the spec's layout; the mesh has an `expert`
+        axis but the model has no routed experts, or their number is not divisible by it; a
+        `tensor` axis is set for a model with multi-head latent attention; or the heads do
+        not split over the `tensor` axis, or under `"ulysses"` / `"usp"` (also when
+        `"auto"` picks one) over the all-to-all axis.
         """
         if self.spec is None:
             return
@@ -153,6 +166,9 @@ class Placement:
             )
 
     def describe(self) -> str:
+        """**Returns:** one line on the placement, e.g. `"8 devices (mesh data=2,
+        context=4; strategy=ring, load_balance=zigzag, weights split over fsdp axes none)"`,
+        or `"1 device"`."""
         if self.spec is None:
             return "1 device"
         axes = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
@@ -178,6 +194,9 @@ class Placement:
 
         **Returns:** the model, its arrays placed by `eqx_longctx.param_shardings` (on one
         device: the default device).
+
+        **Raises:** `ValueError` as `eqx_longctx.param_pspecs`, for a weight dimension the
+        mesh axes it is split over do not divide.
         """
         if self.spec is None:
             model = make(None)
@@ -190,7 +209,10 @@ class Placement:
 
     def abstract_model(self, make: Callable[[ShardingSpec | None], Any]):
         """**Returns:** the model with every array a `jax.ShapeDtypeStruct` carrying the
-        sharding `build_model` would give it: a restore target that allocates nothing."""
+        sharding `build_model` would give it: a restore target that allocates nothing.
+
+        **Raises:** `ValueError` as [`build_model`][].
+        """
         shapes = eqx.filter_eval_shape(make, self.spec)
         arrays, rest = eqx.partition(shapes, _is_abstract)
         shardings = self.param_shardings(shapes)
@@ -205,7 +227,10 @@ class Placement:
 
     def param_shardings(self, model):
         """**Returns:** the `NamedSharding` of every inexact array of `model` (the tree of
-        `eqx.filter(model, eqx.is_inexact_array)`), or `None` on one device."""
+        `eqx.filter(model, eqx.is_inexact_array)`), or `None` on one device.
+
+        **Raises:** `ValueError` as [`build_model`][].
+        """
         if self.spec is None:
             return None
         from eqx_longctx import param_shardings
@@ -228,6 +253,8 @@ class Placement:
 
         - `optimizer`: the optimizer.
         - `model`: the model, or its `abstract_model`.
+
+        **Raises:** `ValueError` as [`build_model`][].
         """
         if self.spec is None:
             return None
@@ -246,7 +273,10 @@ class Placement:
 
     def abstract_opt_state(self, optimizer: optax.GradientTransformation, model):
         """**Returns:** the optimizer state of `model` (or its `abstract_model`) as
-        `jax.ShapeDtypeStruct`s carrying their shardings: a restore target."""
+        `jax.ShapeDtypeStruct`s carrying their shardings: a restore target.
+
+        **Raises:** `ValueError` as [`build_model`][].
+        """
         params = _as_shapes(eqx.filter(model, _is_inexact))
         state = jax.eval_shape(optimizer.init, params)
         shardings = self.opt_state_shardings(optimizer, model)
@@ -259,7 +289,10 @@ class Placement:
 
     def init_opt_state(self, optimizer: optax.GradientTransformation, model):
         """**Returns:** `optimizer.init` of the model's inexact arrays, built straight into
-        the layout of [`opt_state_shardings`][]."""
+        the layout of [`opt_state_shardings`][].
+
+        **Raises:** `ValueError` as [`build_model`][].
+        """
         params = eqx.filter(model, eqx.is_inexact_array)
         if self.spec is None:
             return jax.device_put(optimizer.init(params), self.device)
@@ -269,7 +302,11 @@ class Placement:
     def shard_batch(self, batch):
         """**Returns:** `batch` (a host `Batch` of the global batch) in the spec's token
         layout, split over the mesh. With several processes each fills only the shards its
-        own devices hold."""
+        own devices hold.
+
+        **Raises:** `ValueError` (on a mesh) as `eqx_longctx.data.place_batch`, when a field
+        has fewer than 2 axes or its sequence does not split under the spec's layout.
+        """
         if self.spec is None or jax.process_count() == 1:
             return place_batch(batch, self.spec)
         from eqx_longctx._layout import to_layout

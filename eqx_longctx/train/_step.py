@@ -65,6 +65,9 @@ def make_schedule(lr: float, warmup_steps: int, total_steps: int) -> optax.Sched
     - `total_steps`: length of the whole schedule.
 
     **Returns:** an `optax.Schedule` mapping the update count to a learning rate.
+
+    **Raises:** `ValueError` unless `lr` is finite and `> 0`, `warmup_steps >= 0` and
+    `total_steps >= 1`.
     """
     check_optimizer_settings(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     warmup = min(warmup_steps, total_steps - 1)
@@ -110,6 +113,9 @@ def decay_mask(params):
     - `params`: `eqx.filter(model, eqx.is_inexact_array)` (or updates of that structure).
 
     **Returns:** a pytree of bools of the same structure (`None` where `params` has none).
+
+    **Raises:** `ValueError` as `eqx_longctx.logical_axes`, for an array whose field
+    annotation names no dimensions or another rank.
     """
     from eqx_longctx import logical_axes
 
@@ -145,6 +151,9 @@ def make_optimizer(
     - `b1`, `b2`, `eps`: Adam's moment decay rates and denominator epsilon.
 
     **Returns:** an `optax.GradientTransformation`.
+
+    **Raises:** `ValueError` as [`make_schedule`][], and unless `weight_decay` is finite and
+    `>= 0` and `clip_norm` finite and `> 0`.
     """
     check_optimizer_settings(weight_decay=weight_decay, clip_norm=clip_norm)
     schedule = make_schedule(lr, warmup_steps, total_steps)
@@ -171,6 +180,9 @@ def loss_fn(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
 
     **Returns:** `(loss, num_tokens)`: the mean over tokens with `loss_mask > 0`, and their
     count (the loss is 0 when the count is 0).
+
+    **Raises:** as the model's call (e.g. `eqx_longctx.nn.AbstractDecoder.__call__`) for
+    inputs it rejects.
     """
     logits = model(batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels
@@ -314,6 +326,10 @@ def evaluate(
 
     **Returns:** `{"loss": nats per token, "bits_per_token", "tokens": count}`, and for a
     byte tokenizer `"bpb"` (bits per byte of text) and `"bytes"`.
+
+    **Raises:** `ValueError` when the batches scored hold no loss-bearing token (an empty
+    split, or `max_batches=0`), and as `dataset.eval_batches` / `dataset.get` (e.g.
+    `GrainEvalBatches.eval_batches` for a `batch_size` other than its own).
     """
     byte_ids = byte_ids_of(tokenizer)
     num_rows = getattr(dataset, "num_rows", None)
@@ -359,7 +375,8 @@ def check_batch(batch, vocab_size: int) -> None:
       process holds are checked: each process checks its own part).
     - `vocab_size`: the model's vocabulary size.
 
-    **Returns:** nothing; raises `ValueError` naming the offending ids otherwise.
+    **Raises:** `ValueError` naming the range of ids seen when a token or target id lies
+    outside `[0, vocab_size)`.
     """
     for name in ("tokens", "targets"):
         parts = _host_parts(getattr(batch, name))

@@ -12,8 +12,6 @@ import logging
 import re
 from pathlib import Path
 
-import griffe
-
 PACKAGES = (
     "eqx_longctx",
     "eqx_longctx.nn",
@@ -55,6 +53,8 @@ def public_names(source: str, package: str, is_init: bool) -> dict[str, str]:
 
 def on_pre_build(config) -> None:
     root = Path(config["config_file_path"]).parent
+    import griffe  # here, not at the top: tests import `public_names` without the docs extra
+
     loader = griffe.GriffeLoader(search_paths=[str(root)])
     for top in {p.split(".")[0] for p in PACKAGES}:
         loader.load(top)

@@ -148,11 +148,15 @@ def check_names(
 ) -> tuple[str, ...]:
     """**Returns:** `values` as a tuple, after checking it is a tuple or list of strings,
     each one of `choices` (the argument `name` of `where`; `kind` names one entry in the
-    messages, e.g. `"strategy"`)."""
+    messages, e.g. `"strategy"`), and not empty."""
     if not isinstance(values, tuple | list):
         hint = f" Pass ({values!r},)." if isinstance(values, str) else ""
         raise TypeError(
             f"{where}: {name} must be a tuple of {kind} names; got {_seen(values)}.{hint}"
+        )
+    if not values:
+        raise ValueError(
+            f"{where}: {name}=() names no {kind}; pass at least one of {choices}.{fix}"
         )
     unknown = [v for v in values if not (isinstance(v, str) and v in choices)]
     if unknown:

@@ -167,9 +167,9 @@ def plan_train_step(
     `reason` names what would fit.
 
     **Raises:** `ValueError` for an unknown `family`, an unknown name in `strategies` or
-    `remats`; when `batch` does not split over the spec's batch axes or `seq` over its
-    sequence shards (`2N` chunks under `"zigzag"`); for a multi-head latent attention
-    config with a `tensor_axis`; when a weight dimension does not split over its mesh axes
+    `remats`, or an empty one; when `batch` does not split over the spec's batch axes or
+    `seq` over its sequence shards (`2N` chunks under `"zigzag"`); for a multi-head latent
+    attention config with a `tensor_axis`; when a weight dimension does not split over its mesh axes
     (as `eqx_longctx.param_pspecs`); or when a strategy in `strategies` cannot run these
     shapes. `TypeError` when `spec` is not a `ShardingSpec`, `config` is not the family's
     config class, or `strategies` or `remats` is not a tuple of names; `TypeError` or

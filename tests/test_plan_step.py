@@ -215,6 +215,8 @@ def test_step_config_and_spec_errors():
             r"\('all_gather', 'ulysses', 'ring', 'usp'\)\. Or leave strategies=None",
         ),
         (dict(strategies=("auto",)), ValueError, r"unknown strategy 'auto'"),
+        (dict(strategies=()), ValueError, r"strategies=\(\) names no strategy; pass at least one"),
+        (dict(remats=[]), ValueError, r"remats=\(\) names no remat policy"),
         (
             dict(remats=("full", "fast")),
             ValueError,

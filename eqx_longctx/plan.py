@@ -113,6 +113,17 @@ def _fake_devices(n: int) -> None:
         )
 
 
+def _positive(text: str) -> float:
+    """argparse type of the GiB, TFLOP/s and GB/s flags: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text}")
+    return value
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--mesh", default="context=8", help="axis sizes, e.g. data=2,context=4")
@@ -129,9 +140,9 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=None, help="sliding window (causal only)")
     p.add_argument("--segment-ids", action="store_true")
     p.add_argument("--forward-only", action="store_true", help="choose by forward cost only")
-    p.add_argument("--memory-budget-gib", type=float, default=None)
-    p.add_argument("--tflops", type=float, default=None, help="device FLOP/s / 1e12")
-    p.add_argument("--gbps", type=float, default=None, help="link bytes/s / 1e9")
+    p.add_argument("--memory-budget-gib", type=_positive, default=None)
+    p.add_argument("--tflops", type=_positive, default=None, help="device FLOP/s / 1e12")
+    p.add_argument("--gbps", type=_positive, default=None, help="link bytes/s / 1e9")
     p.add_argument("--context-axis", default="context")
     p.add_argument("--ulysses-axis", default=None, help="default: 'ulysses' under usp")
     p.add_argument("--tensor-axis", default=None)

@@ -368,6 +368,9 @@ def test_fuzz_context_parallel_or_raise(strategy, layout, b, s, heads, seed):
         (["--batch", "-2"], "batch must be positive"),
         (["--mesh", "context=4,context=2"], "names each axis at most once"),
         (["--window", "0"], "window must be >= 1"),
+        (["--memory-budget-gib", "-3"], "--memory-budget-gib: must be a finite number > 0"),
+        (["--tflops", "0"], "--tflops: must be a finite number > 0; got 0"),
+        (["--gbps", "fast"], "--gbps: 'fast' is not a number"),
     ],
 )
 def test_planner_cli_bad_input_is_one_line(argv, match, capsys):

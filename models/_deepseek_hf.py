@@ -110,17 +110,10 @@ def mtp_tensors(hf: dict, c: DeepSeekConfig) -> list[str]:
 def config_from_hf(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
     """`config.json` (`hf`, read from `file`) with its values' types checked, and the
     `DeepSeekConfig` it describes (the checkpoint's dtype, no `from_hf` overrides)."""
-    model_type = _hf_config.check_model_type(hf, _ARCHITECTURES, "models.deepseek")
-    _hf_config.check_config_keys(hf, _KEYS[model_type], f"models.deepseek ({model_type})")
-    missing = [k for k in _REQUIRED if k not in hf]
-    if missing:
-        raise ValueError(
-            f"config.json lacks {missing}; the zoo does not guess them (transformers' defaults "
-            f"differ between DeepSeek versions). State them in config.json."
-        )
-    hf = _hf_config.check_config_types(
-        hf,
-        file,
+    model_type, hf = _hf_config.check_config(
+        hf, file, "models.deepseek", _ARCHITECTURES, _KEYS, _REQUIRED,
+        why="the zoo does not guess them (transformers' defaults differ between DeepSeek "
+        "versions). State them in config.json.",
         ints=(
             "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
             "num_hidden_layers", "num_attention_heads", "n_routed_experts",
@@ -193,13 +186,8 @@ def config_from_hf(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
             f"it must be <= num_hidden_layers={hf['num_hidden_layers']}.",
         )
     rope_theta, rope_scaling = _rope_from_hf(hf, file)
-    dtype = _hf_config.stored_dtype(hf)
     return hf, DeepSeekConfig(
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        hidden_dim=hf["intermediate_size"],
+        **_hf_config.decoder_from_hf(hf, _MAX_LEN[model_type]),
         moe_hidden_dim=hf["moe_intermediate_size"],
         n_routed_experts=hf["n_routed_experts"],
         n_shared_experts=hf["n_shared_experts"] or 0,
@@ -215,14 +203,9 @@ def config_from_hf(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
         topk_group=topk_group,
         norm_topk_prob=bool(hf["norm_topk_prob"]),
         routed_scaling_factor=hf["routed_scaling_factor"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rope_interleave=bool(hf.get("rope_interleave", True)),
-        max_seq_len=hf.get("max_position_embeddings") or _MAX_LEN[model_type],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        param_dtype=dtype,
-        compute_dtype=dtype,
     )
 
 
@@ -269,14 +252,8 @@ def config_to_hf(c: DeepSeekConfig) -> dict:
         fields = dataclasses.asdict(c.rope_scaling)
         scaling = {"rope_type": "yarn", **{k: v for k, v in fields.items() if v is not None}}
     hf = {
-        "architectures": [_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.dim,
-        "intermediate_size": c.hidden_dim,
+        **_hf_config.decoder_to_hf(c, model_type, _ARCHITECTURES),
         "moe_intermediate_size": c.moe_hidden_dim,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
         "num_key_value_heads": c.n_heads,
         "n_routed_experts": c.n_routed_experts,
         "n_shared_experts": c.n_shared_experts,
@@ -291,15 +268,8 @@ def config_to_hf(c: DeepSeekConfig) -> dict:
         "topk_group": c.topk_group,
         "norm_topk_prob": c.norm_topk_prob,
         "routed_scaling_factor": c.routed_scaling_factor,
-        "hidden_act": "silu",
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
         "rope_scaling": scaling,
-        "tie_word_embeddings": c.tie_embeddings,
         "attention_bias": False,
-        "attention_dropout": 0.0,
-        "torch_dtype": c.param_dtype,
     }
     if v3:
         hf.update(rope_interleave=c.rope_interleave, num_nextn_predict_layers=0)

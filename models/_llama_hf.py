@@ -35,7 +35,8 @@ _KEYS = {
     "qwen3": _COMMON + _hf_windows.QWEN_KEYS + ("attention_bias",),
 }
 _MAX_LEN = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # defaults
-OVERRIDES = ("remat", "compute_dtype", "max_seq_len")  # the fields `from_hf` may set
+# The `LlamaConfig` fields `from_hf` may set, besides `dtype`.
+OVERRIDES = ("remat", "compute_dtype", "max_seq_len")
 _Kind = Literal["same", "flat", "linear"]
 # Old conversions saved RoPE frequencies as buffers; they are recomputed from config.json.
 IGNORE = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
@@ -75,14 +76,9 @@ def hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
 def config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
     """`config.json` (`hf`, read from `file`) with its values' types checked, and the
     `LlamaConfig` it describes (the checkpoint's dtype, no `from_hf` overrides)."""
-    model_type = _hf_config.check_model_type(hf, _ARCHITECTURES, "models.llama")
-    _hf_config.check_config_keys(hf, _KEYS[model_type], f"models.llama ({model_type})")
-    missing = [k for k in _REQUIRED if k not in hf]
-    if missing:
-        raise ValueError(f"config.json lacks {missing}; every {model_type} config states them.")
-    hf = _hf_config.check_config_types(
-        hf,
-        file,
+    model_type, hf = _hf_config.check_config(
+        hf, file, "models.llama", _ARCHITECTURES, _KEYS, _REQUIRED,
+        why="every {model_type} config states them.",
         ints=(
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
@@ -113,25 +109,15 @@ def config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
         hf, model_type, hf["num_hidden_layers"]
     )
     rope_theta, rope_scaling = _rope_from_hf(hf, file)
-    dtype = _hf_config.stored_dtype(hf)
     n_heads = hf["num_attention_heads"]
     return hf, LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        hidden_dim=hf["intermediate_size"],
+        **_hf_config.decoder_from_hf(hf, _MAX_LEN[model_type]),
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_seq_len=hf.get("max_position_embeddings") or _MAX_LEN[model_type],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
-        param_dtype=dtype,
-        compute_dtype=dtype,
         sliding_window=sliding_window,
         layer_types=layer_types,
     )
@@ -173,25 +159,12 @@ def config_to_hf(c: LlamaConfig) -> dict:
     )
     scaling = c.rope_scaling
     hf = {
-        "architectures": [_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.dim,
-        "intermediate_size": c.hidden_dim,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
+        **_hf_config.decoder_to_hf(c, model_type, _ARCHITECTURES),
         "num_key_value_heads": c.n_kv_heads,
         "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
         "rope_scaling": None
         if scaling is None
         else {"rope_type": "llama3", **{k: getattr(scaling, k) for k in _LLAMA3_KEYS}},
-        "tie_word_embeddings": c.tie_embeddings,
-        "attention_dropout": 0.0,
-        "torch_dtype": c.param_dtype,
     }
     if model_type in ("llama", "qwen3"):
         hf["attention_bias"] = False

@@ -257,6 +257,91 @@ def unsupported(key: str, value, why: str) -> ValueError:
     return ValueError(f"config.json {key}={value!r} is not supported: {why}")
 
 
+def check_config(
+    hf: dict,
+    file: str,
+    family: str,
+    architectures: dict[str, str],
+    keys: Mapping[str, Iterable[str]],
+    required: Iterable[str],
+    why: str,
+    **types: Iterable[str],
+) -> tuple[str, dict[str, Any]]:
+    """What every family reader checks before its own rules, in order: `model_type` and
+    `architectures` (`check_model_type`), that every key is one the reader knows for that
+    model type (`check_config_keys`), that no required key is absent, and the types of the
+    values (`check_config_types`).
+
+    **Arguments:**
+
+    - `hf`, `family`, `architectures`: as for `check_model_type`; `file`: where `hf` was
+      read.
+    - `keys`: model_type -> the keys the family reader understands.
+    - `required`: the keys without a default.
+    - `why`: the end of the error for absent required keys; `{model_type}` is filled in.
+    - `**types`: `ints=`, `reals=`, ... as for `check_config_types`.
+
+    **Returns:** the model type, and `hf` with its numbers normalised.
+
+    **Raises:** `ValueError` or `TypeError` for the first check that fails.
+    """
+    model_type = check_model_type(hf, architectures, family)
+    check_config_keys(hf, keys[model_type], f"{family} ({model_type})")
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}; {why.format(model_type=model_type)}")
+    return model_type, check_config_types(hf, file, prefix="", **types)  # top-level keys
+
+
+def decoder_from_hf(hf: Mapping[str, Any], max_len: int) -> dict[str, Any]:
+    """The fields every decoder config has (`eqx_longctx.nn.check_decoder_config`'s), but
+    RoPE's (each family reads its own scaling), from a `config.json` whose types are
+    checked; the parameter and compute dtype are `stored_dtype(hf)`.
+
+    **Arguments:**
+
+    - `hf`: the checked `config.json`.
+    - `max_len`: `max_seq_len` when `max_position_embeddings` is absent (transformers'
+      default for the model type).
+    """
+    dtype = stored_dtype(hf)
+    return dict(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        hidden_dim=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        max_seq_len=hf.get("max_position_embeddings") or max_len,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        param_dtype=dtype,
+        compute_dtype=dtype,
+    )
+
+
+def decoder_to_hf(config, model_type: str, architectures: dict[str, str]) -> dict[str, Any]:
+    """The `config.json` keys of the fields every decoder config has (`decoder_from_hf`
+    reads them back) and RoPE's base, with `model_type`, its architecture from
+    `architectures`, and what every zoo decoder is (SwiGLU, no attention dropout); the
+    family adds the rest."""
+    return {
+        "architectures": [architectures[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.hidden_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": 0.0,
+        "torch_dtype": config.param_dtype,
+    }
+
+
 def check_model_type(hf: dict, architectures: dict[str, str], family: str) -> str:
     """Check `model_type` and `architectures` against the family's; return the model type.
 

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Literal, cast, final, no_type_check
+from typing import cast, final, no_type_check
 
 import equinox as eqx
 import jax
@@ -44,7 +44,7 @@ from eqx_longctx.nn._checks import (
     check_preset,
 )
 
-from . import _hf, _hf_config, _hf_windows
+from . import _hf, _hf_config
 
 
 def _is_none(x) -> bool:
@@ -185,7 +185,7 @@ class LlamaConfig:
         return dataclasses.replace(preset, **overrides)
 
 
-def _runs(windows: tuple[int | None, ...]) -> list[tuple[int, int, int | None]]:
+def window_runs(windows: tuple[int | None, ...]) -> list[tuple[int, int, int | None]]:
     """`(first layer, number of layers, window)` of each run of consecutive layers with
     the same window."""
     runs, start = [], 0
@@ -262,7 +262,7 @@ class Llama(AbstractDecoder):
             )
 
         self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
-        runs = _runs(c.windows)
+        runs = window_runs(c.windows)
         keys = [k_layers] if len(runs) == 1 else list(jax.random.split(k_layers, len(runs)))
         stacks = tuple(
             LayerStack(
@@ -319,37 +319,7 @@ PRESETS: dict[str, LlamaConfig] = {
 """The named configs `LlamaConfig.from_preset` starts from."""
 
 
-# ---- Hugging Face checkpoints ------------------------------------------------------------
-# Hugging Face stores q/k projections already permuted for its rotate_half RoPE, the
-# convention of `eqx_longctx.nn.RoPE`, so weights map by transposing and reshaping only.
-
-_HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-_HF_REQUIRED = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-)  # fmt: skip
-_HF_COMMON = _HF_REQUIRED + (
-    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
-    "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_dropout",
-)  # fmt: skip
-# `pretraining_tp` only split the matmuls of old transformers versions: same arithmetic.
-# Mistral's reader rejects `layer_types` with its own message (transformers ignores it).
-_HF_KEYS = {
-    "llama": _HF_COMMON + ("attention_bias", "mlp_bias", "pretraining_tp"),
-    "mistral": _HF_COMMON + _hf_windows.MISTRAL_KEYS + ("layer_types",),
-    "qwen2": _HF_COMMON + _hf_windows.QWEN_KEYS,
-    "qwen3": _HF_COMMON + _hf_windows.QWEN_KEYS + ("attention_bias",),
-}
-_HF_MAX_LEN = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # defaults
-_HF_OVERRIDES = ("remat", "compute_dtype", "max_seq_len")
-_HFKind = Literal["same", "flat", "linear"]
-# Old conversions saved RoPE frequencies as buffers; they are recomputed from config.json.
-_HF_IGNORE = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# ---- Hugging Face checkpoints (format: models/_llama_hf.py) ------------------------------
 
 
 def from_hf(
@@ -389,22 +359,14 @@ def from_hf(
     when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
     `dtype` or overrides that are not valid.
     """
+    from . import _llama_hf  # imported here: it imports this module
+
     path, _, config = _hf_config.read_model_config(
-        path, "models.llama", _config_from_hf,
-        spec=spec, dtype=dtype, overrides=overrides, allowed=_HF_OVERRIDES,
+        path, "models.llama", _llama_hf.config_from_hf,
+        spec=spec, dtype=dtype, overrides=overrides, allowed=_llama_hf.OVERRIDES,
     )  # fmt: skip
-    abstract = eqx.filter_eval_shape(Llama, config, key=jax.random.key(0), spec=spec)
-    tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_embeddings else None
-    with _hf.SafetensorsCheckpoint(path) as checkpoint:
-        return _hf.load_params(
-            abstract,
-            _hf_table(config),
-            checkpoint,
-            dtype=config.param_dtype,
-            sharding=_hf.shardings_by_path(abstract, spec),
-            ignore=_HF_IGNORE,
-            tied=tied,
-        )
+    table = _llama_hf.hf_table(config)
+    return _hf.load_model(Llama, config, path, spec=spec, table=table, ignore=_llama_hf.IGNORE)
 
 
 def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
@@ -427,175 +389,13 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     family (both `qk_norm` and `attention_bias`, or mixed `layer_types` with neither);
     `TypeError` or `ValueError` for a `max_shard_size` that is not a positive int.
     """
+    from . import _llama_hf  # imported here: it imports this module
+
     check_instance(model, "models.llama.to_hf's model", Llama, "Build it with Llama(config, ...).")
-    model = cast(Llama, model)
-    hf_config = _config_to_hf(model.config)
-    _hf.check_concrete(model, "models.llama.to_hf")
-    _hf.save_params(
-        eqx.filter(model, eqx.is_array),
-        _hf_table(model.config),
-        path,
-        hf_config,
-        max_shard_size=max_shard_size,
-    )
-
-
-def _hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
-    """Zoo parameter path -> Hugging Face tensor."""
-    T = _hf.HFTensor
-    table = {"embed": T("model.embed_tokens.weight"), "norm.weight": T("model.norm.weight")}
-    if not c.tie_embeddings:
-        table["lm_head"] = T("lm_head.weight", "linear")
-    # (path in a block, Hugging Face name in model.layers.{layer}, kind, n_in)
-    block: list[tuple[str, str, _HFKind, int]] = [
-        ("attn_norm.weight", "input_layernorm.weight", "same", 1),
-        ("mlp_norm.weight", "post_attention_layernorm.weight", "same", 1),
-        ("attn.wo", "self_attn.o_proj.weight", "linear", 2),
-    ]
-    for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
-        block.append((f"attn.w{ours}", f"self_attn.{theirs}.weight", "linear", 1))
-        if c.attention_bias:
-            block.append((f"attn.b{ours}", f"self_attn.{theirs}.bias", "flat", 1))
-    for ours in ("gate", "up", "down"):
-        block.append((f"mlp.w_{ours}", f"mlp.{ours}_proj.weight", "linear", 1))
-    if c.qk_norm:
-        for ours in ("q_norm", "k_norm"):
-            block.append((f"attn.{ours}.weight", f"self_attn.{ours}.weight", "same", 1))
-    runs = _runs(c.windows)
-    for i, (start, _, _) in enumerate(runs):  # one LayerStack per run (see `Llama`)
-        stack = "layers.layers." if len(runs) == 1 else f"layers.{i}.layers."
-        offsets = (("layer", start),) if start else ()
-        for ours, theirs, kind, n_in in block:
-            table[stack + ours] = T(f"model.layers.{{layer}}.{theirs}", kind, n_in, offsets)
-    return table
-
-
-def _config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
-    """`config.json` (`hf`, read from `file`) with its values' types checked, and the
-    `LlamaConfig` it describes (the checkpoint's dtype, no `from_hf` overrides)."""
-    model_type = _hf_config.check_model_type(hf, _HF_ARCHITECTURES, "models.llama")
-    _hf_config.check_config_keys(hf, _HF_KEYS[model_type], f"models.llama ({model_type})")
-    missing = [k for k in _HF_REQUIRED if k not in hf]
-    if missing:
-        raise ValueError(f"config.json lacks {missing}; every {model_type} config states them.")
-    hf = _hf_config.check_config_types(
-        hf,
-        file,
-        ints=(
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-            "sliding_window",
-        ),
-        reals=("rms_norm_eps", "rope_theta"),
-        non_negative_ints=("max_window_layers",),
-        bools=("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
-        objects=("rope_scaling", "rope_parameters"),
-        lists=("layer_types",),
-    )  # fmt: skip
-    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise _hf_config.unsupported("hidden_act", hf["hidden_act"], "the MLP is SwiGLU (silu).")
-    if hf.get("mlp_bias", False):
-        raise _hf_config.unsupported("mlp_bias", True, "the zoo's MLP has no biases.")
-    if hf.get("attention_bias", False):
-        raise _hf_config.unsupported(
-            "attention_bias",
-            True,
-            f"{model_type} then adds biases to q/k/v and the output projection; the zoo has "
-            "q/k/v biases only (as Qwen2).",
-        )
-    if hf.get("attention_dropout") not in (None, 0, 0.0):
-        raise _hf_config.unsupported(
-            "attention_dropout", hf["attention_dropout"], "the zoo's attention has no dropout."
-        )
-    sliding_window, layer_types = _hf_windows.windows_from_hf(
-        hf, model_type, hf["num_hidden_layers"]
-    )
-    rope_theta, rope_scaling = _rope_from_hf(hf, file)
-    dtype = _hf_config.stored_dtype(hf)
-    n_heads = hf["num_attention_heads"]
-    return hf, LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        hidden_dim=hf["intermediate_size"],
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_seq_len=hf.get("max_position_embeddings") or _HF_MAX_LEN[model_type],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
-        param_dtype=dtype,
-        compute_dtype=dtype,
-        sliding_window=sliding_window,
-        layer_types=layer_types,
-    )
-
-
-def _rope_from_hf(hf: dict, file: str) -> tuple[float, Llama3RopeScaling | None]:
-    """RoPE base and scaling from `rope_parameters` (transformers 5) or the older
-    `rope_theta` + `rope_scaling`."""
-    theta, rope_type, params = _hf_config.rope_from_hf(hf, file)
-    expected = {"default": (), "llama3": _LLAMA3_KEYS}.get(rope_type)
-    if expected is None:
-        raise _hf_config.unsupported(
-            "rope type",
-            rope_type,
-            "the zoo implements 'default' (plain RoPE) and 'llama3' (Llama 3.1 scaling) only.",
-        )
-    if set(params) != set(expected):
-        raise _hf_config.unsupported(
-            f"{rope_type!r} RoPE parameters",
-            sorted(params),
-            f"expected exactly {sorted(expected)} besides rope_type and rope_theta.",
-        )
-    return theta, (Llama3RopeScaling(**params) if rope_type == "llama3" else None)
-
-
-def _config_to_hf(c: LlamaConfig) -> dict:
-    if c.qk_norm and c.attention_bias:
-        raise ValueError(
-            "to_hf: no supported Hugging Face family has both q/k norm and q/k/v-only biases "
-            "(Qwen3 has the norm, Qwen2 the biases); got qk_norm=True, attention_bias=True."
-        )
-    model_type = (
-        "qwen3"
-        if c.qk_norm
-        else "qwen2"
-        if c.attention_bias
-        else _hf_windows.llama_or_mistral(c.sliding_window, c.layer_types)
-    )
-    scaling = c.rope_scaling
-    hf = {
-        "architectures": [_HF_ARCHITECTURES[model_type]],
-        "model_type": model_type,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.dim,
-        "intermediate_size": c.hidden_dim,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": None
-        if scaling is None
-        else {"rope_type": "llama3", **{k: getattr(scaling, k) for k in _LLAMA3_KEYS}},
-        "tie_word_embeddings": c.tie_embeddings,
-        "attention_dropout": 0.0,
-        "torch_dtype": c.param_dtype,
-    }
-    if model_type in ("llama", "qwen3"):
-        hf["attention_bias"] = False
-    if model_type == "llama":
-        hf["mlp_bias"] = False
-    hf.update(_hf_windows.windows_to_hf(c.sliding_window, c.layer_types, model_type, c.n_layers))
-    return hf
+    config = cast(Llama, model).config
+    hf_config = _llama_hf.config_to_hf(config)
+    table = _llama_hf.hf_table(config)
+    _hf.save_model(model, table, path, hf_config, max_shard_size, family="models.llama")
 
 
 __all__ = ["PRESETS", "Llama", "Llama3RopeScaling", "LlamaConfig", "from_hf", "to_hf"]

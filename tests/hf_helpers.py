@@ -1,24 +1,59 @@
-"""Helpers of the Hugging Face parity tests (they need torch: import after importorskip)."""
+"""Helpers of the Hugging Face parity tests (they need torch, transformers and safetensors:
+import after importorskip)."""
 
+import json
+import shutil
+
+import equinox as eqx
 import numpy as np
+import pytest
 import torch
+import transformers
+from safetensors.numpy import load_file, save_file
 
 
 def randomize_biases_and_norms(model):
-    """Give a fresh transformers model random biases and norm scales (they start at 0 and
-    1, which would hide a bias or a norm weight loaded into the wrong place)."""
+    """Give a fresh transformers model random biases, norm scales and routing biases
+    (DeepSeek-V3's `e_score_correction_bias`); they start at 0 and 1, which would hide one
+    loaded into the wrong place."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
             elif "norm" in name:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     return model
+
+
+def model_builder(families, small, **config_attrs):
+    """`build_hf(family, seed=0)` of a parity test module: a random float32 transformers
+    causal LM of `families[family]` (`(config class name, extra config fields, ...)`) over
+    the `small` config fields, with `config_attrs` set on the config (e.g.
+    `_attn_implementation="eager"`), and `randomize_biases_and_norms`."""
+
+    def build_hf(family: str, seed: int = 0):
+        cls_name, extra = families[family][:2]
+        config = getattr(transformers, cls_name)(**small, **extra)
+        for name, value in config_attrs.items():
+            setattr(config, name, value)
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return randomize_biases_and_norms(model.eval())
+
+    return build_hf
 
 
 def hf_logits(model, tokens) -> np.ndarray:
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+@eqx.filter_jit
+def forward(model, tokens, positions=None, segment_ids=None):
+    return model(tokens, positions, segment_ids)
 
 
 def max_diff(a, b) -> float:
@@ -34,3 +69,50 @@ def save_checkpoints(tmp_path_factory, families, build_hf, tokens) -> dict:
         model.save_pretrained(path)
         out[family] = (path, hf_logits(model, tokens))
     return out
+
+
+def checkpoint_fixtures(families, build_hf, shape: tuple[int, int], vocab: int):
+    """The module-scoped fixtures of a parity test module, to assign to their names there:
+    `tokens, checkpoints = checkpoint_fixtures(FAMILIES, build_hf, (BATCH, SEQ), VOCAB)`.
+
+    `tokens` are random `[batch, seq]` int32 ids below `vocab`; `checkpoints` is
+    `{family: (directory, reference logits)}`, each of `families` built by `build_hf` and
+    saved once.
+    """
+
+    @pytest.fixture(scope="module")
+    def tokens():
+        return np.random.default_rng(0).integers(0, vocab, shape).astype(np.int32)
+
+    @pytest.fixture(scope="module")
+    def checkpoints(tmp_path_factory, tokens):
+        return save_checkpoints(tmp_path_factory, families, build_hf, tokens)
+
+    return tokens, checkpoints
+
+
+def copy_of(checkpoints, family: str, tmp_path):
+    """A writable copy of `family`'s checkpoint (`tmp_path / family`), for a test to edit."""
+    path = tmp_path / family
+    shutil.copytree(checkpoints[family][0], path)
+    return path
+
+
+def edit_config(path, **changes):
+    """Set (or, for `None`, remove) keys of `path/config.json`; `null=[keys]` writes nulls."""
+    config = json.loads((path / "config.json").read_text())
+    for key in changes.pop("null", ()):
+        config[key] = None
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(path, edit):
+    """Apply `edit` to the dict of tensors of `path/model.safetensors`, and write it back."""
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

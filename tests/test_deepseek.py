@@ -7,9 +7,7 @@ randomised norm scales and routing biases, in float32. MoE routing is discontinu
 inputs are fixed; the context-parallel runs see the same tokens, hence the same routing.
 """
 
-import json
 import math
-import shutil
 
 import equinox as eqx
 import jax
@@ -23,8 +21,9 @@ transformers = pytest.importorskip(
     "transformers", reason="the DeepSeek parity tests need transformers (extra: hf)"
 )
 pytest.importorskip("safetensors", reason="from_hf needs safetensors (extra: hf)")
-from hf_helpers import hf_logits, max_diff, save_checkpoints  # noqa: E402, I001
-from safetensors.numpy import load_file, save_file  # noqa: E402
+import hf_helpers  # noqa: E402
+from hf_helpers import copy_of, edit_config, edit_tensors, forward, hf_logits, max_diff  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 import eqx_longctx as el  # noqa: E402
@@ -87,60 +86,14 @@ CONTEXT_PARALLEL = [
 ]
 
 
-def build_hf(family: str, seed: int = 0):
-    """A random float32 transformers model of `family`, random norm scales and biases."""
-    cls_name, extra, _ = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**SMALL, **extra)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.1)
-    return model
-
-
-@eqx.filter_jit
-def forward(model, tokens, positions=None, segment_ids=None):
-    return model(tokens, positions, segment_ids)
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    return np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokens):
-    """`{family: (directory, reference logits)}`, saved once per module."""
-    return save_checkpoints(tmp_path_factory, FAMILIES, build_hf, tokens)
+build_hf = hf_helpers.model_builder(FAMILIES, SMALL)
+tokens, checkpoints = hf_helpers.checkpoint_fixtures(FAMILIES, build_hf, (BATCH, SEQ), VOCAB)
 
 
 @pytest.fixture
 def v3_copy(checkpoints, tmp_path):
     """A writable copy of the V3 checkpoint, for the error tests to corrupt."""
-    path = tmp_path / "ckpt"
-    shutil.copytree(checkpoints["v3-q-lora-noaux"][0], path)
-    return path
-
-
-def edit_config(path, **changes):
-    config = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (path / "config.json").write_text(json.dumps(config))
-
-
-def edit_tensors(path, edit):
-    tensors = load_file(path / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return copy_of(checkpoints, "v3-q-lora-noaux", tmp_path)
 
 
 # ---------------------------------------------------------------- parity with transformers
@@ -428,8 +381,7 @@ def test_config_errors(v3_copy, changes, match):
 
 
 def test_v2_only_errors(checkpoints, tmp_path):
-    path = tmp_path / "v2"
-    shutil.copytree(checkpoints["v2-direct-q-group-limited"][0], path)
+    path = copy_of(checkpoints, "v2-direct-q-group-limited", tmp_path)
     edit_config(path, norm_topk_prob=True)
     with pytest.raises(ValueError, match="norm_topk_prob.*disagree"):
         from_hf(path)

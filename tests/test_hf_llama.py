@@ -7,7 +7,6 @@ misplaced tensor cannot hide behind near-zero weights. References run in float32
 
 import dataclasses
 import json
-import shutil
 
 import equinox as eqx
 import jax
@@ -19,8 +18,9 @@ transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face parity tests need transformers (extra: hf)"
 )
 pytest.importorskip("safetensors", reason="from_hf needs safetensors (extra: hf)")
-from hf_helpers import hf_logits, max_diff, randomize_biases_and_norms, save_checkpoints  # noqa: E402, I001
-from safetensors.numpy import load_file, save_file  # noqa: E402
+import hf_helpers  # noqa: E402
+from hf_helpers import copy_of, edit_config, edit_tensors, forward, hf_logits, max_diff  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 import eqx_longctx as el  # noqa: E402
 from models._hf import HFTensor  # noqa: E402
@@ -79,53 +79,14 @@ CONTEXT_PARALLEL = [
 ]
 
 
-def build_hf(family: str, seed: int = 0):
-    """A random float32 transformers model of `family`, with random biases and norm scales."""
-    cls_name, extra, _ = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**SMALL, **extra)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return randomize_biases_and_norms(model)
-
-
-@eqx.filter_jit
-def forward(model, tokens):
-    return model(tokens)
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    return np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokens):
-    """`{family: (directory, reference logits)}`, saved once per module."""
-    return save_checkpoints(tmp_path_factory, FAMILIES, build_hf, tokens)
+build_hf = hf_helpers.model_builder(FAMILIES, SMALL)
+tokens, checkpoints = hf_helpers.checkpoint_fixtures(FAMILIES, build_hf, (BATCH, SEQ), VOCAB)
 
 
 @pytest.fixture
 def llama_copy(checkpoints, tmp_path):
     """A writable copy of the Llama GQA checkpoint, for the error tests to corrupt."""
-    path = tmp_path / "ckpt"
-    shutil.copytree(checkpoints["llama-gqa-llama3-untied"][0], path)
-    return path
-
-
-def edit_config(path, **changes):
-    config = json.loads((path / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (path / "config.json").write_text(json.dumps(config))
-
-
-def edit_tensors(path, edit):
-    tensors = load_file(path / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return copy_of(checkpoints, "llama-gqa-llama3-untied", tmp_path)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -242,8 +203,7 @@ def test_tensor_errors(llama_copy):
 
 
 def test_tied_embeddings_must_match(checkpoints, tmp_path):
-    path = tmp_path / "tied"
-    shutil.copytree(checkpoints["llama-mha-tied"][0], path)
+    path = copy_of(checkpoints, "llama-mha-tied", tmp_path)
     embed = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
     edit_tensors(path, lambda t: t.update({"lm_head.weight": embed.copy()}))
     from_hf(path)  # an explicit copy of a tied weight is fine

@@ -8,7 +8,6 @@ References are tiny random float32 `transformers` models (eager attention) with 
 
 import dataclasses
 import json
-import shutil
 
 import equinox as eqx
 import jax
@@ -22,8 +21,9 @@ transformers = pytest.importorskip(
 )
 pytest.importorskip("safetensors", reason="from_hf needs safetensors (extra: hf)")
 
+import hf_helpers  # noqa: E402
 from helpers import make_mesh  # noqa: E402
-from hf_helpers import hf_logits, max_diff, randomize_biases_and_norms, save_checkpoints  # noqa: E402, I001
+from hf_helpers import copy_of, edit_config, forward, hf_logits, max_diff  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 import eqx_longctx as el  # noqa: E402
@@ -69,48 +69,8 @@ CONTEXT_PARALLEL = [
 ]
 
 
-def build_hf(family: str, seed: int = 0):
-    cls_name, extra, _ = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**SMALL, **extra)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return randomize_biases_and_norms(model)
-
-
-@eqx.filter_jit
-def forward(model, tokens):
-    return model(tokens)
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    return np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokens):
-    """`{family: (directory, reference logits)}`, saved once per module."""
-    return save_checkpoints(tmp_path_factory, FAMILIES, build_hf, tokens)
-
-
-def edit_config(path, **changes):
-    """Set (or, for `None`, remove) keys of `path/config.json`; `null=[keys]` writes nulls."""
-    config = json.loads((path / "config.json").read_text())
-    for key in changes.pop("null", ()):
-        config[key] = None
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (path / "config.json").write_text(json.dumps(config))
-
-
-def copy_of(checkpoints, family, tmp_path):
-    path = tmp_path / family
-    shutil.copytree(checkpoints[family][0], path)
-    return path
+build_hf = hf_helpers.model_builder(FAMILIES, SMALL, _attn_implementation="eager")
+tokens, checkpoints = hf_helpers.checkpoint_fixtures(FAMILIES, build_hf, (BATCH, SEQ), VOCAB)
 
 
 # ---------------------------------------------------------------- parity with transformers

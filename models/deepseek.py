@@ -421,7 +421,8 @@ def from_hf(
     - `dtype`: parameter dtype; default the checkpoint's (`dtype`/`torch_dtype`, else
       float32).
     - `**overrides`: `remat`, `compute_dtype` (default `dtype`), `max_seq_len` (default
-      `max_position_embeddings`) or `grouped_matmul` of the `DeepSeekConfig`.
+      `max_position_embeddings`), `grouped_matmul` or `capacity_factor` of the
+      `DeepSeekConfig`.
 
     **Returns:** the `DeepSeek` model; its `.config` is the equivalent `DeepSeekConfig`.
 

@@ -22,7 +22,6 @@ by hop under its own `custom_vjp`.
 """
 
 import abc
-import functools
 from typing import NamedTuple
 
 import equinox as eqx
@@ -48,6 +47,13 @@ class BlockOptions(NamedTuple):
 
 class AbstractBlockImpl(eqx.Module):
     """A block-attention implementation (see the module docstring for the contract)."""
+
+    @property
+    def pure_forward(self) -> bool:
+        """Whether `attend` has no side effects, so that under `jax.checkpoint` the custom
+        VJPs may recompute it whole (`optimize_remat`). Override with `False` for a forward
+        with callbacks (Pallas' TPU interpret mode with its race detector)."""
+        return True
 
     @abc.abstractmethod
     def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
@@ -82,12 +88,12 @@ def block_attention(
     """Differentiable attention of `q` over one K/V block through `impl`; **returns**
     `(out, lse)` in the usual layouts (`[batch, seq, heads, v_head_dim]` in `q`'s dtype and
     float32 `[batch, seq, heads]`). The backward honours the cotangent of `lse`."""
-    out = _block_attention(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    fn = _block_attention if impl.pure_forward else _block_attention_effects
+    out = fn(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     return out  # pyright: ignore[reportReturnType]  (custom_vjp typing)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _block_attention(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+def _primal(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     return _forward(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
 
 
@@ -117,7 +123,15 @@ def _bwd(impl, options, residuals, cotangents):
     return cast(qt.dq(dq), q), cast(dk, k), cast(dv, v), None, None, None, None
 
 
-_block_attention.defvjp(_fwd, _bwd)
+# `optimize_remat`: under `jax.checkpoint` (LayerStack remat dots/full/offload) JAX would
+# otherwise partially evaluate the forward's loops over head tiles and blocks and store
+# every block's scores, O(seq^2) (4 heads in 4 tiles at 8K tokens: 413 MiB of temporaries
+# against 59 MiB); with it the forward rule is recomputed whole in the backward pass. JAX
+# refuses it for a forward with side effects, which keeps the plain rule.
+_block_attention = jax.custom_vjp(_primal, nondiff_argnums=(0, 1))
+_block_attention.defvjp(_fwd, _bwd, optimize_remat=True)
+_block_attention_effects = jax.custom_vjp(_primal, nondiff_argnums=(0, 1))
+_block_attention_effects.defvjp(_fwd, _bwd)
 
 
 def resolve_impl(impl, platform: str):

@@ -17,7 +17,6 @@ Communication: `N-1` K/V hops forward; `N-1` K/V hops and `N-1` dK/dV hops backw
 theoretical minimum of a ring.
 """
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -104,7 +103,8 @@ def ring_latent_attention(
     **Returns:** this shard's attention output, `q`'s dtype.
     """
     config = _RingConfig(axis, impl, options, expand, hops)
-    return _ring(config, q, params, source, positions, segment_ids)
+    fn = _ring if config.impl.pure_forward else _ring_effects
+    return fn(config, q, params, source, positions, segment_ids)
 
 
 def _hop_is_empty(config: _RingConfig, q_pos, kv_pos, q_seg, kv_seg):
@@ -137,8 +137,7 @@ def _zeros_f32(tree):
     return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(config, q, params, source, positions, segment_ids):
+def _ring_primal(config, q, params, source, positions, segment_ids):
     out, _ = _ring_forward(config, q, params, source, positions, segment_ids)
     return out
 
@@ -244,4 +243,10 @@ def _ring_bwd(config, residuals, dout):
     )
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+# `optimize_remat`: as `_block_attention`, the ring's forward is recomputed whole under
+# `jax.checkpoint` rather than partially evaluated; a forward with side effects keeps the
+# plain rule.
+_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0,))
+_ring.defvjp(_ring_fwd, _ring_bwd, optimize_remat=True)
+_ring_effects = jax.custom_vjp(_ring_primal, nondiff_argnums=(0,))
+_ring_effects.defvjp(_ring_fwd, _ring_bwd)

@@ -73,6 +73,12 @@ class PallasBlockImpl(AbstractBlockImpl):
     block_k: int = eqx.field(static=True)
     interpret: Any = eqx.field(static=True, default=False)
 
+    @property
+    def pure_forward(self) -> bool:
+        """`False` in TPU interpret mode (`pltpu.InterpretParams`), whose race detector
+        runs callbacks; see `AbstractBlockImpl.pure_forward`."""
+        return isinstance(self.interpret, (bool, type(None)))
+
     @staticmethod
     def for_platform(platform: str, interpret: Any = None) -> "PallasBlockImpl":
         """Default blocks for the local TPU generation; interpret mode off TPU.

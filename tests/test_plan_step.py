@@ -43,6 +43,9 @@ CASES = {
     "llama-usp-none": ("llama", {"ulysses": 2, "context": 4}, (), "usp", "none", 8192, 1, {}),
     "llama-all_gather-none": ("llama", {"context": 8}, (), "all_gather", "none", 8192, 1, {}),
     "deepseek-context-full": ("deepseek", {"context": 8}, (), "ring", "full", 8192, 1, {}),
+    "deepseek-expert-full": (
+        "deepseek", {"expert": 2, "context": 4}, (), "ring", "full", 8192, 2, {},
+    ),
     "deepseek-expert-none": (
         "deepseek", {"expert": 2, "context": 4}, (), "ring", "none", 8192, 2, {},
     ),

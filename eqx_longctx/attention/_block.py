@@ -123,15 +123,24 @@ def _bwd(impl, options, residuals, cotangents):
     return cast(qt.dq(dq), q), cast(dk, k), cast(dv, v), None, None, None, None
 
 
-# `optimize_remat`: under `jax.checkpoint` (LayerStack remat dots/full/offload) JAX would
-# otherwise partially evaluate the forward's loops over head tiles and blocks and store
-# every block's scores, O(seq^2) (4 heads in 4 tiles at 8K tokens: 413 MiB of temporaries
-# against 59 MiB); with it the forward rule is recomputed whole in the backward pass. JAX
-# refuses it for a forward with side effects, which keeps the plain rule.
-_block_attention = jax.custom_vjp(_primal, nondiff_argnums=(0, 1))
-_block_attention.defvjp(_fwd, _bwd, optimize_remat=True)
-_block_attention_effects = jax.custom_vjp(_primal, nondiff_argnums=(0, 1))
-_block_attention_effects.defvjp(_fwd, _bwd)
+def custom_vjps(primal, fwd, bwd, nondiff_argnums: tuple[int, ...]):
+    """**Returns:** `(pure, effects)`: `primal` with the custom VJP `(fwd, bwd)` twice.
+
+    `pure` sets `optimize_remat`: under `jax.checkpoint` (LayerStack remat dots/full/offload)
+    JAX would otherwise partially evaluate the forward's loops over head tiles and blocks
+    and store every block's scores, O(seq^2) (4 heads in 4 tiles at 8K tokens: 413 MiB of
+    temporaries against 59 MiB); with it the forward rule is recomputed whole in the
+    backward pass. JAX refuses that for a forward with side effects: `effects` is the plain
+    rule, for an impl whose `pure_forward` is `False`.
+    """
+    pure = jax.custom_vjp(primal, nondiff_argnums=nondiff_argnums)
+    pure.defvjp(fwd, bwd, optimize_remat=True)
+    effects = jax.custom_vjp(primal, nondiff_argnums=nondiff_argnums)
+    effects.defvjp(fwd, bwd)
+    return pure, effects
+
+
+_block_attention, _block_attention_effects = custom_vjps(_primal, _fwd, _bwd, (0, 1))
 
 
 def resolve_impl(impl, platform: str):

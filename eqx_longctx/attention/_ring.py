@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._types import AxisName
-from ._block import AbstractBlockImpl, BlockOptions, pairs_are_empty
+from ._block import AbstractBlockImpl, BlockOptions, custom_vjps, pairs_are_empty
 
 
 class _RingConfig(NamedTuple):
@@ -243,10 +243,4 @@ def _ring_bwd(config, residuals, dout):
     )
 
 
-# `optimize_remat`: as `_block_attention`, the ring's forward is recomputed whole under
-# `jax.checkpoint` rather than partially evaluated; a forward with side effects keeps the
-# plain rule.
-_ring = jax.custom_vjp(_ring_primal, nondiff_argnums=(0,))
-_ring.defvjp(_ring_fwd, _ring_bwd, optimize_remat=True)
-_ring_effects = jax.custom_vjp(_ring_primal, nondiff_argnums=(0,))
-_ring_effects.defvjp(_ring_fwd, _ring_bwd)
+_ring, _ring_effects = custom_vjps(_ring_primal, _ring_fwd, _ring_bwd, (0,))

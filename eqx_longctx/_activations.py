@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals prints
 
+from . import _compat
 from .nn import LayerStack, MoE
 
 REMATS = ("none", "dots", "offload", "full")
@@ -144,8 +144,8 @@ def _saved_bytes(stack: LayerStack, x, ids) -> int:
         return eqx.combine(params, static)(x, positions, segment_ids)
 
     total = 0
-    for aval, why in saved_residuals(layer, params, x, ids, ids):
-        if why.startswith("from the argument") and "argument x" not in why:
+    for aval, why in _compat.saved_residuals(layer, params, x, ids, ids):
+        if _compat.is_argument_residual(why) and not _compat.is_argument_residual(why, "x"):
             continue  # weights (counted as parameters), positions and segment ids (batch)
         shape, dtype = getattr(aval, "shape", ()), getattr(aval, "dtype", jnp.float32)
         total += math.prod(shape) * jnp.dtype(dtype).itemsize

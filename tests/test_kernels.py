@@ -428,7 +428,9 @@ def test_bad_arrays_raise():
 def race_detectors(monkeypatch):
     """Every race detector TPU interpret mode creates (one per kernel run). JAX exposes
     the detector only as `interpret_pallas_call.races`, replaced by each kernel run."""
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    from eqx_longctx._compat import pallas_interpret_module
+
+    ipc = pallas_interpret_module()
 
     made = []
     original = ipc.RaceDetectionState

@@ -136,28 +136,21 @@ def tpu_worker_count() -> int:
     """**Returns:** the number of workers (hosts) of the Cloud TPU slice this process runs
     on, from the environment (GKE) or the VM's metadata (GCE); 1 elsewhere, or when they
     cannot be read (a single-host TPU such as Colab's)."""
-    import jax  # noqa: F401  (runs the Cloud TPU detection)
-    from jax._src import cloud_tpu_init
+    from .._compat import cloud_tpu_process_count, running_in_cloud_tpu_vm
 
-    if not cloud_tpu_init.running_in_cloud_tpu_vm:
+    if not running_in_cloud_tpu_vm():
         return 1
     try:
-        from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster, GkeTpuCluster
-
-        for cls in (GkeTpuCluster, GceTpuCluster):
-            if cls.is_env_present():
-                return int(cls.get_process_count())
+        return cloud_tpu_process_count() or 1
     except Exception:  # no metadata server (e.g. Colab): one host
         return 1
-    return 1
 
 
 def is_tpu_host() -> bool:
     """**Returns:** whether this host has TPU chips (JAX's Cloud TPU detection)."""
-    import jax  # noqa: F401
-    from jax._src import cloud_tpu_init
+    from .._compat import running_in_cloud_tpu_vm
 
-    return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
+    return running_in_cloud_tpu_vm()
 
 
 class _Deadline:

@@ -17,9 +17,9 @@ PREFIX = "eqx_longctx"
 
 
 def kv_client():
-    from jax._src import distributed
+    from .._compat import distributed_client
 
-    client = distributed.global_state.client
+    client = distributed_client()
     if client is None:
         raise RuntimeError("jax.distributed is not initialized")
     return client

@@ -186,3 +186,26 @@ def test_library_never_imports_models():
         if found:
             offenders[path.relative_to(ROOT).as_posix()] = found
     assert set(offenders) == PENDING_MODELS_IMPORTS, offenders
+
+
+def test_third_family_uses_the_public_api_only():
+    """What a package outside this repository could write: no private module or name of
+    the library, and nothing of the zoo."""
+    private = []
+    tree = ast.parse((TESTS / "third_family.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            names = [f"{node.value.id}.{node.attr}"] if node.value.id == "eqx_longctx" else []
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "models" or (
+                parts[0] == "eqx_longctx" and any(p.startswith("_") for p in parts)
+            ):
+                private.append(name)
+    assert private == []

@@ -131,7 +131,8 @@ class ModelFamily(abc.ABC):
 _REGISTERED: dict[str, ModelFamily] = {}
 
 
-def register_family(family: ModelFamily) -> ModelFamily:
+# `family` is checked below, with an error that says how to make one.
+def register_family(family: object) -> ModelFamily:
     """Make a family available by name at run time (for a family that is not installed as
     a package with an `eqx_longctx.models` entry point, e.g. one defined in a notebook).
 

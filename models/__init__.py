@@ -3,19 +3,15 @@
 the `eqx_longctx.models` entry-point group (`eqx_longctx.model_family("llama")`)."""
 
 from ._family import DEEPSEEK as DEEPSEEK
-from ._family import FAMILY_NAMES as FAMILY_NAMES
 from ._family import LLAMA as LLAMA
 from ._family import DeepSeekFamily as DeepSeekFamily
 from ._family import LlamaFamily as LlamaFamily
 from ._family import family as family
-from ._family import family_of as family_of
 
 __all__ = [
     "DEEPSEEK",
     "LLAMA",
     "DeepSeekFamily",
     "LlamaFamily",
-    "FAMILY_NAMES",
     "family",
-    "family_of",
 ]

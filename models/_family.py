@@ -132,19 +132,9 @@ DEEPSEEK = DeepSeekFamily()
 """The DeepSeek family plugin (`--model deepseek`)."""
 
 
-# Transitional names, removed once the trainer and planner look families up through
-# `eqx_longctx.model_family` (issue 17).
-FAMILY_NAMES = ("llama", "deepseek")
-
-
+# Transitional: the step planner's modules still call `models.family(name)`; removed when
+# they ask `eqx_longctx.model_family` (issue 17).
 def family(name: str) -> ModelFamily:
     from eqx_longctx import model_family
 
     return model_family(name)
-
-
-def family_of(model_or_config: Any) -> ModelFamily:
-    for fam in (LLAMA, DEEPSEEK):
-        if isinstance(model_or_config, (fam.config, fam.model)):
-            return fam
-    raise ValueError(f"{type(model_or_config).__name__} belongs to no known model family.")

@@ -17,7 +17,6 @@ from ._partition import logical_axes as logical_axes
 from ._partition import param_bytes_per_device as param_bytes_per_device
 from ._partition import param_pspecs as param_pspecs
 from ._partition import param_shardings as param_shardings
-from ._partition import shard_model as shard_model
 from ._sharding import ShardingSpec as ShardingSpec
 from ._step_plan import StepPlan as StepPlan
 from ._step_plan import plan_train_step as plan_train_step

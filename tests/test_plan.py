@@ -17,7 +17,8 @@ import eqx_longctx as el
 from eqx_longctx._hlo import collective_bytes, collectives
 from eqx_longctx.attention import _context_parallel
 from eqx_longctx.attention._block import BlockOptions
-from eqx_longctx.attention._plan import STRATEGY_ORDER, choose_strategy, explain, plan
+from eqx_longctx.attention._choose import choose_strategy, explain, plan
+from eqx_longctx.attention._cost import STRATEGY_ORDER
 from eqx_longctx.attention._ring import _kv_identity
 from eqx_longctx.plan import compiled_attention, compiled_memory, main
 

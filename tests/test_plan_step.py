@@ -91,6 +91,22 @@ def test_offload_moves_the_layer_inputs_to_host_memory():
     assert full.device - offload.device == config.n_layers * layer_input
 
 
+def test_stacks_of_one_kind_are_priced_by_the_local_stack_of_that_kind():
+    # Mixed sliding / full layers run as a tuple of stacks ("layers[0]", "layers[1]"); the
+    # local model the planner traces has one stack of that kind ("layers").
+    from eqx_longctx.plan._activations import stack_activations
+
+    family = el.model_family("llama")
+    kinds = ("sliding_attention",) * 2 + ("full_attention",) * 2
+    config = family.config.from_preset(
+        "tiny", max_seq_len=1024, sliding_window=256, layer_types=kinds
+    )
+    stacks = stack_activations(family, config, batch=1, seq=1024)
+    assert [(s.path, s.n_layers) for s in stacks] == [("layers[0]", 2), ("layers[1]", 2)]
+    uniform = stack_activations(family, family.config.from_preset("tiny"), batch=1, seq=1024)
+    assert [s.saved for s in stacks] == [uniform[0].saved] * 2
+
+
 def test_budget_picks_the_fastest_row_that_fits():
     config = el.model_family("llama").config.from_preset("tiny", max_seq_len=16384)
     spec = _spec("context=8", "auto")

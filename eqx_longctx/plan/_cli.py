@@ -12,7 +12,7 @@ planned on a laptop.
   `--compile` compiles the trainer's step under that placement on abstract arrays and
   prints XLA's memory analysis beside the prediction; `--json` prints one JSON object
   instead of the table.
-- Without it, one attention call (`eqx_longctx.attention.plan`): every strategy's memory,
+- Without it, one attention call (`eqx_longctx.explain`): every strategy's memory,
   communication, balance and time, and the one `"auto"` picks; `--check` compiles each.
 
     python -m eqx_longctx.plan --model llama --preset llama3.1-8b --seq 1048576 --batch 4 \\

@@ -18,14 +18,14 @@ from ._partition import param_bytes_per_device as param_bytes_per_device
 from ._partition import param_pspecs as param_pspecs
 from ._partition import param_shardings as param_shardings
 from ._sharding import ShardingSpec as ShardingSpec
-from ._step_plan import StepPlan as StepPlan
-from ._step_plan import plan_train_step as plan_train_step
 from .attention import attention as attention
 from .attention import flash_attention as flash_attention
 from .attention import latent_attention as latent_attention
 from .attention import reference_attention as reference_attention
-from .attention._plan import Plan as Plan
-from .attention._plan import choose_strategy as choose_strategy
-from .attention._plan import explain as explain
+from .attention._choose import choose_strategy as choose_strategy
+from .attention._choose import explain as explain
+from .attention._explain import Plan as Plan
+from .plan import StepPlan as StepPlan
+from .plan import plan_train_step as plan_train_step
 
 __version__ = "0.1.0"

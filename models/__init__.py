@@ -6,12 +6,10 @@ from ._family import DEEPSEEK as DEEPSEEK
 from ._family import LLAMA as LLAMA
 from ._family import DeepSeekFamily as DeepSeekFamily
 from ._family import LlamaFamily as LlamaFamily
-from ._family import family as family
 
 __all__ = [
     "DEEPSEEK",
     "LLAMA",
     "DeepSeekFamily",
     "LlamaFamily",
-    "family",
 ]

@@ -130,11 +130,3 @@ LLAMA = LlamaFamily()
 """The Llama family plugin (`--model llama`)."""
 DEEPSEEK = DeepSeekFamily()
 """The DeepSeek family plugin (`--model deepseek`)."""
-
-
-# Transitional: the step planner's modules still call `models.family(name)`; removed when
-# they ask `eqx_longctx.model_family` (issue 17).
-def family(name: str) -> ModelFamily:
-    from eqx_longctx import model_family
-
-    return model_family(name)

@@ -16,13 +16,6 @@ PACKAGES = ("eqx_longctx", "models")
 # Cycles other work of issue 17 removes; emptied when it lands. The test fails whenever this
 # differs from what is found, so a fixed cycle cannot linger here and no new one can hide.
 PENDING: set[frozenset[str]] = {
-    # The step planner asks `models` for the families (it moves to `eqx_longctx.plan/` and
-    # asks `eqx_longctx.model_family`).
-    frozenset({"eqx_longctx", "eqx_longctx._activations", "eqx_longctx._step_plan", "models",
-               "models._family"}),
-    # The validator runs the chooser to resolve "auto" (the planner work removes it).
-    frozenset({"eqx_longctx.attention._choose", "eqx_longctx.attention._plan",
-               "eqx_longctx.attention._validate"}),
     # Each family module and its Hugging Face mapping import each other (the block work).
     frozenset({"models.llama", "models._llama_hf"}),
     frozenset({"models.deepseek", "models._deepseek_hf"}),

@@ -24,17 +24,6 @@ TESTS = pathlib.Path(__file__).resolve().parent
 ROOT = TESTS.parent
 NAME = third_family.FAMILY.name
 
-# Library modules that still import `models`: the step planner's, until it asks
-# `eqx_longctx.model_family` (issue 17, the planner work); emptied when that lands.
-PENDING_MODELS_IMPORTS = {
-    "eqx_longctx/_activations.py",
-    "eqx_longctx/_step_compile.py",
-    "eqx_longctx/_step_plan.py",
-    "eqx_longctx/plan.py",
-}
-# Until then the planner refuses a family it does not know by name; `None` once it plans
-# any family (then the test below checks the plan).
-PENDING_PLANNER_REFUSAL = "the planner knows families 'llama' and 'deepseek'"
 
 
 def install(tmp_path: pathlib.Path) -> dict[str, str]:
@@ -94,9 +83,6 @@ def test_planner_plans_an_entry_point_family(tmp_path):
         "--mesh", "data=2,context=4", "--seq", "256", "--batch", "2", "--json",
     ]  # fmt: skip
     done = run(args, install(tmp_path), tmp_path)
-    if PENDING_PLANNER_REFUSAL is not None:
-        assert done.returncode != 0 and PENDING_PLANNER_REFUSAL in done.stderr, done.stderr
-        return
     assert done.returncode == 0, done.stderr[-3000:]
     plan = json.loads(done.stdout.strip().splitlines()[-1])
     assert plan["model"] == NAME and plan["chosen"] is not None
@@ -185,7 +171,7 @@ def test_library_never_imports_models():
         found = imports_models(path)
         if found:
             offenders[path.relative_to(ROOT).as_posix()] = found
-    assert set(offenders) == PENDING_MODELS_IMPORTS, offenders
+    assert not offenders, offenders
 
 
 def test_third_family_uses_the_public_api_only():

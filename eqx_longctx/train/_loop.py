@@ -139,7 +139,9 @@ class Trainer:
             config.fsdp_axes,
             vocab_size=self.model_config.vocab_size,
         )
-        self.parallel.check_run(config.batch_size, config.seq_len, self.model_config)
+        self.parallel.check_run(
+            config.batch_size, config.seq_len, self.model_config, family=self.family
+        )
         # The layout of every weight: a dimension the mesh does not divide fails here.
         self._abstract_model = self.parallel.abstract_model(self._make_model)
         self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig

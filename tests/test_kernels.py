@@ -1,9 +1,12 @@
 """Pallas flash-attention kernels against a naive float32 oracle written here.
 
 The oracle materialises every score and a dense mask built from positions, segment ids and
-the window; it shares no code with the kernels. Kernels run in Pallas' interpreter
-(`interpret=True`, the default off TPU); the `slow` cases use TPU interpret mode, which
-simulates VMEM/SMEM, scalar prefetch and DMAs and checks for data races.
+the window; it shares no code with the kernels. Every case runs the path the library runs:
+`block_attention` (the block contract's custom VJP) with a `PallasBlockImpl`, or the
+impl's `tile_queries` / `attend` / `attend_backward` hop by hop as the ring calls them.
+Kernels run in Pallas' interpreter (`interpret=True`, what `impl="pallas"` picks off TPU);
+the `slow` cases use TPU interpret mode, which simulates VMEM/SMEM, scalar prefetch and
+DMAs and checks for data races.
 """
 
 import functools
@@ -14,8 +17,10 @@ import numpy as np
 import pytest
 from helpers import RTOL, rel_err
 
+from eqx_longctx.attention._block import BlockOptions, block_attention
 from eqx_longctx.kernels import (
     DEFAULT_BLOCK_SIZES,
+    PallasBlockImpl,
     default_block_sizes,
     pallas_flash_attention,
     pallas_flash_backward,
@@ -58,6 +63,18 @@ def oracle(q, k, v, qp, kp, qs, ks, *, causal, window, scale):
     out = jnp.einsum("bhst,bthd->bhsd", e, v, precision="highest") / safe[..., None]
     lse = jnp.where(denom == 0, -jnp.inf, m[..., 0] + jnp.log(safe))
     return out.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
+
+
+# ---------------------------------------------------------------------------- the path
+
+
+def pallas_block(q, k, v, qp, kp, qs=None, ks=None, *, causal, window=None, scale=None,
+                 block_q=128, block_k=128, interpret=True, max_live_blocks=None):  # fmt: skip
+    """`(out, lse)` through `block_attention` with a `PallasBlockImpl`: what `attention`,
+    `flash_attention` and the all-gather and Ulysses strategies run with `impl="pallas"`."""
+    impl = PallasBlockImpl(block_q, block_k, interpret, max_live_blocks)
+    options = BlockOptions.make(causal, window, scale, q.shape[-1])
+    return block_attention(impl, q, k, v, qp, kp, qs, ks, options)
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -183,7 +200,7 @@ def test_forward_and_grad_match_oracle(name):
     q, k, v, qp, kp, qs, ks = make_case(case)
     w = loss_weights(case)
     (out, lse), grads = outputs_and_grads(
-        lambda q, k, v: pallas_flash_attention(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w,
+        lambda q, k, v: pallas_block(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w,
         q, k, v,
     )  # fmt: skip
     (ref_out, ref_lse), ref_grads = outputs_and_grads(
@@ -199,8 +216,10 @@ def test_forward_and_grad_match_oracle(name):
 
 @pytest.mark.parametrize("name", ["ring_hop_gqa", "segments_mqa_ragged"])
 def test_explicit_backward_over_kv_halves_with_global_statistics(name):
-    """A ring in miniature: the keys split in two calls, each given the global lse and
-    delta; dq shares add up, dk/dv concatenate, and the partial forwards merge."""
+    """A ring in miniature, through the impl's methods as the ring calls them: the queries
+    tiled once, the keys split in two hops, each given the global lse and delta; the
+    query-gradient accumulator passes from hop to hop, dk/dv concatenate, and the partial
+    forwards merge."""
     case = CASES[name]
     q, k, v, qp, kp, qs, ks = make_case(case)
     kw, okw = kwargs(case), oracle_kwargs(case)
@@ -210,21 +229,27 @@ def test_explicit_backward_over_kv_halves_with_global_statistics(name):
     ref_dq, ref_dk, ref_dv = vjp((w_out, w_lse))
     delta = jnp.sum(w_out * ref_out, -1) - w_lse
 
-    @jax.jit
-    def hop(k, v, kp, ks):
-        out, lse = pallas_flash_forward(q, k, v, qp, kp, qs, ks, **kw)
-        grads = pallas_flash_backward(q, k, v, qp, kp, qs, ks, w_out, ref_lse, delta, **kw)
-        return out, lse, grads
-
+    impl = PallasBlockImpl(kw["block_q"], kw["block_k"], True, kw["max_live_blocks"])
+    options = BlockOptions.make(kw["causal"], kw["window"], kw["scale"], q.shape[-1])
     half = case["sk"] // 2
-    outs, lses, dq, dks, dvs = [], [], 0.0, [], []
-    for p in (slice(0, half), slice(half, None)):
-        o, lse_p, g = hop(k[:, p], v[:, p], kp[:, p], None if ks is None else ks[:, p])
-        outs.append(o)
-        lses.append(lse_p)
-        dq = dq + g[0]
-        dks.append(g[1])
-        dvs.append(g[2])
+    hops = (slice(0, half), slice(half, None))
+
+    @jax.jit
+    def ring_of_two(q, k, v):
+        qt = impl.tile_queries(q, qp, qs, k[:, hops[0]], options)
+        dout, lse, delta_ = qt.split_q(w_out), qt.split_rows(ref_lse), qt.split_rows(delta)
+        outs, lses, dq, dks, dvs = [], [], qt.zeros_dq(), [], []
+        for p in hops:
+            block = (k[:, p], v[:, p], kp[:, p], None if ks is None else ks[:, p])
+            o, lse_p = impl.attend(qt, *block)
+            dq, dk, dv = impl.attend_backward(qt, *block, dout, lse, delta_, dq)
+            outs.append(qt.merge_q(o))
+            lses.append(qt.merge_rows(lse_p))
+            dks.append(dk)
+            dvs.append(dv)
+        return outs, lses, qt.dq(dq), dks, dvs
+
+    outs, lses, dq, dks, dvs = ring_of_two(q, k, v)
     lse = jnp.logaddexp(*lses)
     weights = [jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(x - lse))[..., None] for x in lses]
     out = weights[0] * outs[0] + weights[1] * outs[1]
@@ -240,7 +265,7 @@ def test_lse_cotangent_alone():
     q, k, v, qp, kp, qs, ks = make_case(case)
     w = (jnp.zeros((1, 256, 2, 64)), loss_weights(case)[1])
     _, grads = outputs_and_grads(
-        lambda q, k, v: pallas_flash_attention(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w,
+        lambda q, k, v: pallas_block(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w,
         q, k, v,
     )  # fmt: skip
     _, ref_grads = outputs_and_grads(
@@ -250,26 +275,41 @@ def test_lse_cotangent_alone():
         check_close(g, r, jnp.float32, "lse-only gradient")
 
 
-def test_heads_major_matches_sequence_major():
+def test_public_halves_equal_the_block_impl():
+    """`pallas_flash_forward` / `pallas_flash_backward` and their heads-major twins give
+    bit for bit what `PallasBlockImpl.attend` / `attend_backward` give the strategies."""
     case = CASES["window_gqa"]
     q, k, v, qp, kp, qs, ks = make_case(case)
     kw = kwargs(case)
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    impl = PallasBlockImpl(kw["block_q"], kw["block_k"], True, kw["max_live_blocks"])
+    options = BlockOptions.make(kw["causal"], kw["window"], kw["scale"], q.shape[-1])
 
     @jax.jit
-    def both(q, k, v):
+    def three(q, k, v):
+        qt = impl.tile_queries(q, qp, qs, k, options)
+        out_i, lse_i = impl.attend(qt, k, v, kp, ks)
+        out_i, lse_i = qt.merge_q(out_i), qt.merge_rows(lse_i)
+        dout = jnp.ones_like(out_i)
+        delta = jnp.sum(out_i * dout, -1)
+        rows = (qt.split_q(dout), qt.split_rows(lse_i), qt.split_rows(delta), qt.zeros_dq())
+        dq_i, dk_i, dv_i = impl.attend_backward(qt, k, v, kp, ks, *rows)
         out, lse = pallas_flash_forward(q, k, v, qp, kp, qs, ks, **kw)
         out_h, lse_h = pallas_flash_forward_heads_major(t(q), t(k), t(v), qp, kp, qs, ks, **kw)
-        dout = jnp.ones_like(out)
-        delta = jnp.sum(out * dout, -1)
         grads = pallas_flash_backward(q, k, v, qp, kp, qs, ks, dout, lse, delta, **kw)
         grads_h = pallas_flash_backward_heads_major(
             t(q), t(k), t(v), qp, kp, qs, ks, t(dout), t(lse), t(delta), **kw
         )
-        return (out, lse, *grads), tuple(map(t, (out_h, lse_h, *grads_h)))
+        return (
+            (out_i, lse_i, qt.dq(dq_i), dk_i, dv_i),
+            (out, lse, *grads),
+            tuple(map(t, (out_h, lse_h, *grads_h))),
+        )
 
-    for a, b in zip(*both(q, k, v), strict=True):
+    library, seq_major, heads_major = three(q, k, v)
+    for a, b, c in zip(library, seq_major, heads_major, strict=True):
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
 
 
 def test_nan_propagates_like_naive_softmax():
@@ -280,7 +320,7 @@ def test_nan_propagates_like_naive_softmax():
     kw = kwargs(case)
     q = q.at[0, 5, 0, 3].set(jnp.nan)  # row 5
     k = k.at[0, 200, 0, 0].set(jnp.nan)  # seen causally by rows >= 200
-    out, lse = pallas_flash_forward(q, k, v, qp, kp, **kw)
+    out, lse = pallas_block(q, k, v, qp, kp, **kw)
     ref_out, _ = oracle(q, k, v, qp, kp, None, None, **oracle_kwargs(case))
     nan_rows = np.isnan(np.asarray(out[0, :, 0])).any(-1)
     expected = np.zeros(256, bool)
@@ -295,7 +335,7 @@ def test_nan_propagates_like_naive_softmax():
     q2 = q.at[0, 5, 0, 3].set(0.0)
     k2 = k.at[0, 200, 0, 0].set(0.0).at[0, 128:, 0, :].set(jnp.nan)
     v2 = v.at[0, 128:].set(jnp.nan)
-    out2, _ = pallas_flash_forward(q2, k2, v2, qp, kp, **kw)
+    out2, _ = pallas_block(q2, k2, v2, qp, kp, **kw)
     assert np.isfinite(np.asarray(out2[0, :128])).all()
     assert np.isnan(np.asarray(out2[0, 128:])).all()
 
@@ -355,7 +395,7 @@ def test_max_live_blocks_too_small_gives_nan():
     case = dict(CASES["window_gqa"], max_live=1)
     q, k, v, qp, kp, qs, ks = make_case(case)
     (out, lse), grads = outputs_and_grads(
-        lambda q, k, v: pallas_flash_attention(q, k, v, qp, kp, qs, ks, **kwargs(case)),
+        lambda q, k, v: pallas_block(q, k, v, qp, kp, qs, ks, **kwargs(case)),
         *loss_weights(case), q, k, v,
     )  # fmt: skip
     for x in (out, lse, *grads):
@@ -385,9 +425,11 @@ def test_default_block_sizes():
 def test_bad_static_arguments_raise(change, match):
     q, k, v, qp, kp, _, _ = make_case(dict(sq=128, sk=128))
     kw = dict(causal=True, block_q=128, block_k=128) | change
-    for fn in (pallas_flash_forward, pallas_flash_attention):
+    for fn in (pallas_flash_forward, pallas_block):
         with pytest.raises(ValueError, match=match):
             fn(q, k, v, qp, kp, **kw)
+    with pytest.raises(ValueError):  # flash_attention words the window rules its own way
+        pallas_flash_attention(q, k, v, qp, kp, **kw)
     with pytest.raises(ValueError, match=match):
         lse = jnp.zeros((1, 128, 2))
         pallas_flash_backward(q, k, v, qp, kp, None, None, jnp.zeros_like(q), lse, lse, **kw)
@@ -458,7 +500,7 @@ def test_tpu_interpret_mode_matches_oracle_without_races(name, cores, race_detec
     kw = kwargs(case) | dict(interpret=race_detecting_interpret(cores))
     w = loss_weights(case)
     (out, lse), grads = outputs_and_grads(
-        lambda q, k, v: pallas_flash_attention(q, k, v, qp, kp, qs, ks, **kw), *w, q, k, v
+        lambda q, k, v: pallas_block(q, k, v, qp, kp, qs, ks, **kw), *w, q, k, v
     )
     assert len(race_detectors) == 3  # forward, dQ, dK/dV
     assert not any(r.races_found for r in race_detectors)
@@ -484,7 +526,7 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, window):
 
     def grads(q, k, v, qp, kp, qs, ks):
         def loss(q, k, v):
-            out, lse = pallas_flash_attention(
+            out, lse = pallas_block(
                 q, k, v, qp, kp, qs if segments else None, ks if segments else None,
                 causal=True, window=window, block_q=256, block_k=512, interpret=False,
                 max_live_blocks=None if window is None else 3,
@@ -510,9 +552,9 @@ def test_inside_shard_map():
     q, k, v, qp, kp, _, _ = make_case(case)
     mesh = jax.make_mesh((4,), ("ctx",), devices=jax.devices()[:4])
 
-    def local(q, k, v, qp, kp, interpret=None):
+    def local(q, k, v, qp, kp, interpret=True):
         def loss(q, k, v):
-            out, lse = pallas_flash_attention(
+            out, lse = pallas_block(
                 q, k, v, qp, kp, causal=True, block_q=128, block_k=128, interpret=interpret
             )
             return jnp.sum(out) + jnp.sum(lse), out
@@ -531,3 +573,20 @@ def test_inside_shard_map():
     with_vma = jax.jit(jax.shard_map(compiled, mesh=mesh, in_specs=specs, out_specs=specs[:4]))
     exported = jax.export.export(with_vma, platforms=("tpu",))(*args)
     assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
+def test_pallas_flash_attention_is_flash_attention_with_the_block_impl():
+    """The public wrapper has no gradient rule of its own: outputs and gradients are bit for
+    bit those of `block_attention` with the same `PallasBlockImpl`."""
+    case = CASES["segments_mqa_ragged"]
+    q, k, v, qp, kp, qs, ks = make_case(case)
+    w = loss_weights(case)
+    ours = outputs_and_grads(
+        lambda q, k, v: pallas_block(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w, q, k, v
+    )
+    public = outputs_and_grads(
+        lambda q, k, v: pallas_flash_attention(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w,
+        q, k, v,
+    )  # fmt: skip
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(public), strict=True):
+        np.testing.assert_array_equal(a, b)

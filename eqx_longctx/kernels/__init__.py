@@ -1,10 +1,12 @@
 """Pallas TPU kernels, each beside an XLA twin with the same contract.
 
 Flash attention (FlashAttention-2, arXiv:2307.08691) with masks computed in the kernel from
-per-token positions, segment ids and a sliding window; the XLA twin is
-`eqx_longctx.attention._local.flash_attention`.
+per-token positions, segment ids and a sliding window; the XLA twin is `XlaBlockImpl` in
+`eqx_longctx/attention/_local.py`.
 
-- `pallas_flash_attention`: differentiable `(out, lse)`.
+- `PallasBlockImpl`: the kernels behind the block contract (`impl="pallas"`), what every
+  strategy runs; differentiable through the contract's one custom VJP.
+- `pallas_flash_attention`: `eqx_longctx.flash_attention(..., impl=PallasBlockImpl(...))`.
 - `pallas_flash_forward`, `pallas_flash_backward`: the two halves, for strategies that
   schedule them (ring attention passes the global `lse`, `delta` to each hop's backward).
 - `*_heads_major`: the same on `[batch, heads, seq, dim]` arrays, the kernels' own layout.

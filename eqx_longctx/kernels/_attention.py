@@ -1,16 +1,10 @@
-"""`pallas_flash_attention`: the differentiable Pallas flash attention (custom VJP).
+"""`pallas_flash_attention`: the public `flash_attention` with a `PallasBlockImpl`.
 
-The public wrapper validates; the private `jax.custom_vjp` behind it trusts its inputs and
-runs the forward kernel, then the dQ and dK/dV kernels with
-`delta = rowsum(dout * out) - dlse`, so the logsumexp output is differentiable too (callers
-that merge partial results through their logsumexp, like ring attention, rely on it). The
-XLA twin with the same contract is `eqx_longctx.attention._local.flash_attention`.
+No gradient rule of its own: it runs the block contract's `custom_vjp`
+(`eqx_longctx/attention/_block.py`), the path every strategy takes with `impl="pallas"`.
 """
 
-import functools
-
 import jax
-import jax.numpy as jnp
 
 from .._types import (
     AttnOut,
@@ -23,9 +17,8 @@ from .._types import (
     SegmentIds,
     Value,
 )
-from ._blocks import Config, check_inputs, make_config
-from ._flash_pallas import flash_forward_heads_major, to_seq_major
-from ._flash_pallas_bwd import flash_backward_heads_major
+from ..attention._impls import flash_attention
+from ._impl import PallasBlockImpl
 
 
 def pallas_flash_attention(
@@ -45,47 +38,30 @@ def pallas_flash_attention(
     interpret=None,
     max_live_blocks: int | None = None,
 ) -> tuple[AttnOut, LogSumExp]:
-    """Differentiable flash attention on Pallas TPU kernels (FlashAttention-2,
-    arXiv:2307.08691): `pallas_flash_forward` with a backward through
-    `pallas_flash_backward` that honours the cotangent of `lse` as well as of `out`.
+    """Differentiable flash attention on the Pallas TPU kernels (FlashAttention-2,
+    arXiv:2307.08691): `eqx_longctx.flash_attention(..., impl=PallasBlockImpl(...))`.
 
-    **Arguments:** as `pallas_flash_forward`.
+    The backward is the block contract's: `pallas_flash_backward`'s kernels given
+    `delta = rowsum(dout * out) - dlse`, so the cotangent of `lse` is honoured as well as
+    that of `out`.
+
+    **Arguments:** as `pallas_flash_forward` (`interpret=None`: compiled on a TPU, Pallas'
+    interpreter elsewhere).
 
     **Returns:** `(out, lse)` as `pallas_flash_forward`; gradients flow to `q`, `k`, `v`.
 
-    **Raises:** as `pallas_flash_forward`.
+    **Raises:** as `eqx_longctx.flash_attention`, and `ValueError` as
+    `pallas_flash_forward` for block lengths, `window` and `max_live_blocks`.
     """
-    masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    check_inputs(q, k, v, *masks)
-    cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
-                      block_q=block_q, block_k=block_k, interpret=interpret,
-                      max_live_blocks=max_live_blocks)  # fmt: skip
-    t = to_seq_major
-    out, lse = _attention(  # pyright: ignore[reportGeneralTypeIssues]  (custom_vjp typing)
-        cfg, t(q), t(k), t(v), *masks
+    default = PallasBlockImpl.for_platform(jax.devices()[0].platform, interpret)
+    impl = PallasBlockImpl(
+        default.block_q if block_q is None else block_q,
+        default.block_k if block_k is None else block_k,
+        default.interpret,
+        max_live_blocks,
     )
-    return to_seq_major(out), to_seq_major(lse)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: Config, qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg):
-    return flash_forward_heads_major(cfg, qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg)
-
-
-def _attention_fwd(cfg: Config, qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg):
-    out, lse = flash_forward_heads_major(cfg, qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg)
-    return (out, lse), (qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, out, lse)
-
-
-def _attention_bwd(cfg: Config, residuals, cotangents):
-    qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
-    dout, dlse = cotangents
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    delta = delta - dlse.astype(jnp.float32)
-    dq, dk, dv = flash_backward_heads_major(
-        cfg, qh, kh, vh, q_pos, kv_pos, q_seg, kv_seg, dout, lse, delta
-    )
-    return dq.astype(qh.dtype), dk.astype(kh.dtype), dv.astype(vh.dtype), None, None, None, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+    return flash_attention(
+        q, k, v, q_positions=q_positions, kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, causal=causal,
+        window=window, scale=scale, impl=impl,
+    )  # fmt: skip

@@ -25,7 +25,6 @@ ROOT = TESTS.parent
 NAME = third_family.FAMILY.name
 
 
-
 def install(tmp_path: pathlib.Path) -> dict[str, str]:
     """Install the third family as a distribution would (a `*.dist-info` with its entry
     point) in a directory of its own. **Returns:** the environment of a process that sees

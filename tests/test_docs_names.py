@@ -13,6 +13,8 @@ import re
 import pytest
 from helpers import resolve_dotted
 
+from eqx_longctx._family import ENTRY_POINT_GROUP
+
 ROOT = pathlib.Path(__file__).parent.parent
 SOURCES = sorted(
     [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "notebooks").glob("*.ipynb")]
@@ -68,7 +70,10 @@ def mentions(path):
 
 
 def resolve(name, kind):
-    """None if `name` exists (as a runnable module for kind "module"), else why not."""
+    """None if `name` exists (as a runnable module for kind "module"), else why not. The
+    entry-point group families register under is a name too, though not a module's."""
+    if kind == "name" and name == ENTRY_POINT_GROUP:
+        return None
     if kind == "module":
         spec = importlib.util.find_spec(name)
         if spec is None:

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from helpers import RTOL, rel_err
 
+from eqx_longctx import flash_attention
 from eqx_longctx.attention._block import BlockOptions, block_attention
 from eqx_longctx.kernels import (
     DEFAULT_BLOCK_SIZES,
     PallasBlockImpl,
     default_block_sizes,
-    pallas_flash_attention,
     pallas_flash_backward,
     pallas_flash_backward_heads_major,
     pallas_flash_forward,
@@ -426,7 +426,7 @@ def test_bad_static_arguments_raise(change, match):
         with pytest.raises(ValueError, match=match):
             fn(q, k, v, qp, kp, **kw)
     with pytest.raises(ValueError):  # flash_attention words the window rules its own way
-        pallas_flash_attention(q, k, v, qp, kp, **kw)
+        public_pallas(q, k, v, qp, kp, **kw)
     with pytest.raises(ValueError, match=match):
         lse = jnp.zeros((1, 128, 2))
         pallas_flash_backward(q, k, v, qp, kp, None, None, jnp.zeros_like(q), lse, lse, **kw)
@@ -460,9 +460,19 @@ def test_bad_arrays_raise():
         )
 
 
-def test_pallas_flash_attention_is_flash_attention_with_the_block_impl():
-    """The public wrapper has no gradient rule of its own: outputs and gradients are bit for
-    bit those of `block_attention` with the same `PallasBlockImpl`."""
+def public_pallas(q, k, v, qp, kp, qs=None, ks=None, *, block_q=128, block_k=128,
+                  interpret=True, max_live_blocks=None, **kw):  # fmt: skip
+    """The public one-device call of the kernels: `flash_attention(impl=PallasBlockImpl)`."""
+    impl = PallasBlockImpl(block_q, block_k, interpret, max_live_blocks)
+    return flash_attention(
+        q, k, v, q_positions=qp, kv_positions=kp, q_segment_ids=qs, kv_segment_ids=ks,
+        impl=impl, **kw,
+    )  # fmt: skip
+
+
+def test_public_flash_attention_with_pallas_is_the_block_contract():
+    """`flash_attention(impl=PallasBlockImpl(...))` has no gradient rule of its own: outputs
+    and gradients are bit for bit those of `block_attention` with the same impl."""
     case = CASES["segments_mqa_ragged"]
     q, k, v, qp, kp, qs, ks = make_case(case)
     w = loss_weights(case)
@@ -470,7 +480,7 @@ def test_pallas_flash_attention_is_flash_attention_with_the_block_impl():
         lambda q, k, v: pallas_block(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w, q, k, v
     )
     public = outputs_and_grads(
-        lambda q, k, v: pallas_flash_attention(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w,
+        lambda q, k, v: public_pallas(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w,
         q, k, v,
     )  # fmt: skip
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(public), strict=True):

@@ -17,9 +17,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from eqx_longctx import ShardingSpec
 from eqx_longctx.data import place_batch
 
+from .._sharding import ShardingSpec
 from ._config import default_mesh, fsdp_axes_of, mesh_shape
 
 
@@ -207,7 +207,7 @@ class Placement:
             model = make(None)
             arrays, rest = eqx.partition(model, eqx.is_array)
             return eqx.combine(jax.device_put(arrays, self.device), rest)
-        from eqx_longctx import init_sharded
+        from .._partition import init_sharded
 
         spec = self.spec
         return init_sharded(lambda: make(spec), spec)
@@ -238,7 +238,7 @@ class Placement:
         """
         if self.spec is None:
             return None
-        from eqx_longctx import param_shardings
+        from .._partition import param_shardings
 
         shardings = param_shardings(model, self.spec)
         inexact = eqx.filter(model, _is_inexact)
@@ -396,7 +396,7 @@ def device_grid(devices: list, shape: tuple[int, ...]) -> np.ndarray:
 def _family(family, model_config):
     """The `ModelFamily` a run's config belongs to: `family` (or the family of that name),
     else the installed or registered family whose `config` class `model_config` is."""
-    from eqx_longctx import ModelFamily, model_families, model_family
+    from .._family import ModelFamily, model_families, model_family
 
     if isinstance(family, ModelFamily):
         return family

@@ -117,7 +117,7 @@ def decay_mask(params):
     **Raises:** `ValueError` as `eqx_longctx.logical_axes`, for an array whose field
     annotation names no dimensions or another rank.
     """
-    from eqx_longctx import logical_axes
+    from .._partition import logical_axes
 
     def decay(axes: PartitionSpec) -> bool:
         return matrix_rank(axes) >= 2

@@ -48,6 +48,7 @@ from ._step_explain import step_table
 from .attention._choose import plan as plan_attention
 from .attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, STRATEGY_ORDER
 from .attention._explain import gib
+from .attention._validate import check_tensor_heads
 
 _F32 = 4
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment ids (int32), loss mask (float32)
@@ -171,13 +172,13 @@ def plan_train_step(
 
     **Raises:** `ValueError` for an unknown `family`, an unknown name in `strategies` or
     `remats`, or an empty one; when `batch` does not split over the spec's batch axes or
-    `seq` over its sequence shards (`2N` chunks under `"zigzag"`); for a multi-head latent
-    attention config with a `tensor_axis`; when a weight dimension does not split over its mesh axes
-    (as `eqx_longctx.param_pspecs`); or when a strategy in `strategies` cannot run these
-    shapes. `TypeError` when `spec` is not a `ShardingSpec`, `config` is not the family's
-    config class, or `strategies` or `remats` is not a tuple of names; `TypeError` or
-    `ValueError` for `memory_budget_bytes`, `flops_per_s` or `bytes_per_s` that is not a
-    finite number `> 0`.
+    `seq` over its sequence shards (`2N` chunks under `"zigzag"`); when the heads do not
+    divide over the `tensor_axis` (multi-head latent attention's too); when a weight dimension
+    does not split over its mesh axes (as `eqx_longctx.param_pspecs`); or when a strategy in
+    `strategies` cannot run these shapes. `TypeError` when `spec` is not a `ShardingSpec`,
+    `config` is not the family's config class, or `strategies` or `remats` is not a tuple of
+    names; `TypeError` or `ValueError` for `memory_budget_bytes`, `flops_per_s` or
+    `bytes_per_s` that is not a finite number `> 0`.
     """
     from models import family as model_family
 
@@ -197,13 +198,7 @@ def plan_train_step(
             f"seq={seq} must be divisible by {need} to split over the {n_seq} sequence shards "
             f"of the mesh ({spec.load_balance} layout); use seq={-(-seq // need) * need}."
         )
-    if hasattr(config, "kv_lora_rank") and spec.tensor_axis is not None:
-        raise ValueError(
-            f"{family}'s multi-head latent attention replicates its up-projection, so it cannot "
-            f"split heads over tensor_axis={spec.tensor_axis!r}; drop the tensor axis from the "
-            "mesh (split the experts over expert=, the weights over the fsdp axes)."
-        )
-    nt = spec.axis_size(spec.tensor_axis)
+    nt = check_tensor_heads(spec, *attention_heads(config)[:2])
     b_local, s_local = batch // spec.batch_parallel_size, seq // n_seq
     model = eqx.filter_eval_shape(fam.model, config, key=jax.random.key(0), spec=spec)
     params = param_bytes_per_device(model, spec)

@@ -368,12 +368,19 @@ def param_bytes_per_device(model: Any, spec: ShardingSpec | None = None) -> int:
     pspecs = jax.tree.leaves(param_pspecs(model, spec))
     total = 0
     for leaf, ps in zip(arrays, pspecs, strict=True):
-        n = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
-        for entry in ps:
-            for axis in (entry,) if isinstance(entry, str) else entry or ():
-                n //= spec.axis_size(axis) if spec is not None else 1
-        total += n
+        local = leaf.shape if spec is None else local_shape(spec, leaf.shape, ps)
+        total += math.prod(local) * jnp.dtype(leaf.dtype).itemsize
     return total
+
+
+def local_shape(spec: ShardingSpec, shape: tuple[int, ...], pspec: PartitionSpec):
+    """**Returns:** the shape of one device's block of a `shape` array laid out as `pspec`
+    on `spec.mesh`."""
+    out = list(shape)
+    for i, entry in enumerate(pspec):
+        for axis in (entry,) if isinstance(entry, str) else entry or ():
+            out[i] //= spec.axis_size(axis)
+    return tuple(out)
 
 
 def gather_for_compute(layer: Any, spec: ShardingSpec | None, leading=()) -> Any:

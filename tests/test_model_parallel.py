@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, packed_rows
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import eqx_longctx as el
 from eqx_longctx.data import Batch, place_batch
@@ -85,3 +86,43 @@ def test_place_batch_lays_out_and_shards():
     )
     with pytest.raises(ValueError, match="divisible by 4"):
         place_batch(Batch(*(np.zeros((2, 10), np.int32) for _ in range(5))), spec)
+
+
+# ---------------------------------------------------------------- DeepSeek on a tensor axis
+
+
+def test_trainer_and_planner_accept_deepseek_on_a_tensor_axis():
+    """`--model deepseek --mesh tensor=2,context=4`: the trainer's placement checks and
+    builds it (MLA's per-head weights split over tensor, the latent projection whole), and
+    the planner plans it with fewer parameter bytes per device than without the axis. The
+    logits and gradients are checked in tests/test_partition.py."""
+    from eqx_longctx.train._parallel import Placement
+    from models import family
+
+    deepseek = family("deepseek")
+    config = deepseek.config.from_preset("tiny", vocab_size=259)
+    placement = Placement(8, "tensor=2,context=4", vocab_size=config.vocab_size)
+    placement.check_run(8, 64, config)
+    model = placement.build_model(lambda spec: deepseek.model(config, key=jax.random.key(0),
+                                                             spec=spec))  # fmt: skip
+    attn = model.moe_layers.layers.attn
+    for weight, pspec in (
+        (attn.wq_b, P(None, None, "tensor", None)),
+        (attn.wkv_b, P(None, None, "tensor", None)),
+        (attn.wo, P(None, "tensor", None, None)),
+        (attn.wq_a, P()),
+        (attn.wkv_a, P()),
+    ):
+        assert weight.sharding.is_equivalent_to(NamedSharding(placement.mesh, pspec), weight.ndim)
+
+    config = deepseek.config.from_preset("tiny", vocab_size=256, max_seq_len=8192)
+    params = {}
+    for mesh in ({"tensor": 2, "context": 4}, {"data": 2, "context": 4}):
+        devices = np.array(jax.devices()).reshape(tuple(mesh.values()))
+        spec = el.ShardingSpec(Mesh(devices, tuple(mesh)), "ring",
+                               tensor_axis="tensor" if "tensor" in mesh else None)  # fmt: skip
+        plan = el.plan_train_step("deepseek", config, spec, batch=2, seq=8192, remats=("full",))
+        row = plan.row("ring", "full")
+        assert all(np.isfinite(v) and v >= 0 for v in row.breakdown().values()), row
+        params[tuple(mesh)] = row.breakdown()["params"]
+    assert params[("tensor", "context")] < 0.75 * params[("data", "context")], params

@@ -1,6 +1,7 @@
 """Weights sharded by the logical-axis rules table (FSDP, tensor): same numbers, 1/N bytes."""
 
 import dataclasses
+import math
 import re
 
 import equinox as eqx
@@ -168,26 +169,87 @@ def test_mla_up_projections_take_fsdp_as_a_fallback():
     assert el.param_bytes_per_device(model, spec) < 0.55 * full
 
 
+@pytest.mark.parametrize("q_lora_rank", [None, 48])
+def test_mla_splits_heads_over_tensor_and_keeps_the_latent_whole(q_lora_rank):
+    # DeepSeek's tensor parallelism: every per-head weight (query and K/V up-projections,
+    # output) splits over heads; the down-projection to the latent and the RoPE key (wkv_a),
+    # the query latent (wq_a) and their norms are whole on every tensor shard.
+    config = dataclasses.replace(DS_PRESETS["tiny"], vocab_size=256, q_lora_rank=q_lora_rank)
+    model = eqx.filter_eval_shape(DeepSeek, config, key=jax.random.key(0))
+    spec = el.ShardingSpec(
+        _mesh((2, 2, 2), ("fsdp", "tensor", "context")), fsdp_axis="fsdp", tensor_axis="tensor"
+    )
+    for stack in ("dense_layers", "moe_layers"):
+        attn = getattr(el.param_pspecs(model, spec), stack).layers.attn
+        if q_lora_rank is None:
+            assert attn.wq == P(None, "fsdp", "tensor", None)
+        else:
+            assert attn.wq_a == P(None, "fsdp", None)
+            assert attn.q_norm.weight == P(None, None)
+            assert attn.wq_b == P(None, "fsdp", "tensor", None)  # q_lora_rank: fsdp fallback
+        assert attn.wkv_a == P(None, "fsdp", None)
+        assert attn.kv_norm.weight == P(None, None)
+        assert attn.wkv_b == P(None, "fsdp", "tensor", None)
+        assert attn.wo == P(None, "tensor", None, "fsdp")  # row-parallel: reduced over tensor
+        gathered = getattr(el.param_pspecs(model, spec, gathered=True), stack).layers.attn
+        assert gathered.wkv_b == P(None, None, "tensor", None)
+        assert gathered.wkv_a == P(None, None, None)
+    fsdp_only = el.ShardingSpec(spec.mesh, fsdp_axis="fsdp")
+    heads_bytes = sum(
+        math.prod(w.shape) * 4
+        for stack in (model.dense_layers, model.moe_layers)
+        for w in (stack.layers.attn.wq, stack.layers.attn.wq_b, stack.layers.attn.wkv_b,
+                  stack.layers.attn.wo)
+        if w is not None
+    )  # fmt: skip
+    saved = el.param_bytes_per_device(model, fsdp_only) - el.param_bytes_per_device(model, spec)
+    assert saved >= heads_bytes // 4  # at least half of each fsdp shard of the head weights
+
+
 DS_PLANS = [
     ("fsdp_context", (2, 4), ("fsdp", "context"), dict(fsdp_axis=("fsdp", "context"))),
     ("fsdp_expert", (2, 2, 2), ("fsdp", "expert", "context"),
      dict(fsdp_axis="fsdp", expert_axis="expert")),
+    # MLA's heads over a tensor axis (the latent whole on each shard), with every other axis.
+    ("tensor", (2, 1), ("tensor", "context"), dict(tensor_axis="tensor")),
+    ("tensor_ring", (2, 4), ("tensor", "context"), dict(tensor_axis="tensor")),
+    ("tensor_ulysses", (2, 2, 2), ("data", "tensor", "context"),
+     dict(tensor_axis="tensor", strategy="ulysses", load_balance="striped")),
+    ("fsdp_tensor", (2, 2, 2), ("fsdp", "tensor", "context"),
+     dict(fsdp_axis="fsdp", tensor_axis="tensor")),
+    ("expert_tensor", (2, 2, 2), ("expert", "tensor", "context"),
+     dict(expert_axis="expert", tensor_axis="tensor")),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name,shape,names,kw", DS_PLANS, ids=[p[0] for p in DS_PLANS])
-def test_deepseek_sharded_same_logits_and_grads(name, shape, names, kw):
-    config = dataclasses.replace(DS_PRESETS["tiny"], vocab_size=256)
+DS_CONFIG = dataclasses.replace(DS_PRESETS["tiny"], vocab_size=256)
+
+
+def _ds_loss(model, tokens):
+    logits = model(tokens)
+    return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
+
+
+# One compiled step gives the logits and the parameter gradients.
+_ds_logits_and_grads = eqx.filter_jit(eqx.filter_grad(_ds_loss, has_aux=True))
+
+
+@pytest.fixture(scope="module")
+def ds_reference():
+    """The one-device model's tokens, logits and parameter gradients."""
     rng = np.random.default_rng(1)
-    tokens = rng.integers(0, config.vocab_size, (4, 64)).astype(np.int32)
-    model = DeepSeek(config, key=jax.random.key(0))
-    loss = lambda m, t: jnp.mean(jax.nn.logsumexp(m(t), -1))  # noqa: E731
-    ref_logits, ref_grads = model(tokens), eqx.filter_grad(loss)(model, tokens)
+    tokens = rng.integers(0, DS_CONFIG.vocab_size, (4, 64)).astype(np.int32)
+    grads, logits = _ds_logits_and_grads(DeepSeek(DS_CONFIG, key=jax.random.key(0)), tokens)
+    return tokens, logits, grads
+
+
+@pytest.mark.parametrize("name,shape,names,kw", DS_PLANS, ids=[p[0] for p in DS_PLANS])
+def test_deepseek_sharded_same_logits_and_grads(ds_reference, name, shape, names, kw):
+    tokens, ref_logits, ref_grads = ds_reference
     spec = el.ShardingSpec(_mesh(shape, names), **kw)
-    sharded = el.init_sharded(lambda: DeepSeek(config, key=jax.random.key(0), spec=spec))
-    t = el.to_layout(tokens, spec)
-    assert_close(el.from_layout(eqx.filter_jit(lambda m, t: m(t))(sharded, t), spec), ref_logits)
-    grads = eqx.filter_jit(eqx.filter_grad(loss))(sharded, t)
+    sharded = el.init_sharded(lambda: DeepSeek(DS_CONFIG, key=jax.random.key(0), spec=spec))
+    grads, logits = _ds_logits_and_grads(sharded, el.to_layout(tokens, spec))
+    assert_close(el.from_layout(logits, spec), ref_logits)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         assert_close(a, b, factor=5, what="parameter gradient")
 

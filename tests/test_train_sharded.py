@@ -325,7 +325,8 @@ def test_config_rule(tmp_path, changes, match):
         ("fsdp=4,context=2", None, LLAMA, 6, r"--batch-size 6 must be divisible by 4"),
         ("expert=2,context=4", None, LLAMA, 8, r"expert=2 splits the routed experts .*none\."),
         ("expert=8,context=1", None, FOUR_EXPERTS, 8, r"model's 4 routed experts .* by 8"),
-        ("tensor=2,context=4", None, DEEPSEEK, 8, r"tensor=2 splits .* latent attention"),
+        ("tensor=8,context=1", None, DEEPSEEK, 8,
+         r"4 query / 4 key-value heads: tensor_axis 'tensor' has 8 devices .* by 8"),
     ],
 )  # fmt: skip
 def test_placement_rule(mesh, fsdp_axes, config, batch, match):

@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 from .._layout import layout_order
+from .._partition import local_shape, param_pspecs
 from .._sharding import ShardingSpec
 from ._all_gather import all_gather_latent_attention
 from ._block import BlockOptions, resolve_impl
@@ -138,21 +139,29 @@ def latent_attention(
     gradient accumulators back), and each device runs the up-projection for the tokens it
     holds. `"ulysses"` and `"usp"` up-project the local tokens first and split heads as usual.
 
+    Under a `tensor_axis` the heads split over it as DeepSeek's own tensor parallelism does:
+    `q` and the output are split over heads, the latent stays whole on every tensor shard,
+    and the up-projection's arrays split over heads as the rules table splits their logical
+    axes (`eqx_longctx.ShardingRules`), so each shard up-projects its own heads.
+
     **Arguments:**
 
     - `q`: `[batch, seq, q_heads, head_dim]`.
     - `latent`: a pytree of `[batch, seq, ...]` arrays (e.g. `(c_kv, k_rope)`).
     - `up_project`: `up_project(latent) -> (k, v)` with `k` `[batch, seq, kv_heads,
       head_dim]` and `v` `[batch, seq, kv_heads, v_head_dim]`; an Equinox module (its arrays
-      are differentiated, and replicated over the mesh) or a function.
+      are differentiated, and replicated over the mesh except for a `tensor_axis`, over
+      which they split as their annotations' logical axes say, e.g. `Float[Array,
+      "kv_lora_rank heads nope_plus_v"]`) or a function (then no `tensor_axis`).
     - `spec`, `causal`, `window`, `segment_ids`, `scale`, `impl`: as in `attention`.
 
     **Returns:** `[batch, seq, q_heads, v_head_dim]` in the dtype of `q` (layout order).
 
     **Raises:** as `attention`; also `TypeError` when `up_project` is not callable or
     returns non-float arrays, and `ValueError` when it does not return a pair `(k, v)`, a
-    latent array is not laid out `[batch, seq, ...]` like `q`, or the spec has a
-    `tensor_axis` (the up-projection is replicated, so heads cannot be split).
+    latent array is not laid out `[batch, seq, ...]` like `q`, the heads do not divide over
+    the spec's `tensor_axis`, or under a `tensor_axis` the up-projection's arrays have no
+    logical axes or, split by them, do not give each device its share of the heads.
     """
     window = check_options("latent_attention", spec, causal, scale, window)
     impl = _impl_name(impl, spec)
@@ -173,12 +182,6 @@ def latent_attention(
             q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale,
             impl=impl,
         )  # fmt: skip
-    if spec.tensor_axis is not None:
-        raise ValueError(
-            f"latent_attention replicates the up-projection, so it cannot shard heads over "
-            f"tensor_axis={spec.tensor_axis!r}; use a spec with tensor_axis=None (or call "
-            "attention with up-projected K/V)."
-        )
     for leaf in jax.tree.leaves(latent):
         if tuple(leaf.shape[:2]) != tuple(q.shape[:2]):
             raise ValueError(
@@ -190,8 +193,11 @@ def latent_attention(
     strategy = resolve_strategy(spec, q, k_shape, window)
     check_spec_inputs(spec, q, k_shape, strategy)
     expand = _Expand(static)
+    params_specs = _up_projection_pspecs(spec, up_project, params, expand, latent, k_shape)
     options = BlockOptions.make(causal, window, scale, q.shape[-1])
-    out = _context_parallel(spec, strategy, q, latent, expand, params, segment_ids, options, impl)
+    out = _context_parallel(
+        spec, strategy, q, latent, expand, params, segment_ids, options, impl, params_specs
+    )
     return cast(Array, out)
 
 
@@ -215,6 +221,42 @@ def _kv_shapes(up_project, latent):
     return out
 
 
+def _up_projection_pspecs(spec, up_project, params, expand, latent, k_shape):
+    """Where the up-projection's arrays live inside the strategies: replicated over the
+    batch and sequence axes and, under a tensor axis, split over their `heads` as the rules
+    table splits them (the layout `SelfAttention`'s projections get from the same table).
+    Each tensor shard then up-projects its own heads from the whole latent, which stays
+    replicated over the tensor axis; the latent's gradient is summed over it.
+
+    **Raises:** `ValueError` when, split that way, `up_project` does not give each tensor
+    shard its share of the K/V heads (arrays with no logical axes, or held in a closure).
+    """
+    nt = spec.axis_size(spec.tensor_axis)
+    if nt == 1:
+        return jax.tree.map(lambda _: PartitionSpec(), params)
+    where = f"latent_attention under tensor_axis={spec.tensor_axis!r} ({nt} devices)"
+    try:
+        pspecs = param_pspecs(up_project, spec, gathered=True)
+    except ValueError as e:
+        raise ValueError(
+            f"{where} splits the up-projection's weights by their logical axes: {e}"
+        ) from None
+    local = jax.tree.map(
+        lambda x, ps: jax.ShapeDtypeStruct(local_shape(spec, x.shape, ps), x.dtype), params, pspecs
+    )
+    k_local, _ = jax.eval_shape(expand, local, latent)
+    want = k_shape.shape[2] // nt
+    if k_local.shape[2] != want:
+        raise ValueError(
+            f"{where} runs each device's {want} of the {k_shape.shape[2]} K/V heads, but "
+            f"up_project, with its arrays split as the rules table says, makes "
+            f"{k_local.shape[2]}. Make up_project an Equinox module whose weights name their "
+            'head dimension "heads" (e.g. Float[Array, "kv_lora_rank heads head_dim"]), not '
+            "a function closing over arrays, or use tensor_axis=None."
+        )
+    return pspecs
+
+
 class _Expand(eqx.Module):
     """`expand(params, source) -> (k, v)`: the up-projection rebuilt from its arrays."""
 
@@ -234,8 +276,11 @@ def _impl_name(impl, spec) -> Any:
     return impl
 
 
-def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, options, impl):
-    """Run `strategy` under `shard_map`; `expand(params, source) -> (k, v)` builds K/V."""
+def _context_parallel(
+    spec, strategy, q, source, expand, params, segment_ids, options, impl, params_specs=None
+):
+    """Run `strategy` under `shard_map`; `expand(params, source) -> (k, v)` builds K/V from
+    `params` laid out as `params_specs` (default: replicated)."""
     b, s = q.shape[:2]
     positions = jnp.broadcast_to(jnp.asarray(layout_order(spec, s)), (b, s))
     heads, tokens = spec.heads_pspec(), spec.token_pspec()
@@ -250,7 +295,10 @@ def _context_parallel(spec, strategy, q, source, expand, params, segment_ids, op
     q = spec.place(q, heads)
     source = jax.tree.map(spec.place, source, source_specs)
     positions = spec.place(positions, tokens)
-    params_specs = jax.tree.map(lambda _: PartitionSpec(), params)
+    if params_specs is None:
+        params_specs = jax.tree.map(lambda _: PartitionSpec(), params)
+    else:
+        params = jax.tree.map(spec.place, params, params_specs)
     block_impl = make_impl(impl, platform=spec.platform, tiling=tiling(spec, s))
     kw: dict[str, Any] = dict(impl=block_impl, options=options)
     hops = None

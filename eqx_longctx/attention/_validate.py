@@ -139,6 +139,22 @@ def check_token_array(x, name: str, shape: tuple[int, int]) -> None:
         )
 
 
+def check_tensor_heads(spec, q_heads: int, kv_heads: int) -> int:
+    """The tensor axis splits the heads (GQA's query and K/V heads; MLA's heads, whose keys
+    and values each tensor shard up-projects from the latent): both must divide over it.
+
+    **Returns:** the tensor axis size (1 without one).
+    """
+    nt = spec.axis_size(spec.tensor_axis)
+    if q_heads % nt or kv_heads % nt:
+        raise ValueError(
+            f"tensor_axis {spec.tensor_axis!r} has {nt} devices and shards the heads, so "
+            f"q_heads and kv_heads must be divisible by {nt}; got q_heads={q_heads}, "
+            f"kv_heads={kv_heads}. Use a smaller tensor axis, or tensor_axis=None."
+        )
+    return nt
+
+
 def check_spec_inputs(spec, q, k, strategy: str) -> None:
     """Check shapes against a `ShardingSpec` for the strategy that runs (the spec's, or the
     one `"auto"` chose: `_choose.resolve_strategy`)."""
@@ -148,13 +164,7 @@ def check_spec_inputs(spec, q, k, strategy: str) -> None:
     hk = k.shape[2]
     spec.check_batch(b)
     check_sequence_length(spec, s)
-    nt = spec.axis_size(spec.tensor_axis)
-    if hq % nt or hk % nt:
-        raise ValueError(
-            f"tensor_axis {spec.tensor_axis!r} has {nt} devices and shards the heads, so "
-            f"q_heads and kv_heads must be divisible by {nt}; got q_heads={hq}, kv_heads={hk}. "
-            "Use a smaller tensor axis, or tensor_axis=None."
-        )
+    nt = check_tensor_heads(spec, hq, hk)
     if strategy in ("ulysses", "usp"):
         if strategy == "ulysses":
             axis, n = "+".join(spec.sequence_axes), spec.context_parallel_size

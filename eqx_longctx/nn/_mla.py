@@ -249,6 +249,12 @@ class MultiHeadLatentAttention(eqx.Module):
 
     `__call__` chains them and calls `eqx_longctx.attention` with the softmax scale
     `softmax_scale` (`qk_head_dim ** -0.5`, times the YaRN correction).
+
+    Under a spec's `tensor_axis` the heads split over it, as in DeepSeek's own tensor
+    parallelism: the per-head weights (`wq` or `wq_b`, `wkv_b`, `wo`) split by their `heads`
+    axis through the rules table, while `wq_a`, `wkv_a` (the latent and the shared rotary
+    key) and the norms are whole on every tensor shard; `wo` ends in one all-reduce over the
+    tensor axis, as `SelfAttention`'s does.
     """
 
     wq: Float[Array, "embed heads qk_head_dim"] | None
@@ -431,7 +437,8 @@ class MultiHeadLatentAttention(eqx.Module):
 
     def up_projection(self) -> "LatentUpProjection":
         """The up-projection as a module holding only its weight (what the context-parallel
-        strategies replicate and differentiate on every device)."""
+        strategies replicate over the sequence axes, split over heads on a tensor axis, and
+        differentiate on every device)."""
         return LatentUpProjection(self.wkv_b, self.qk_nope_head_dim, self.qk_rope_head_dim)
 
     def __call__(
@@ -445,9 +452,9 @@ class MultiHeadLatentAttention(eqx.Module):
 
         **Returns:** `[batch, seq, embed]` in the dtype of `x`.
 
-        **Raises:** as `eqx_longctx.latent_attention`: `ValueError` when the spec has a
-        `tensor_axis`, the batch, sequence or heads do not split over its mesh, or
-        `segment_ids` is not `[batch, seq]` integers.
+        **Raises:** as `eqx_longctx.latent_attention`: `ValueError` when the batch, sequence
+        or heads (over the tensor axis, and again over a Ulysses axis) do not split over the
+        spec's mesh, or `segment_ids` is not `[batch, seq]` integers.
         """
         # Context-parallel strategies move the latent (kv_lora_rank + qk_rope_head_dim per
         # token), not per-head K/V; each device up-projects the tokens it holds.

@@ -288,13 +288,15 @@ class MoE(eqx.Module):
             return self._expert_parallel(x)
         spec = self.spec
         act = spec.activation_pspec()
-        params, static = eqx.partition(self, eqx.is_array)
+        routed = self if self.shared is None else eqx.tree_at(lambda m: m.shared, self, None)
+        params, static = eqx.partition(routed, eqx.is_array)
 
         def local(params, x):
             return eqx.combine(params, static)._local(x)
 
-        # Routing is per token and the expert weights are replicated: each device computes
-        # its own tokens, with no communication.
+        # Routing is per token and the routed experts' weights are replicated: each device
+        # computes its own tokens, with no communication. The shared experts run outside,
+        # on the spec's sharding of `x` (split over a tensor axis like any SwiGLU).
         mapped = jax.shard_map(
             local,
             mesh=spec.compute_mesh(),
@@ -302,7 +304,8 @@ class MoE(eqx.Module):
             out_specs=act,
             check_vma=False,
         )
-        return mapped(params, spec.place(x, act))
+        out = mapped(params, spec.place(x, act))
+        return out if self.shared is None else out + self.shared(x)
 
     def _local(self, x):
         b, s, e = x.shape

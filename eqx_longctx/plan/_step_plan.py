@@ -52,6 +52,7 @@ from .._sharding import ShardingSpec
 from ..attention._choose import plan as plan_attention
 from ..attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, STRATEGY_ORDER
 from ..attention._explain import gib
+from ..attention._validate import check_tensor_heads
 from ._activations import REMATS, stack_activations, stacks
 from ._explain import step_table
 
@@ -178,13 +179,13 @@ def plan_train_step(
 
     **Raises:** `ValueError` for an unknown `family` name, an unknown name in `strategies` or
     `remats`, or an empty one; when `batch` does not split over the spec's batch axes or
-    `seq` over its sequence shards (`2N` chunks under `"zigzag"`); for a multi-head latent
-    attention config with a `tensor_axis`; when a weight dimension does not split over its mesh axes
-    (as `eqx_longctx.param_pspecs`); or when a strategy in `strategies` cannot run these
-    shapes. `TypeError` when `family` is neither a name nor a `ModelFamily`, `spec` is not
-    a `ShardingSpec`, or `strategies` or `remats` is not a tuple of names; `TypeError` or
-    `ValueError` for `memory_budget_bytes`, `flops_per_s` or `bytes_per_s` that is not a
-    finite number `> 0`.
+    `seq` over its sequence shards (`2N` chunks under `"zigzag"`); when the heads do not
+    divide over the `tensor_axis` (multi-head latent attention's too); when a weight
+    dimension does not split over its mesh axes (as `eqx_longctx.param_pspecs`); or when a
+    strategy in `strategies` cannot run these shapes. `TypeError` when `family` is neither
+    a name nor a `ModelFamily`, `spec` is not a `ShardingSpec`, or `strategies` or `remats`
+    is not a tuple of names; `TypeError` or `ValueError` for `memory_budget_bytes`,
+    `flops_per_s` or `bytes_per_s` that is not a finite number `> 0`.
     """
     where = "plan_train_step"
     fam = as_family(family, where)
@@ -202,13 +203,8 @@ def plan_train_step(
             f"seq={seq} must be divisible by {need} to split over the {n_seq} sequence shards "
             f"of the mesh ({spec.load_balance} layout); use seq={-(-seq // need) * need}."
         )
-    if hasattr(config, "kv_lora_rank") and spec.tensor_axis is not None:
-        raise ValueError(
-            f"{family}'s multi-head latent attention replicates its up-projection, so it cannot "
-            f"split heads over tensor_axis={spec.tensor_axis!r}; drop the tensor axis from the "
-            "mesh (split the experts over expert=, the weights over the fsdp axes)."
-        )
-    nt = spec.axis_size(spec.tensor_axis)
+    heads = tuple(fam.attention_shape(config))
+    nt = check_tensor_heads(spec, heads[0], heads[1])
     b_local, s_local = batch // spec.batch_parallel_size, seq // n_seq
     model = eqx.filter_eval_shape(fam.model, config, key=jax.random.key(0), spec=spec)
     params = param_bytes_per_device(model, spec)
@@ -216,7 +212,6 @@ def plan_train_step(
     batch_bytes = _BATCH_FIELDS * b_local * s_local * 4
     ne = spec.axis_size(spec.expert_axis)
     per_stack = stack_activations(fam, config, batch=b_local, seq=s_local, tensor=nt, expert=ne)
-    heads = tuple(fam.attention_shape(config))
     dtype = jnp.dtype(config.compute_dtype)
     attn = plan_attention(
         spec, batch=batch, seq=seq, q_heads=heads[0], kv_heads=heads[1], head_dim=heads[2],

@@ -112,10 +112,10 @@ class Placement:
         **Raises:** `ValueError` (nothing on one device) when `family` is `None` and no
         family has `model_config`'s class; when `batch_size` does not split
         over the batch axes or `seq_len` over the spec's layout; the mesh has an `expert`
-        axis but the model has no routed experts, or their number is not divisible by it; a
-        `tensor` axis is set for a model with multi-head latent attention; or the heads do
-        not split over the `tensor` axis, or under `"ulysses"` / `"usp"` (also when
-        `"auto"` picks one) over the all-to-all axis.
+        axis but the model has no routed experts, or their number is not divisible by it; or
+        the heads (MLA's too: they split over `tensor` like GQA's) do not split over the
+        `tensor` axis, or under `"ulysses"` / `"usp"` (also when `"auto"` picks one) over
+        the all-to-all axis.
         """
         if self.spec is None:
             return
@@ -131,14 +131,6 @@ class Placement:
         except ValueError as e:
             raise ValueError(f"--seq-len {seq_len}: {e}") from None
         self._check_experts(model_config, family)
-        if spec.tensor_axis is not None and hasattr(model_config, "kv_lora_rank"):
-            # latent_attention's own rule, raised here before anything is built.
-            raise ValueError(
-                f"--mesh tensor={spec.axis_size(spec.tensor_axis)} splits attention heads, but "
-                f"the model's multi-head latent attention ({type(model_config).__name__}) "
-                "replicates its up-projection and cannot split heads. Drop tensor= from "
-                "--mesh (fsdp= splits the weights instead)."
-            )
         q_heads, kv_heads, head_dim, _ = family.attention_shape(model_config)
         q = jax.ShapeDtypeStruct((batch_size, seq_len, q_heads, head_dim), np.float32)
         k = jax.ShapeDtypeStruct((batch_size, seq_len, kv_heads, head_dim), np.float32)

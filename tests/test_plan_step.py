@@ -202,8 +202,24 @@ def test_cli_json_has_predicted_and_compiled_bytes(capsys):
         ),  # fmt: skip
         (
             ["--model", "llama", "--preset", "tiny", "--train", "--mesh", "tensor=8,context=1"],
-            "does not split over mesh axes tensor=8",
+            "q_heads and kv_heads must be divisible by 8; got q_heads=8, kv_heads=4",
         ),
+        (
+            [
+                "--model",
+                "llama",
+                "--preset",
+                "tiny",
+                "--train",
+                "--mesh",
+                "tensor=8,context=1",
+                "--override",
+                "n_kv_heads=8",
+                "--override",
+                "hidden_dim=340",
+            ],
+            "does not split over mesh axes tensor=8",
+        ),  # fmt: skip
     ],
 )
 def test_cli_errors_name_the_rule_and_the_fix(argv, match, capsys):
@@ -232,7 +248,7 @@ def test_runs_are_set_up_by_the_trainers_code():
     deepseek = el.model_family("deepseek").config.from_preset("tiny", max_seq_len=8192)
     with pytest.raises(ValueError, match=r"tensor_axis 'tensor' has 8 devices and shards the "
                        r"heads.*divisible by 8; got q_heads=4, kv_heads=4"):  # fmt: skip
-        spec = _spec("tensor=8", "ring")
+        spec = _spec("tensor=8,context=1", "ring")
         plan_train_step("deepseek", deepseek, spec, batch=1, seq=8192)
     with pytest.raises(ValueError, match="strategy 'ulysses' cannot run these shapes"):
         spec = _spec("context=8", "ulysses")  # 4 heads over 8 devices

@@ -82,7 +82,9 @@ class DeepSeekFamily(_ZooFamily):
     _names = ("DeepSeekConfig", "DeepSeek")
 
     def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
-        """At most one dense and one MoE layer, heads and widths divided by `tensor`.
+        """At most one dense and one MoE layer, heads and the dense MLP's width divided by
+        `tensor`. The routed experts keep their width: their weights are stored split over a
+        tensor axis but each tensor shard computes its experts whole.
 
         Under expert parallelism over `expert` devices, each device's experts multiply the
         rows its buffers receive: `expert x tokens x top_k` of them when dropless (every
@@ -99,8 +101,7 @@ class DeepSeekFamily(_ZooFamily):
                            topk_group=1, capacity_factor=None)  # fmt: skip
         return dataclasses.replace(
             c, n_layers=dense + moe, first_k_dense=dense, n_heads=c.n_heads // tensor,
-            hidden_dim=c.hidden_dim // tensor, moe_hidden_dim=c.moe_hidden_dim // tensor,
-            **routing,
+            hidden_dim=c.hidden_dim // tensor, **routing,
         )  # fmt: skip
 
     def attention_shape(self, config: Any) -> AttentionShape:

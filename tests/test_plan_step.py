@@ -46,6 +46,9 @@ CASES = {
     "deepseek-expert-none": (
         "deepseek", {"expert": 2, "context": 4}, (), "ring", "none", 8192, 2, {},
     ),
+    "deepseek-tensor-none": (
+        "deepseek", {"tensor": 2, "context": 4}, (), "ring", "none", 8192, 1, {},
+    ),
 }  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 import eqx_longctx as el  # noqa: E402
-from eqx_longctx.nn import DecoupledRoPE, MoE, YarnRopeScaling  # noqa: E402
+from eqx_longctx.nn import MoE, RoPE, YarnRopeScaling  # noqa: E402
 from models.deepseek import PRESETS, DeepSeek, DeepSeekConfig, from_hf, to_hf  # noqa: E402
 
 ATOL = 1e-4  # max abs logit difference against transformers, float32
@@ -162,7 +162,7 @@ def test_yarn_matches_transformers(mscale, mscale_all_dim):
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_decoupled_rope_layouts(interleaved):
     d = 8
-    rope = DecoupledRoPE(d, 10000.0, interleaved=interleaved)
+    rope = RoPE(d, 10000.0, interleaved=interleaved)
     x = jax.random.normal(jax.random.key(0), (2, 5, 3, d))
     pos = jax.random.randint(jax.random.key(1), (2, 5), 0, 500)
     xn, angle = np.asarray(x, np.float64), np.asarray(pos, np.float64)[:, :, None, None]
@@ -427,7 +427,7 @@ def test_building_block_errors(tmp_path):
     with pytest.raises(ValueError, match="factor >= 1"):
         YarnRopeScaling(0.5, 4096)
     with pytest.raises(ValueError, match="positive even number"):
-        DecoupledRoPE(7, 1e4)
+        RoPE(7, 1e4, interleaved=True)
     with pytest.raises(ValueError, match="can override only"):
         from_hf(tmp_path, n_layers=3)
     config = DeepSeekConfig.from_preset("tiny", topk_method="greedy", norm_topk_prob=True)

@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from eqx_longctx import ShardingSpec, attention, latent_attention  # noqa: E402
 from eqx_longctx._hlo import collective_bytes  # noqa: E402
-from eqx_longctx.attention._plan import plan  # noqa: E402
+from eqx_longctx.attention._choose import plan  # noqa: E402
 from eqx_longctx.plan import compiled_attention, compiled_memory  # noqa: E402
 
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp")

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from eqx_longctx.kernels import default_block_sizes, pallas_flash_attention, pallas_flash_forward
+from eqx_longctx import flash_attention
+from eqx_longctx.kernels import PallasBlockImpl, default_block_sizes, pallas_flash_forward
 
 
 def _timed(fn, *args, repeats: int) -> float:
@@ -80,7 +81,11 @@ def _ours(seq, heads, head_dim, block_q, block_k, interpret, window=None):
     @jax.jit
     def fwd_bwd(q, k, v, pos):
         def loss(q, k, v):
-            out, _ = pallas_flash_attention(q, k, v, pos, pos, **kw)
+            impl = PallasBlockImpl(block_q, block_k, interpret, kw["max_live_blocks"])
+            out, _ = flash_attention(
+                q, k, v, q_positions=pos, kv_positions=pos, causal=True, window=window,
+                impl=impl,
+            )  # fmt: skip
             return jnp.sum(out.astype(jnp.float32))
 
         return jax.grad(loss, (0, 1, 2))(q, k, v)

@@ -1,5 +1,12 @@
 """eqx_longctx: Equinox transformers for very long sequences in JAX."""
 
+from ._family import AttentionShape as AttentionShape
+from ._family import ModelFamily as ModelFamily
+from ._family import MoEShape as MoEShape
+from ._family import family_names as family_names
+from ._family import model_families as model_families
+from ._family import model_family as model_family
+from ._family import register_family as register_family
 from ._hlo import collective_bytes as collective_bytes
 from ._layout import from_layout as from_layout
 from ._layout import layout_order as layout_order
@@ -10,16 +17,15 @@ from ._partition import logical_axes as logical_axes
 from ._partition import param_bytes_per_device as param_bytes_per_device
 from ._partition import param_pspecs as param_pspecs
 from ._partition import param_shardings as param_shardings
-from ._partition import shard_model as shard_model
 from ._sharding import ShardingSpec as ShardingSpec
-from ._step_plan import StepPlan as StepPlan
-from ._step_plan import plan_train_step as plan_train_step
 from .attention import attention as attention
 from .attention import flash_attention as flash_attention
 from .attention import latent_attention as latent_attention
 from .attention import reference_attention as reference_attention
-from .attention._plan import Plan as Plan
-from .attention._plan import choose_strategy as choose_strategy
-from .attention._plan import explain as explain
+from .attention._choose import choose_strategy as choose_strategy
+from .attention._choose import explain as explain
+from .attention._explain import Plan as Plan
+from .plan import StepPlan as StepPlan
+from .plan import plan_train_step as plan_train_step
 
 __version__ = "0.1.0"

@@ -326,27 +326,6 @@ def param_shardings(model: Any, spec: ShardingSpec | None = None) -> Any:
     return jax.tree.map(lambda ps: NamedSharding(spec.mesh, ps), param_pspecs(model, spec))
 
 
-def shard_model(model: Any, spec: ShardingSpec | None = None) -> Any:
-    """Place every array of an existing model in its shards.
-
-    **Arguments:**
-
-    - `model`: the module.
-    - `spec`: the sharding spec (default `model.spec`).
-
-    **Returns:** `model` with every array placed as `param_shardings` says; the model
-    unchanged when there is no spec.
-
-    **Raises:** as `param_pspecs`.
-    """
-    spec = _spec_of(model, spec)
-    if spec is None:
-        return model
-    arrays, rest = eqx.partition(model, eqx.is_array)
-    placed = jax.device_put(arrays, param_shardings(model, spec))
-    return eqx.combine(placed, rest)
-
-
 def init_sharded(make: Callable[[], Any], spec: ShardingSpec | None = None) -> Any:
     """Build a model straight into its shards: no device ever holds the whole model.
 

@@ -4,15 +4,13 @@ Every module that touches sharded data receives one explicitly; nothing reads a 
 """
 
 from collections.abc import Callable
-from typing import Any, Literal, final, no_type_check
+from typing import Any, final, no_type_check
 
 import equinox as eqx
 import jax
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-Strategy = Literal["all_gather", "ulysses", "ring", "usp", "auto"]
-LoadBalance = Literal["none", "zigzag", "striped"]
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped")
 IMPLS = ("auto", "xla", "pallas")

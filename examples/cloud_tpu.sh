@@ -3,7 +3,9 @@
 # every worker, and start the same entry point as on a laptop on all of them at once.
 #
 #   examples/cloud_tpu.sh create      # make the slice (SLICE=v5p or v6e, see below)
-#   examples/cloud_tpu.sh setup       # install JAX for TPU and this repository on every worker
+#   examples/cloud_tpu.sh setup       # install JAX for TPU and this repository on every worker,
+#                                     # then run the selftest there (below)
+#   examples/cloud_tpu.sh selftest    # check the kernels, a ring and the chips on every worker
 #   examples/cloud_tpu.sh train       # the main job on all workers (one process per host)
 #   examples/cloud_tpu.sh delete      # delete the slice (it bills while it exists)
 #
@@ -104,6 +106,17 @@ setup() {
     cd eqx_longctx && git pull -q &&
     python3 -m pip install -q -e '.[tpu]' &&
     python3 -c 'import jax, eqx_longctx; print(\"jax\", jax.__version__)'"
+  selftest
+}
+
+# Before the first job: `python -m eqx_longctx.selftest` on every worker at once (one
+# program over the slice, like the job; each worker checks its own chips). It holds the
+# Pallas kernels that impl="auto" runs on a TPU, compiled by Mosaic for this generation,
+# against the XLA path and a float32 oracle (causal, window, packed, GQA; forward and
+# backward) and a ring over the worker's chips, prints a table, and exits non-zero on any
+# mismatch: then do not start the job; the table's first error line says where.
+selftest() {
+  on_all_workers "cd eqx_longctx && python3 -m eqx_longctx.selftest"
 }
 
 # The main job (the tiny Llama, 8 rows of 256 tokens), mesh over all 16 devices: the batch

@@ -1,9 +1,15 @@
-"""Model families: `models.llama` (Llama 3 / Mistral / Qwen2 / Qwen3) and `models.deepseek`
-(DeepSeek-V2/V3, MLA + MoE). `family(name)` looks one up by its `--model` name."""
+"""The model zoo: `models.llama` (Llama 3 / Mistral / Qwen2 / Qwen3) and `models.deepseek`
+(DeepSeek-V2/V3, MLA + MoE), each registered as an `eqx_longctx.ModelFamily` plugin under
+the `eqx_longctx.models` entry-point group (`eqx_longctx.model_family("llama")`)."""
 
-from ._family import FAMILY_NAMES as FAMILY_NAMES
-from ._family import ModelFamily as ModelFamily
-from ._family import family as family
-from ._family import family_of as family_of
+from ._family import DEEPSEEK as DEEPSEEK
+from ._family import LLAMA as LLAMA
+from ._family import DeepSeekFamily as DeepSeekFamily
+from ._family import LlamaFamily as LlamaFamily
 
-__all__ = ["FAMILY_NAMES", "ModelFamily", "family", "family_of"]
+__all__ = [
+    "DEEPSEEK",
+    "LLAMA",
+    "DeepSeekFamily",
+    "LlamaFamily",
+]

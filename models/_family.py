@@ -1,83 +1,132 @@
-"""The model families, by name: what the trainer and the planner build from `--model`.
+"""The zoo's two families as `eqx_longctx.ModelFamily` plugins, registered under the
+`eqx_longctx.models` entry-point group in `pyproject.toml`.
 
-A family module (`models/llama.py`, `models/deepseek.py`) defines a config class with
-`from_preset`, a model class built as `Model(config, key=, spec=)`, a `PRESETS` dict and
-`from_hf` / `to_hf`. Code that takes `--model NAME` looks the family up here, so it never
-imports a family module by name.
+Each family module (`models/llama.py`, `models/deepseek.py`) is imported on first use, so
+looking one family up does not import the other.
 """
 
 import dataclasses
 import importlib
-from collections.abc import Callable
+import math
 from typing import Any
 
-FAMILY_NAMES = ("llama", "deepseek")
-"""The `--model` names of the families, in the order the CLI lists them."""
-_MODULES = {"llama": ("models.llama", "LlamaConfig", "Llama"),
-            "deepseek": ("models.deepseek", "DeepSeekConfig", "DeepSeek")}  # fmt: skip
+from eqx_longctx import AttentionShape, ModelFamily, MoEShape
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelFamily:
-    """One model family.
+class _ZooFamily(ModelFamily):
+    """A family whose config class, model class, presets and Hugging Face converters live
+    in one module of this package."""
 
-    **Arguments:**
+    _module: str
+    _names: tuple[str, str]  # config class, model class
 
-    - `name`: the `--model` value (`"llama"`, `"deepseek"`).
-    - `config`: the config class (has `from_preset(name, **overrides)`).
-    - `model`: the model class (`model(config, key=key, spec=spec)`).
-    - `presets`: preset name -> config.
-    - `from_hf`, `to_hf`: the Hugging Face converters.
-    """
+    @property
+    def _mod(self):
+        return importlib.import_module(self._module)
 
-    name: str
-    config: type
-    model: type
-    presets: dict[str, Any]
-    from_hf: Callable[..., Any]
-    to_hf: Callable[..., Any]
+    @property
+    def config(self) -> type:  # type: ignore[override]
+        return getattr(self._mod, self._names[0])
 
+    @property
+    def model(self) -> type:  # type: ignore[override]
+        return getattr(self._mod, self._names[1])
 
-def family(name: str) -> ModelFamily:
-    """Look a family up by its `--model` name.
+    @property
+    def presets(self):  # type: ignore[override]
+        return self._mod.PRESETS
 
-    **Arguments:**
+    def from_hf(self, path: Any, **kwargs) -> Any:
+        """Read a Hugging Face checkpoint (see the family module's `from_hf`)."""
+        return self._mod.from_hf(path, **kwargs)
 
-    - `name`: one of `FAMILY_NAMES`.
-
-    **Returns:** its `ModelFamily` (the family module is imported on first use).
-
-    **Raises:** `ValueError` for an unknown name; the message lists the choices.
-    """
-    if name not in _MODULES:
-        raise ValueError(f"unknown model family {name!r}; choose one of {FAMILY_NAMES} (--model).")
-    path, config, model = _MODULES[name]
-    module = importlib.import_module(path)
-    return ModelFamily(
-        name=name,
-        config=getattr(module, config),
-        model=getattr(module, model),
-        presets=module.PRESETS,
-        from_hf=module.from_hf,
-        to_hf=module.to_hf,
-    )
+    def to_hf(self, model: Any, path: Any, **kwargs) -> None:
+        """Write a Hugging Face checkpoint (see the family module's `to_hf`)."""
+        self._mod.to_hf(model, path, **kwargs)
 
 
-def family_of(model_or_config: Any) -> ModelFamily:
-    """The family a model or config instance belongs to.
+class LlamaFamily(_ZooFamily):
+    """Llama 3 / Mistral / Qwen2 / Qwen3 (`models.llama`): GQA attention, SwiGLU MLP."""
 
-    **Arguments:**
+    name = "llama"
+    _module = "models.llama"
+    _names = ("LlamaConfig", "Llama")
 
-    - `model_or_config`: e.g. a `models.llama.Llama` or a `models.deepseek.DeepSeekConfig`.
+    def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
+        """One layer, heads and SwiGLU width divided by `tensor` (`expert` is unused)."""
+        c = config
+        return dataclasses.replace(
+            c, n_layers=1, layer_types=None, n_heads=c.n_heads // tensor,
+            n_kv_heads=c.n_kv_heads // tensor, hidden_dim=c.hidden_dim // tensor,
+            head_dim=c.head_dim,
+        )  # fmt: skip
 
-    **Returns:** its `ModelFamily`.
+    def attention_shape(self, config: Any) -> AttentionShape:
+        """`n_heads` query and `n_kv_heads` key/value heads of `head_dim`."""
+        c = config
+        return AttentionShape(c.n_heads, c.n_kv_heads or c.n_heads, c.head_dim, c.head_dim)
 
-    **Raises:** `ValueError` when it is an instance of no family's model or config class.
-    """
-    for name in FAMILY_NAMES:
-        fam = family(name)
-        if isinstance(model_or_config, (fam.config, fam.model)):
-            return fam
-    raise ValueError(
-        f"{type(model_or_config).__name__} belongs to no known model family {FAMILY_NAMES}."
-    )
+    def cache_per_token(self, config: Any) -> dict[str, tuple[int, ...]]:
+        """K and V per key/value head (never repeated for GQA)."""
+        c = config
+        kv = (c.n_kv_heads or c.n_heads, c.head_dim)
+        return {"k": kv, "v": kv}
+
+
+class DeepSeekFamily(_ZooFamily):
+    """DeepSeek-V2 / V3 (`models.deepseek`): multi-head latent attention and routed
+    experts after `first_k_dense` dense layers."""
+
+    name = "deepseek"
+    _module = "models.deepseek"
+    _names = ("DeepSeekConfig", "DeepSeek")
+
+    def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
+        """At most one dense and one MoE layer, heads and widths divided by `tensor`.
+
+        Under expert parallelism over `expert` devices, each device's experts multiply the
+        rows its buffers receive: `expert x tokens x top_k` of them when dropless (every
+        buffer has room for all of a device's copies), `capacity_factor x tokens x top_k`
+        with a capacity. The local layer gets as many rows by routing each token to that
+        many experts (greedy routing, so that any count is allowed)."""
+        c = config
+        dense, moe = min(1, c.first_k_dense), min(1, c.n_layers - c.first_k_dense)
+        routing = {}
+        if expert > 1:
+            cf = c.capacity_factor
+            rows = c.top_k * expert if cf is None else math.ceil(c.top_k * cf)
+            routing = dict(top_k=min(c.n_routed_experts, rows), topk_method="greedy", n_group=1,
+                           topk_group=1, capacity_factor=None)  # fmt: skip
+        return dataclasses.replace(
+            c, n_layers=dense + moe, first_k_dense=dense, n_heads=c.n_heads // tensor,
+            hidden_dim=c.hidden_dim // tensor, moe_hidden_dim=c.moe_hidden_dim // tensor,
+            **routing,
+        )  # fmt: skip
+
+    def attention_shape(self, config: Any) -> AttentionShape:
+        """MLA: keys and values are up-projected per query head, so `n_heads` twice, a
+        query/key width of `qk_nope_head_dim + qk_rope_head_dim` and `v_head_dim`."""
+        c = config
+        return AttentionShape(
+            c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+        )
+
+    def moe_shape(self, config: Any) -> MoEShape | None:
+        """The routed experts of the `n_layers - first_k_dense` MoE layers."""
+        c = config
+        if c.n_layers <= c.first_k_dense:
+            return None
+        return MoEShape(
+            c.n_routed_experts, c.top_k, c.capacity_factor, c.n_layers - c.first_k_dense,
+            c.moe_hidden_dim,
+        )  # fmt: skip
+
+    def cache_per_token(self, config: Any) -> dict[str, tuple[int, ...]]:
+        """The compressed latent and the shared RoPE key: never per-head K/V."""
+        return {"latent": (config.kv_lora_rank,), "rope_key": (config.qk_rope_head_dim,)}
+
+
+LLAMA = LlamaFamily()
+"""The Llama family plugin (`--model llama`)."""
+DEEPSEEK = DeepSeekFamily()
+"""The DeepSeek family plugin (`--model deepseek`)."""

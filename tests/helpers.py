@@ -1,5 +1,6 @@
 """Shared test helpers: tolerances keyed by dtype, relative error, random inputs."""
 
+import importlib
 import itertools
 
 import jax
@@ -86,3 +87,19 @@ def packed_rows(vocab_size: int, batch: int = 4, seq: int = 64, seed: int = 0):
             idx = np.flatnonzero(seg[r] == d)
             pos[r, idx] = np.arange(idx.size)
     return tokens, pos, seg
+
+
+def resolve_dotted(path: str):
+    """The object at a dotted path: the longest importable module, then attributes.
+
+    Raises `ImportError` when no prefix imports, `AttributeError` naming the missing one."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"no module of {path!r} imports")

@@ -1,5 +1,6 @@
-"""Helpers of the Hugging Face parity tests (they need torch, transformers and safetensors:
-import after importorskip)."""
+"""Helpers of the Hugging Face parity tests. They need torch, transformers and safetensors
+(extra: hf), imported by `hf_modules` when a test uses them, so that the cases of a module
+that need none of them still run without the extra."""
 
 import json
 import shutil
@@ -7,15 +8,23 @@ import shutil
 import equinox as eqx
 import numpy as np
 import pytest
-import torch
-import transformers
-from safetensors.numpy import load_file, save_file
+
+HF_REASON = "the Hugging Face parity tests need torch, transformers and safetensors (extra: hf)"
+
+
+def hf_modules():
+    """`(torch, transformers)`; skips the calling test (or fixture) without the hf extra."""
+    torch = pytest.importorskip("torch", reason=HF_REASON)
+    transformers = pytest.importorskip("transformers", reason=HF_REASON)
+    pytest.importorskip("safetensors", reason=HF_REASON)
+    return torch, transformers
 
 
 def randomize_biases_and_norms(model):
     """Give a fresh transformers model random biases, norm scales and routing biases
     (DeepSeek-V3's `e_score_correction_bias`); they start at 0 and 1, which would hide one
     loaded into the wrong place."""
+    torch, _ = hf_modules()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
@@ -35,6 +44,7 @@ def model_builder(families, small, **config_attrs):
     `_attn_implementation="eager"`), and `randomize_biases_and_norms`."""
 
     def build_hf(family: str, seed: int = 0):
+        torch, transformers = hf_modules()
         cls_name, extra = families[family][:2]
         config = getattr(transformers, cls_name)(**small, **extra)
         for name, value in config_attrs.items():
@@ -47,6 +57,7 @@ def model_builder(families, small, **config_attrs):
 
 
 def hf_logits(model, tokens) -> np.ndarray:
+    torch, _ = hf_modules()
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
 
@@ -86,6 +97,7 @@ def checkpoint_fixtures(families, build_hf, shape: tuple[int, int], vocab: int):
 
     @pytest.fixture(scope="module")
     def checkpoints(tmp_path_factory, tokens):
+        hf_modules()
         return save_checkpoints(tmp_path_factory, families, build_hf, tokens)
 
     return tokens, checkpoints
@@ -111,8 +123,18 @@ def edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps(config))
 
 
+def load_tensors(file) -> dict:
+    """The tensors of a safetensors `file`, as NumPy arrays."""
+    hf_modules()
+    from safetensors.numpy import load_file
+
+    return load_file(file)
+
+
 def edit_tensors(path, edit):
     """Apply `edit` to the dict of tensors of `path/model.safetensors`, and write it back."""
-    tensors = load_file(path / "model.safetensors")
+    from safetensors.numpy import save_file
+
+    tensors = load_tensors(path / "model.safetensors")
     edit(tensors)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

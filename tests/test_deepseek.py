@@ -10,25 +10,26 @@ inputs are fixed; the context-parallel runs see the same tokens, hence the same 
 import math
 
 import equinox as eqx
+import hf_helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close
-
-torch = pytest.importorskip("torch", reason="the Hugging Face parity tests need torch (extra: hf)")
-transformers = pytest.importorskip(
-    "transformers", reason="the DeepSeek parity tests need transformers (extra: hf)"
+from hf_helpers import (
+    copy_of,
+    edit_config,
+    edit_tensors,
+    forward,
+    hf_logits,
+    hf_modules,
+    load_tensors,
+    max_diff,
 )
-pytest.importorskip("safetensors", reason="from_hf needs safetensors (extra: hf)")
-import hf_helpers  # noqa: E402
-from hf_helpers import copy_of, edit_config, edit_tensors, forward, hf_logits, max_diff  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-import eqx_longctx as el  # noqa: E402
-from eqx_longctx.nn import MoE, RoPE, YarnRopeScaling  # noqa: E402
-from models.deepseek import PRESETS, DeepSeek, DeepSeekConfig, from_hf, to_hf  # noqa: E402
+import eqx_longctx as el
+from eqx_longctx.nn import MoE, RoPE, YarnRopeScaling
+from models.deepseek import PRESETS, DeepSeek, DeepSeekConfig, from_hf, to_hf
 
 ATOL = 1e-4  # max abs logit difference against transformers, float32
 BATCH, SEQ, VOCAB = 2, 64, 96
@@ -125,6 +126,7 @@ def test_round_trip_through_transformers(checkpoints, tokens, tmp_path, family):
     path, ref = checkpoints[family]
     to_hf(from_hf(path), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    _, transformers = hf_modules()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded).__name__ == FAMILIES[family][0].replace("Config", "ForCausalLM")
     assert max_diff(hf_logits(reloaded, tokens), ref) <= ATOL
@@ -150,6 +152,9 @@ def test_yarn_matches_transformers(mscale, mscale_all_dim):
               "beta_slow": 1, "original_max_position_embeddings": 4096}  # fmt: skip
     if mscale is not None:
         params.update(mscale=mscale, mscale_all_dim=mscale_all_dim)
+    _, transformers = hf_modules()
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     config = transformers.DeepseekV3Config(qk_rope_head_dim=64, rope_parameters=params)
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
     scaling = YarnRopeScaling(40.0, 4096, 32, 1, mscale, mscale_all_dim)
@@ -395,7 +400,7 @@ def test_v2_only_errors(checkpoints, tmp_path):
 
 def test_tensor_errors(v3_copy):
     name = "model.layers.2.mlp.experts.3.up_proj.weight"
-    original = load_file(v3_copy / "model.safetensors")
+    original = load_tensors(v3_copy / "model.safetensors")
     edit_tensors(v3_copy, lambda t: t.pop(name))
     with pytest.raises(ValueError, match=f"lacks tensor.*{name}"):
         from_hf(v3_copy)

@@ -23,6 +23,7 @@ import types
 from pathlib import Path
 
 import pytest
+from helpers import resolve_dotted
 
 ROOT = Path(__file__).resolve().parents[1]
 _CONSTRUCTORS = ("__init__", "__check_init__", "__post_init__")
@@ -36,20 +37,6 @@ def _hooks():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _resolve(path: str):
-    """The object at a dotted path: the longest importable module, then attributes."""
-    parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(path)
 
 
 def documented_paths() -> list[str]:
@@ -75,7 +62,7 @@ def documented_objects() -> dict[str, object]:
 
     by_id: dict[int, tuple[str, object]] = {}
     for path in documented_paths():
-        obj = _resolve(path)
+        obj = resolve_dotted(path)
         if not (inspect.isclass(obj) or inspect.isfunction(inspect.unwrap(obj))):
             continue  # constants and modules have no code to check
         if id(obj) not in by_id or rank(path) < rank(by_id[id(obj)][0]):

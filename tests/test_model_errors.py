@@ -28,6 +28,7 @@ from eqx_longctx.nn import (
     SwiGLU,
     YarnRopeScaling,
 )
+from models import deepseek, llama
 from models.deepseek import DeepSeek, DeepSeekConfig
 from models.llama import Llama, LlamaConfig
 from tests.helpers import make_mesh
@@ -303,10 +304,11 @@ def test_tokens_as_numpy_or_lists_just_work(models):
 
 # ---------------------------------------------------------------- Hugging Face files
 
-safetensors = pytest.importorskip("safetensors", reason="from_hf needs safetensors (extra: hf)")
-from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from models import deepseek, llama  # noqa: E402
+@pytest.fixture
+def hf_files():
+    """Skips a checkpoint test without safetensors (extra: hf); the cases above need none."""
+    pytest.importorskip("safetensors", reason="from_hf needs safetensors (extra: hf)")
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +317,7 @@ def llama_model():
 
 
 @pytest.fixture
-def ckpt(llama_model, tmp_path):
+def ckpt(hf_files, llama_model, tmp_path):
     path = tmp_path / "ckpt"
     llama.to_hf(llama_model, path)
     return path
@@ -328,6 +330,8 @@ def edit_json(file, **changes):
 
 
 def edit_tensors(path, edit):
+    from safetensors.numpy import load_file, save_file
+
     tensors = load_file(path / "model.safetensors")
     edit(tensors)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
@@ -445,6 +449,7 @@ SHARDED_ERRORS = [
 ]  # fmt: skip
 
 
+@pytest.mark.usefixtures("hf_files")
 @pytest.mark.parametrize("damage, error, match", SHARDED_ERRORS)
 def test_sharded_checkpoint_errors(llama_model, tmp_path, damage, error, match):
     path = tmp_path / "sharded"
@@ -474,6 +479,7 @@ DEEPSEEK_HF_ERRORS = [
 ]  # fmt: skip
 
 
+@pytest.mark.usefixtures("hf_files")
 @pytest.mark.parametrize("changes, error, match", DEEPSEEK_HF_ERRORS)
 def test_deepseek_checkpoint_errors(deepseek_model, tmp_path, changes, error, match):
     path = tmp_path / "ckpt"
@@ -483,6 +489,7 @@ def test_deepseek_checkpoint_errors(deepseek_model, tmp_path, changes, error, ma
         deepseek.from_hf(path)
 
 
+@pytest.mark.usefixtures("hf_files")
 def test_integral_floats_in_config_json_just_work(llama_model, deepseek_model, tmp_path):
     """JSON has one number type: `4096.0` where an int belongs is read as `4096`."""
     for module, model in ((llama, llama_model), (deepseek, deepseek_model)):

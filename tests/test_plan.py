@@ -17,7 +17,8 @@ import eqx_longctx as el
 from eqx_longctx._hlo import collective_bytes, collectives
 from eqx_longctx.attention import _context_parallel
 from eqx_longctx.attention._block import BlockOptions
-from eqx_longctx.attention._plan import STRATEGY_ORDER, choose_strategy, explain, plan
+from eqx_longctx.attention._choose import choose_strategy, explain, plan
+from eqx_longctx.attention._cost import STRATEGY_ORDER
 from eqx_longctx.attention._ring import _kv_identity
 from eqx_longctx.plan import compiled_attention, compiled_memory, main
 
@@ -332,3 +333,26 @@ def test_sharding_imports_nothing_from_attention():
     assert not [m for m in imported if m.startswith("attention")], imported
     assert not hasattr(el.ShardingSpec, "explain")
     assert "chosen:" in el.explain(_context_spec(8), **SHAPE)
+
+
+def test_validation_does_not_run_the_chooser():
+    """The dispatcher resolves "auto" (`_choose.resolve_strategy`) and the validator checks
+    the strategy chosen: `_validate.py` imports nothing of the chooser, so the attention
+    package has no cycle `_choose -> _validate -> _choose`."""
+    import ast
+    import pathlib
+
+    from eqx_longctx.attention import _validate
+
+    tree = ast.parse(pathlib.Path(_validate.__file__).read_text())
+    imported = {
+        (node.module or "").lstrip(".")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 1
+    }
+    assert not imported & {"_choose", "_cost", "_explain", "_plan"}, imported
+    q = jax.ShapeDtypeStruct((1, 64, 4, 8), jnp.float32)
+    spec = _context_spec(8, "ulysses")  # 4 heads over 8 devices
+    with pytest.raises(ValueError, match="needs num_heads divisible by 8, got 4"):
+        _validate.check_spec_inputs(spec, q, q, "ulysses")
+    _validate.check_spec_inputs(spec, q, q, "ring")

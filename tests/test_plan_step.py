@@ -1,24 +1,21 @@
 """The whole-step memory planner against XLA, and its errors.
 
-Every entry of `CASES` is planned and then compiled (never run) on the 8 fake CPU devices:
-the real train step (`eqx_longctx.train`) for abstract sharded arrays. The predicted bytes
-per device must be within `TOLERANCE` of XLA's memory analysis (arguments + outputs +
-temporaries - donated buffers).
+Every entry of `CASES` is a training run as the trainer sets it up (`TrainConfig` ->
+`build_model_config` and `Placement`); it is planned and then compiled (never run) on the 8
+fake CPU devices: the trainer's own step under the trainer's placement, for abstract
+sharded arrays. The predicted bytes per device must be within `TOLERANCE` of XLA's memory
+analysis (arguments + outputs + temporaries - donated buffers).
 """
 
-import dataclasses
 import json
 import math
 
-import jax
-import numpy as np
 import pytest
 
 import eqx_longctx as el
-import models
-from eqx_longctx._step_compile import compile_train_step, compiled_step_bytes
-from eqx_longctx._step_plan import plan_train_step
-from eqx_longctx.plan import main, step_config, step_spec
+from eqx_longctx.plan import compiled_bytes, main, plan_train_step
+from eqx_longctx.plan._compile import compile_train_step, trainer_run
+from eqx_longctx.train import Placement, TrainConfig
 
 TOLERANCE = 0.2
 
@@ -52,47 +49,67 @@ CASES = {
 }  # fmt: skip
 
 
-def _spec(mesh: dict, fsdp: tuple, strategy: str) -> el.ShardingSpec:
-    n = math.prod(mesh.values())
-    devices = np.array(jax.devices()[:n]).reshape(tuple(mesh.values()))
-    return el.ShardingSpec(
-        jax.sharding.Mesh(devices, tuple(mesh)), strategy=strategy, load_balance="zigzag",
-        fsdp_axis=fsdp, ulysses_axis="ulysses" if "ulysses" in mesh else None,
-        tensor_axis="tensor" if "tensor" in mesh else None,
-        expert_axis="expert" if "expert" in mesh else None,
-    )  # fmt: skip
+def _settings(**kw) -> TrainConfig:
+    """A run's settings as the trainer's CLI would give them (8 devices, the tiny preset)."""
+    base = dict(preset="tiny", seq_len=8192, batch_size=1, devices=8, mesh="context=8",
+                run_dir="unused", progress=False)  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+def _spec(mesh: str, strategy: str) -> el.ShardingSpec:
+    spec = Placement(8, mesh, strategy).spec  # the trainer's
+    assert spec is not None
+    return spec
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_prediction_is_within_tolerance_of_compiled(case):
     family, mesh, fsdp, strategy, remat, seq, batch, overrides = CASES[case]
-    config = models.family(family).config.from_preset("tiny", max_seq_len=seq, **overrides)
-    spec = _spec(mesh, fsdp, strategy)
+    run = trainer_run(
+        _settings(
+            model=family, model_overrides=overrides, seq_len=seq, batch_size=batch,
+            mesh=",".join(f"{k}={v}" for k, v in mesh.items()),
+            fsdp_axes=",".join(fsdp) or None, strategy=strategy, remat=remat,
+        )
+    )  # fmt: skip
+    spec = run.placement.spec
     plan = plan_train_step(
-        family, config, spec, batch=batch, seq=seq, remats=(remat,), strategies=(strategy,)
+        run.family, run.config, spec, batch=batch, seq=seq, remats=(remat,), strategies=(strategy,)
     )
     predicted = plan.row(strategy, remat)
-    compiled = compiled_step_bytes(
-        compile_train_step(
-            family, dataclasses.replace(config, remat=remat), spec, batch=batch, seq=seq
-        )
-    )
+    compiled = compiled_bytes(compile_train_step(run))
     ratio = predicted.device / compiled.device
     assert abs(ratio - 1) <= TOLERANCE, (case, ratio, predicted.breakdown(), compiled)
 
 
 def test_offload_moves_the_layer_inputs_to_host_memory():
-    config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
-    plan = plan_train_step("llama", config, _spec({"context": 8}, (), "ring"), batch=1, seq=8192)
+    config = el.model_family("llama").config.from_preset("tiny", max_seq_len=8192)
+    plan = plan_train_step("llama", config, _spec("context=8", "ring"), batch=1, seq=8192)
     full, offload = plan.row("ring", "full"), plan.row("ring", "offload")
     layer_input = 8192 // 8 * config.dim * 4
     assert offload.host == config.n_layers * layer_input and full.host == 0
     assert full.device - offload.device == config.n_layers * layer_input
 
 
+def test_stacks_of_one_kind_are_priced_by_the_local_stack_of_that_kind():
+    # Mixed sliding / full layers run as a tuple of stacks ("layers[0]", "layers[1]"); the
+    # local model the planner traces has one stack of that kind ("layers").
+    from eqx_longctx.plan._activations import stack_activations
+
+    family = el.model_family("llama")
+    kinds = ("sliding_attention",) * 2 + ("full_attention",) * 2
+    config = family.config.from_preset(
+        "tiny", max_seq_len=1024, sliding_window=256, layer_types=kinds
+    )
+    stacks = stack_activations(family, config, batch=1, seq=1024)
+    assert [(s.path, s.n_layers) for s in stacks] == [("layers[0]", 2), ("layers[1]", 2)]
+    uniform = stack_activations(family, family.config.from_preset("tiny"), batch=1, seq=1024)
+    assert [s.saved for s in stacks] == [uniform[0].saved] * 2
+
+
 def test_budget_picks_the_fastest_row_that_fits():
-    config = models.family("llama").config.from_preset("tiny", max_seq_len=16384)
-    spec = _spec({"context": 8}, (), "auto")
+    config = el.model_family("llama").config.from_preset("tiny", max_seq_len=16384)
+    spec = _spec("context=8", "auto")
     free = plan_train_step("llama", config, spec, batch=1, seq=16384)
     assert free.chosen is not None and free.chosen.remat == "none"  # no budget: fastest
     none = min(r.device for r in free.rows if r.remat == "none")
@@ -103,9 +120,11 @@ def test_budget_picks_the_fastest_row_that_fits():
 
 
 def test_nothing_fits_the_budget_says_what_would():
-    config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
-    spec = _spec({"context": 8}, (), "ring")
-    plan = plan_train_step("llama", config, spec, batch=1, seq=8192, memory_budget_bytes=2**20)
+    config = el.model_family("llama").config.from_preset("tiny", max_seq_len=8192)
+    spec = _spec("context=8", "ring")
+    plan = plan_train_step(
+        el.model_family("llama"), config, spec, batch=1, seq=8192, memory_budget_bytes=2**20
+    )
     assert plan.chosen is None
     assert "nothing fits 1 MiB per device; the least is ring with remat=" in plan.reason
     assert "which fits a budget of" in plan.reason and "more devices" in plan.reason
@@ -145,12 +164,23 @@ def test_cli_json_has_predicted_and_compiled_bytes(capsys):
     "argv,match",
     [
         (["--model", "gpt", "--preset", "tiny", "--train"], "unknown model family 'gpt'"),
-        (["--model", "llama", "--preset", "huge", "--train"], "unknown llama preset 'huge'"),
+        (
+            ["--model", "llama", "--preset", "huge", "--train"],
+            r"--preset must be one of --model llama's presets \[.*\]; got --preset 'huge'",
+        ),
         (["--model", "llama", "--preset", "tiny"], "--model plans a train step: pass --train"),
         (["--model", "llama", "--train"], "needs --preset"),
         (
-            ["--model", "llama", "--preset", "tiny", "--train", "--set", "layers=2"],
-            "--set takes FIELD=VALUE with a field of LlamaConfig",
+            ["--model", "llama", "--preset", "tiny", "--train", "--override", "layers=2"],
+            r"--override must name LlamaConfig fields; got unknown \['layers'\]",
+        ),
+        (
+            ["--model", "llama", "--preset", "tiny", "--train", "--override", "n_layers"],
+            "--override takes FIELD=VALUE",
+        ),
+        (
+            ["--model", "llama", "--preset", "tiny", "--train", "--override", "n_layers=two"],
+            r"override n_layers='two' must parse as int",
         ),
         (
             ["--model", "llama", "--preset", "tiny", "--train", "--fsdp-axes", "fsdp"],
@@ -186,26 +216,31 @@ def test_cli_errors_name_the_rule_and_the_fix(argv, match, capsys):
     assert "Traceback" not in err
 
 
-def test_step_config_and_spec_errors():
-    with pytest.raises(ValueError, match="unknown model family 'gpt'"):
-        step_config("gpt", "tiny", 1024, [])
-    with pytest.raises(ValueError, match="unknown deepseek preset 'tiny2'"):
-        step_config("deepseek", "tiny2", 1024, [])
-    with pytest.raises(ValueError, match="--set takes FIELD=VALUE"):
-        step_config("llama", "tiny", 1024, ["n_layers"])
-    assert step_config("llama", "tiny", 4096, ["n_layers=2"]).n_layers == 2
+def test_runs_are_set_up_by_the_trainers_code():
+    with pytest.raises(ValueError, match="--preset must be one of --model deepseek's presets"):
+        trainer_run(_settings(model="deepseek", preset="tiny2"))
+    with pytest.raises(ValueError, match=r"--override must name LlamaConfig fields"):
+        trainer_run(_settings(model_overrides={"n_layers": "2", "layers": "2"}))
+    overrides = {"n_layers": "2", "compute_dtype": "bfloat16"}  # CLI text, as --override
+    run = trainer_run(_settings(model_overrides=overrides, seq_len=4096, mesh="fsdp=2,context=4"))
+    assert run.config.n_layers == 2 and run.config.compute_dtype == "bfloat16"
+    assert run.config.max_seq_len == 4096 and run.config.vocab_size == 259  # the preset's
+    assert run.placement.spec == Placement(8, "fsdp=2,context=4", "ring").spec
+    assert run.placement.spec.fsdp_axis == ("fsdp",)
     with pytest.raises(ValueError, match="got --fsdp-axes 'expert'"):
-        step_spec({"context": 8}, strategy="ring", load_balance="zigzag", fsdp_axes="expert")
-    deepseek = models.family("deepseek").config.from_preset("tiny", max_seq_len=8192)
+        _settings(fsdp_axes="expert")
+    deepseek = el.model_family("deepseek").config.from_preset("tiny", max_seq_len=8192)
     with pytest.raises(ValueError, match="cannot split heads over tensor_axis='tensor'"):
-        spec = _spec({"tensor": 2, "context": 4}, (), "ring")
+        spec = _spec("tensor=2,context=4", "ring")
         plan_train_step("deepseek", deepseek, spec, batch=1, seq=8192)
     with pytest.raises(ValueError, match="strategy 'ulysses' cannot run these shapes"):
-        spec = _spec({"context": 8}, (), "ulysses")  # 4 heads over 8 devices
+        spec = _spec("context=8", "ulysses")  # 4 heads over 8 devices
         plan_train_step("deepseek", deepseek, spec, batch=1, seq=8192, strategies=("ulysses",))
-    config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
+    config = el.model_family("llama").config.from_preset("tiny", max_seq_len=8192)
     with pytest.raises(ValueError, match="seq=1000 must be divisible by 16"):
-        plan_train_step("llama", config, _spec({"context": 8}, (), "ring"), batch=1, seq=1000)
+        plan_train_step("llama", config, _spec("context=8", "ring"), batch=1, seq=1000)
+    with pytest.raises(TypeError, match="plan_train_step needs family=a ModelFamily or the name"):
+        plan_train_step(config, config, _spec("context=8", "ring"), batch=1, seq=8192)
 
 
 @pytest.mark.parametrize(
@@ -252,8 +287,8 @@ def test_step_config_and_spec_errors():
 )
 def test_step_argument_errors_name_the_rule(kwargs, error, match):
     """Bad arguments raise before any planning, with the rule choose_strategy applies."""
-    config = models.family("llama").config.from_preset("tiny", max_seq_len=8192)
-    spec = _spec({"context": 8}, (), "ring")
+    config = el.model_family("llama").config.from_preset("tiny", max_seq_len=8192)
+    spec = _spec("context=8", "ring")
     if kwargs.get("spec") == "mesh":
         kwargs = {**kwargs, "spec": spec.mesh}
     args = {"spec": spec, **kwargs}

@@ -10,25 +10,17 @@ import dataclasses
 import json
 
 import equinox as eqx
+import hf_helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_mesh
+from hf_helpers import copy_of, edit_config, forward, hf_logits, hf_modules, load_tensors, max_diff
 
-torch = pytest.importorskip("torch", reason="the Hugging Face parity tests need torch (extra: hf)")
-transformers = pytest.importorskip(
-    "transformers", reason="the Hugging Face parity tests need transformers (extra: hf)"
-)
-pytest.importorskip("safetensors", reason="from_hf needs safetensors (extra: hf)")
-
-import hf_helpers  # noqa: E402
-from helpers import make_mesh  # noqa: E402
-from hf_helpers import copy_of, edit_config, forward, hf_logits, max_diff  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
-
-import eqx_longctx as el  # noqa: E402
-from eqx_longctx.nn import RoPE, SelfAttention  # noqa: E402
-from models.llama import Llama, LlamaConfig, from_hf, to_hf  # noqa: E402
+import eqx_longctx as el
+from eqx_longctx.nn import RoPE, SelfAttention
+from models.llama import Llama, LlamaConfig, from_hf, to_hf
 
 ATOL = 1e-4  # max abs logit difference against transformers, float32
 BATCH, SEQ, VOCAB, WINDOW = 2, 32, 96, 8
@@ -135,6 +127,7 @@ def test_round_trip(checkpoints, tokens, tmp_path, family):
     assert again.config == model.config
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, transformers = hf_modules()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager"
     ).eval()
@@ -282,6 +275,7 @@ def test_gradients_match_transformers(checkpoints, tokens, tmp_path, sharded):
     """Backward through mixed runs of sliding and full layers: the parameter gradients of a
     weighted logit sum equal torch's, tensor by tensor (named by writing them with `to_hf`)."""
     family = "qwen3-layer-types"
+    torch, _ = hf_modules()
     reference = build_hf(family)
     weights = np.random.default_rng(1).normal(size=(BATCH, SEQ, VOCAB)).astype(np.float32)
     logits = reference(torch.as_tensor(tokens, dtype=torch.long)).logits
@@ -300,7 +294,7 @@ def test_gradients_match_transformers(checkpoints, tokens, tmp_path, sharded):
         return (model(ours_tokens) * ours_weights).sum()
 
     to_hf(grads(model), tmp_path)
-    ours = load_file(tmp_path / "model.safetensors")
+    ours = load_tensors(tmp_path / "model.safetensors")
     theirs = {n: p.grad.numpy() for n, p in reference.named_parameters()}
     assert sorted(ours) == sorted(theirs)
     worst = max(max_diff(ours[n], g) / float(np.max(np.abs(g))) for n, g in theirs.items())

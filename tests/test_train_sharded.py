@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec
 from test_train import SEQ, SMALL_MODEL, params_of, small_config
 
 import eqx_longctx
+from eqx_longctx import model_family
 from eqx_longctx.data import ByteTokenizer, load_datasets
 from eqx_longctx.nn import REMAT_POLICIES
 from eqx_longctx.train import (
@@ -30,11 +31,10 @@ from eqx_longctx.train import (
 from eqx_longctx.train._cli import build_parser, main
 from eqx_longctx.train._parallel import Placement, bytes_on_device
 from eqx_longctx.train._step import matrix_rank
-from models import family, family_of
 
 TRAIN_DIR = pathlib.Path(eqx_longctx.__file__).parent / "train"
-LLAMA = family("llama").config.from_preset("tiny", vocab_size=259, **SMALL_MODEL)
-DEEPSEEK = family("deepseek").config.from_preset("tiny", vocab_size=259)
+LLAMA = model_family("llama").config.from_preset("tiny", vocab_size=259, **SMALL_MODEL)
+DEEPSEEK = model_family("deepseek").config.from_preset("tiny", vocab_size=259)
 FOUR_EXPERTS = dataclasses.replace(DEEPSEEK, n_routed_experts=4, n_group=1)
 BATCH = 8
 
@@ -42,6 +42,12 @@ BATCH = 8
 @pytest.fixture(scope="module")
 def datasets():
     return load_datasets(None, seq_len=SEQ, max_bytes=300_000, val_fraction=0.1)
+
+
+def family_of(config) -> eqx_longctx.ModelFamily:
+    """The installed family whose config class `config` is."""
+    (fam,) = [f for f in eqx_longctx.model_families().values() if type(config) is f.config]
+    return fam
 
 
 def build(placement: Placement, config, optimizer):
@@ -90,7 +96,7 @@ def assert_same_run(got, expected):
 
 
 def test_train_imports_no_family_module():
-    """`eqx_longctx.train` reaches the families through `models.family` only."""
+    """`eqx_longctx.train` reaches the families through `eqx_longctx.model_family` only."""
     offenders = []
     for path in sorted(TRAIN_DIR.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -153,7 +159,7 @@ def test_vocabulary_that_does_not_divide_stays_whole_over_tensor():
     placement = Placement(8, "tensor=2,fsdp=2,context=2", vocab_size=259)
     assert placement.whole_vocab and "vocabulary kept whole" in placement.describe()
     model = placement.abstract_model(
-        lambda spec: family("llama").model(LLAMA, key=jax.random.key(0), spec=spec)
+        lambda spec: model_family("llama").model(LLAMA, key=jax.random.key(0), spec=spec)
     )
     assert model.embed.sharding.spec == PartitionSpec(None, "fsdp")
     assert not Placement(8, "tensor=2,fsdp=2,context=2", vocab_size=260).whole_vocab
@@ -261,7 +267,7 @@ class _WordTokenizer:
 
 
 def test_bits_per_byte_only_for_byte_tokens(datasets):
-    model = family("llama").model(LLAMA, key=jax.random.key(0))
+    model = model_family("llama").model(LLAMA, key=jax.random.key(0))
     val = evaluate(model, datasets[1], BATCH, max_batches=2)
     assert val["bits_per_token"] == pytest.approx(val["loss"] / math.log(2))
     # Every loss-bearing target but the end-of-document ones is a byte.
@@ -328,7 +334,7 @@ def test_placement_rule(mesh, fsdp_axes, config, batch, match):
 
 
 def test_preset_and_override_errors_name_the_family(tmp_path, datasets):
-    deepseek = family("deepseek")
+    deepseek = model_family("deepseek")
     with pytest.raises(ValueError, match=r"one of --model deepseek's presets \['deepseek-v2-lite'"):
         Trainer(small_config(tmp_path, model="deepseek", preset="llama3.1-8b"), datasets=datasets)
     with pytest.raises(

@@ -10,7 +10,7 @@ from helpers import assert_close, make_mesh, random_segment_ids
 
 import eqx_longctx as el
 from eqx_longctx import ShardingSpec, attention, flash_attention, reference_attention
-from eqx_longctx.attention._plan import ring_hops
+from eqx_longctx.attention._tiling_policy import ring_hops
 
 B, S, HQ, HK, D = 2, 64, 4, 2, 8
 
@@ -169,7 +169,7 @@ def test_bad_window_raises(kw, exc, match):
 @pytest.mark.parametrize("layout,window", [("none", 100), ("zigzag", 100), ("none", None)])
 def test_planner_counts_the_cut_ring(layout, window):
     """The cost model's ring bytes (forward + backward) match the compiled program's."""
-    from eqx_longctx.attention._plan import plan
+    from eqx_longctx.attention._choose import plan
     from eqx_longctx.plan import compiled_attention
 
     spec = ShardingSpec(make_mesh((1, 8), ("data", "context")), "ring", layout)

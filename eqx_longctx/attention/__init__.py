@@ -21,11 +21,12 @@ from .._layout import layout_order
 from .._sharding import ShardingSpec
 from ._all_gather import all_gather_latent_attention
 from ._block import BlockOptions, resolve_impl
+from ._choose import resolve_strategy
 from ._impls import flash_attention as flash_attention
 from ._impls import make_impl
-from ._plan import ring_hops, tiling
 from ._reference import reference_attention as reference_attention
 from ._ring import _kv_identity, ring_latent_attention
+from ._tiling_policy import ring_hops, tiling
 from ._ulysses import ulysses_attention
 from ._usp import usp_attention
 from ._validate import (
@@ -108,7 +109,8 @@ def attention(
             impl=impl,
         )
         return out
-    strategy = check_spec_inputs(spec, q, k, segment_ids, window)
+    strategy = resolve_strategy(spec, q, k, window)
+    check_spec_inputs(spec, q, k, strategy)
     options = BlockOptions.make(causal, window, scale, q.shape[-1])
     out = _context_parallel(spec, strategy, q, (k, v), _kv_identity, (), segment_ids, options, impl)
     return cast(Array, out)
@@ -185,7 +187,8 @@ def latent_attention(
             )
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
-    strategy = check_spec_inputs(spec, q, k_shape, segment_ids, window)
+    strategy = resolve_strategy(spec, q, k_shape, window)
+    check_spec_inputs(spec, q, k_shape, strategy)
     expand = _Expand(static)
     options = BlockOptions.make(causal, window, scale, q.shape[-1])
     out = _context_parallel(spec, strategy, q, latent, expand, params, segment_ids, options, impl)

@@ -234,6 +234,14 @@ def explain(spec: ShardingSpec, **shape) -> str:
     return plan(spec, **shape, where="explain").explain()
 
 
+def resolve_strategy(spec: ShardingSpec, q: Any, k: Any, window: int | None = None) -> str:
+    """The strategy a call runs: the spec's, or for `"auto"` the one `choose_strategy`
+    picks for these shapes (its cost model counts the sliding `window`)."""
+    if spec.strategy != "auto":
+        return spec.strategy
+    return choose_strategy(spec, q, k, window=window).strategy
+
+
 def _default_budget(spec: ShardingSpec) -> int:
     try:
         stats = spec.mesh.devices.flat[0].memory_stats() or {}

@@ -139,9 +139,9 @@ def check_token_array(x, name: str, shape: tuple[int, int]) -> None:
         )
 
 
-def check_spec_inputs(spec, q, k, segment_ids, window=None) -> str:
-    """Check shapes against a `ShardingSpec`; return the strategy to run (resolving "auto",
-    whose cost model counts the sliding `window`)."""
+def check_spec_inputs(spec, q, k, strategy: str) -> None:
+    """Check shapes against a `ShardingSpec` for the strategy that runs (the spec's, or the
+    one `"auto"` chose: `_choose.resolve_strategy`)."""
     from .._layout import check_sequence_length
 
     b, s, hq, _ = q.shape
@@ -155,11 +155,6 @@ def check_spec_inputs(spec, q, k, segment_ids, window=None) -> str:
             f"q_heads and kv_heads must be divisible by {nt}; got q_heads={hq}, kv_heads={hk}. "
             "Use a smaller tensor axis, or tensor_axis=None."
         )
-    strategy = spec.strategy
-    if strategy == "auto":
-        from ._plan import choose_strategy
-
-        strategy = choose_strategy(spec, q, k, window=window).strategy
     if strategy in ("ulysses", "usp"):
         if strategy == "ulysses":
             axis, n = "+".join(spec.sequence_axes), spec.context_parallel_size
@@ -176,4 +171,3 @@ def check_spec_inputs(spec, q, k, segment_ids, window=None) -> str:
                 + (f" (q_heads={hq} over tensor axis of size {nt})" if nt > 1 else "")
                 + f": {alt}."
             )
-    return strategy

@@ -1,16 +1,17 @@
 """Pallas TPU kernels, each beside an XLA twin with the same contract.
 
 Flash attention (FlashAttention-2, arXiv:2307.08691) with masks computed in the kernel from
-per-token positions, segment ids and a sliding window; the XLA twin is
-`eqx_longctx.attention._local.flash_attention`.
+per-token positions, segment ids and a sliding window; the XLA twin is `XlaBlockImpl` in
+`eqx_longctx/attention/_local.py`.
 
-- `pallas_flash_attention`: differentiable `(out, lse)`.
+- `PallasBlockImpl`: the kernels behind the block contract (`impl="pallas"`), what every
+  strategy runs; differentiable through the contract's one custom VJP. One call on one
+  device: `eqx_longctx.flash_attention(..., impl=PallasBlockImpl(block_q, block_k))`.
 - `pallas_flash_forward`, `pallas_flash_backward`: the two halves, for strategies that
   schedule them (ring attention passes the global `lse`, `delta` to each hop's backward).
 - `*_heads_major`: the same on `[batch, heads, seq, dim]` arrays, the kernels' own layout.
 """
 
-from ._attention import pallas_flash_attention as pallas_flash_attention
 from ._blocks import DEFAULT_BLOCK_SIZES as DEFAULT_BLOCK_SIZES
 from ._blocks import default_block_sizes as default_block_sizes
 from ._blocks import race_detecting_interpret as race_detecting_interpret

@@ -60,7 +60,11 @@ class PallasBlockImpl(AbstractBlockImpl):
     **Arguments:**
 
     - `block_q`, `block_k`: kernel block lengths (multiples of 128).
-    - `interpret`: `False` compiles for TPU; `True` runs Pallas' interpreter (any backend).
+    - `interpret`: `False` compiles for TPU; `True` runs Pallas' interpreter (any backend);
+      a `pltpu.InterpretParams` runs TPU interpret mode (see `race_detecting_interpret`).
+    - `max_live_blocks`: a bound on the non-empty partner blocks of any query or key block
+      (`None`: no bound); the kernels' sequential grid axes take that many steps, and an
+      overflowing bound gives NaN, never a wrong number (see `pallas_flash_forward`).
 
     Pass it as `impl=` to `eqx_longctx.attention` or a `ShardingSpec`; `impl="pallas"`
     builds one with `for_platform`.
@@ -72,6 +76,7 @@ class PallasBlockImpl(AbstractBlockImpl):
     block_q: int = eqx.field(static=True)
     block_k: int = eqx.field(static=True)
     interpret: Any = eqx.field(static=True, default=False)
+    max_live_blocks: int | None = eqx.field(static=True, default=None)
 
     @property
     def pure_forward(self) -> bool:
@@ -107,8 +112,8 @@ class PallasBlockImpl(AbstractBlockImpl):
         **Returns:** the tiled queries that [`attend`][] and [`attend_backward`][] take.
 
         **Raises:** `ValueError` when `q` is not float32 or bfloat16, `block_q` or `block_k`
-        is not a positive multiple of 128, or `options.window` is not a positive int or is
-        set without `options.causal`.
+        is not a positive multiple of 128, `options.window` is not a positive int or is
+        set without `options.causal`, or `max_live_blocks` is not a positive int.
         """
         if jnp.dtype(q.dtype) not in _DTYPES:
             raise ValueError(
@@ -118,7 +123,7 @@ class PallasBlockImpl(AbstractBlockImpl):
         cfg = make_config(
             q, kv_like, segment_ids, causal=options.causal, window=options.window,
             scale=options.scale, block_q=self.block_q, block_k=self.block_k,
-            interpret=self.interpret,
+            interpret=self.interpret, max_live_blocks=self.max_live_blocks,
         )  # fmt: skip
         return _Queries(_swap(q), positions, segment_ids, cfg)
 

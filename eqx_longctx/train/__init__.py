@@ -2,8 +2,9 @@
 
 `python -m eqx_longctx.train` (or `eqx-longctx-train`) trains the tiny Llama on the Python
 standard library in a few minutes on a laptop CPU; `--model deepseek` trains the tiny
-DeepSeek (MLA + MoE), and `--mesh fsdp=2,context=4` splits every weight and the optimizer
-state over the fsdp axis. Library use:
+DeepSeek (MLA + MoE), `--model NAME` any family installed as a plugin (see
+`eqx_longctx.ModelFamily`), and `--mesh fsdp=2,context=4` splits every weight and the
+optimizer state over the fsdp axis. Library use:
 
 ```python
 trainer = Trainer(TrainConfig(model="llama", steps=200, run_dir="runs/demo"))
@@ -17,8 +18,8 @@ from ._checkpoint import check_checkpoint_dir as check_checkpoint_dir
 from ._config import TrainConfig as TrainConfig
 from ._config import build_model_config as build_model_config
 from ._loop import Trainer as Trainer
-from ._loop import TrainResult as TrainResult
 from ._metrics import MetricsLog as MetricsLog
+from ._metrics import TrainResult as TrainResult
 from ._metrics import plot_metrics as plot_metrics
 from ._parallel import Placement as Placement
 from ._step import check_batch as check_batch

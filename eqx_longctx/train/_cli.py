@@ -12,10 +12,10 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from models import FAMILY_NAMES
-
+from .._family import ENTRY_POINT_GROUP, family_names
 from ._config import TrainConfig
 from ._distributed import PEER_TIMEOUT
+from ._exit import PROG, error_line, exit_now
 from ._processes import INIT_TIMEOUT
 
 
@@ -28,9 +28,6 @@ def _override(text: str) -> tuple[str, str]:
             "Example: --override n_layers=2"
         )
     return key, value
-
-
-PROG = "eqx-longctx-train"
 
 
 class UsageError(Exception):
@@ -50,14 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig(run_dir="unused")
     p = _Parser(
         prog=PROG,
-        description="Train a Llama or a DeepSeek on a text corpus (default: the tiny Llama on "
-        "the Python standard library). Writes metrics.jsonl, loss.png and orbax checkpoints to "
-        "--run-dir.",
+        description="Train a model of any installed family (--model) on a text corpus (default: "
+        "the tiny Llama on the Python standard library). Writes metrics.jsonl, loss.png and "
+        "orbax checkpoints to --run-dir.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=d.model, choices=FAMILY_NAMES, help="model family")
     p.add_argument(
-        "--preset", default=d.preset, help="a preset of --model (models.family(NAME).presets)"
+        "--model",
+        default=d.model,
+        choices=family_names(),
+        help=f"model family (those installed under the entry-point group {ENTRY_POINT_GROUP!r})",
+    )
+    p.add_argument(
+        "--preset",
+        default=d.preset,
+        help="a preset of --model (eqx_longctx.model_family(NAME).presets)",
     )
     p.add_argument(
         "--override",
@@ -197,11 +201,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def error_line(error: BaseException | str) -> str:
-    """**Returns:** the CLI's one-line report of `error`: `eqx-longctx-train: error: ...`."""
-    return f"{PROG}: error: {' '.join(str(error).split())}"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, join the other processes of a multi-process run, train, print a summary.
 
@@ -261,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime.finish()
         return 0
     runtime.fail(failure.get("message", f"it stopped with exit status {code}"))
-    dist.exit_now(code)
+    exit_now(code)
     return code  # not reached
 
 

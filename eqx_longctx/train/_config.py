@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .._family import family_names, model_family
 from .._mesh import MESH_AXES as MESH_AXES
 from .._mesh import parse_mesh as parse_mesh
 
@@ -79,8 +80,9 @@ class TrainConfig:
 
     **Arguments:**
 
-    - `model`: the model family, one of `models.FAMILY_NAMES` (`"llama"`, `"deepseek"`).
-    - `preset`: key of that family's `PRESETS` (`models.family(model).presets`).
+    - `model`: the model family, one of `eqx_longctx.family_names()` (the zoo's `"llama"`
+      and `"deepseek"`, or any family registered as a plugin: see `eqx_longctx.ModelFamily`).
+    - `preset`: key of that family's presets (`eqx_longctx.model_family(model).presets`).
     - `model_overrides`: fields of the family's config to replace, e.g. `{"n_layers": 2}`.
     - `seq_len`, `batch_size`: tokens per row, rows per step.
     - `steps`: total optimizer steps (the cosine schedule spans them).
@@ -231,7 +233,6 @@ def check_train_config(config: "TrainConfig") -> None:
     """
     from eqx_longctx._sharding import LOAD_BALANCES, STRATEGIES
     from eqx_longctx.nn import REMAT_POLICIES
-    from models import FAMILY_NAMES
 
     from ._step import check_optimizer_settings
 
@@ -290,7 +291,7 @@ def check_train_config(config: "TrainConfig") -> None:
             "{'n_layers': 2} (CLI: --override n_layers=2)."
         )
     choices = {
-        "model": FAMILY_NAMES,
+        "model": family_names(),
         "strategy": STRATEGIES,
         "load_balance": LOAD_BALANCES,
         "on_nonfinite": NONFINITE_MODES,
@@ -337,16 +338,15 @@ def build_model_config(config: TrainConfig, vocab_size: int):
     - `config`: the run settings (`model`, `preset`, `model_overrides`, `remat`, `seq_len`).
     - `vocab_size`: the tokenizer's vocabulary size.
 
-    **Returns:** an instance of `models.family(config.model).config` (e.g. `LlamaConfig`).
+    **Returns:** an instance of `eqx_longctx.model_family(config.model).config` (e.g.
+    `LlamaConfig`).
 
     **Raises:** `ValueError` for a `preset` the family does not have, an override that is
     not a field of its config or whose text does not parse as the preset's value for that
     field; `TypeError` and `ValueError` as the config's constructor for the values that
     result.
     """
-    from models import family
-
-    fam = family(config.model)
+    fam = model_family(config.model)
     overrides = resolve_overrides(config.preset, config.model_overrides, model=config.model)
     changes: dict[str, Any] = {
         "vocab_size": vocab_size,
@@ -365,16 +365,14 @@ def resolve_overrides(
 
     **Arguments:**
 
-    - `preset`: a key of the family's `PRESETS` (`--preset`).
+    - `preset`: a key of the family's presets (`--preset`).
     - `overrides`: config field -> value (`--override FIELD=VALUE`; strings parse as the
       preset's value for that field).
     - `model`: the family (`--model`).
 
     **Returns:** the overrides with parsed values.
     """
-    from models import family
-
-    fam = family(model)
+    fam = model_family(model)
     if preset not in fam.presets:
         raise ValueError(
             f"--preset must be one of --model {model}'s presets {sorted(fam.presets)}; got "

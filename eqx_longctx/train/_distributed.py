@@ -25,12 +25,12 @@ import dataclasses
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ._exit import die
 from ._processes import PREFIX, exchange, kv_client
 
 EXIT_PEER_LOST = 3
@@ -172,16 +172,6 @@ class _Deadline:
 
     def __exit__(self, *exc) -> None:
         self._done.set()
-
-
-def die(message: str, code: int) -> None:
-    """Print the CLI's one-line error and end the process at once (from any thread, even
-    while the main thread is blocked in a collective)."""
-    from ._cli import error_line
-
-    sys.stdout.flush()
-    print(error_line(message), file=sys.stderr, flush=True)
-    os._exit(code)
 
 
 def _reachable(coordinator: str) -> str:
@@ -355,7 +345,7 @@ class PeerWatch(threading.Thread):
     """Ends this process when another process of the run is lost.
 
     Every `interval` seconds it publishes this process's heartbeat counter in the key-value
-    store and reads the others'. It calls [`die`][] with [`EXIT_PEER_LOST`][] and one line
+    store and reads the others'. It calls `_exit.die` with [`EXIT_PEER_LOST`][] and one line
     naming the process when a peer's counter has not moved for `timeout` seconds (it died,
     hung or lost its network), when a peer reports an error ([`Runtime.fail`][]), or when
     the coordinator (process 0) has not answered for `min(timeout, 15)` seconds. A peer
@@ -427,11 +417,3 @@ class PeerWatch(threading.Thread):
             "--resume.",
             EXIT_PEER_LOST,
         )
-
-
-def exit_now(code: int) -> None:
-    """End the process with `code` without waiting for the other processes (JAX's shutdown
-    would wait for them at a barrier)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

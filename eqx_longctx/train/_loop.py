@@ -28,9 +28,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._family import model_family
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
 from ._config import TrainConfig, build_model_config
-from ._metrics import MetricsLog, plot_metrics
+from ._metrics import MetricsLog, TrainResult, describe_loss, plot_metrics
 from ._parallel import Placement
 from ._processes import agree, is_primary, sync
 from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
@@ -53,59 +54,6 @@ def _as_global(batch, like):
         return jax.make_array_from_callback(host.shape, ref.sharding, lambda i: host[i])
 
     return type(batch)(*(place(x, ref) for x, ref in zip(batch, like, strict=True)))
-
-
-def describe_loss(record: dict[str, Any]) -> str:
-    """**Returns:** e.g. `"1.2345 nats/token, 1.7810 bits/token, 1.7902 bits/byte"` (bits
-    per byte only when the record has them: a byte tokenizer)."""
-    text = f"{record['loss']:.4f} nats/token, {record['bits_per_token']:.4f} bits/token"
-    if record.get("bpb") is not None:
-        text += f", {record['bpb']:.4f} bits/byte"
-    return text
-
-
-@dataclasses.dataclass
-class TrainResult:
-    """What a run ended with.
-
-    - `status`: `"completed"`, `"nonfinite"` (stopped by `on_nonfinite="stop"`),
-      `"interrupted"` (stopped early by `run(stop_at=...)`) or `"nothing_to_do"` (resumed at
-      or past `config.steps`: nothing trained, see `Trainer.nothing_to_do`).
-    - `step`: completed steps (a step that stopped the run does not count);
-      `skipped_steps`: updates dropped as non-finite by `on_nonfinite="skip"`.
-    - `wall_time`: seconds, including earlier segments of a resumed run.
-    - `val`: the last validation record (see `evaluate`: `loss` in nats per token,
-      `bits_per_token`, and for a byte tokenizer `bpb`), or `None`.
-    - `model`, `opt_state`: the final (last finite) state.
-    - `metrics_path`, `plot_path`, `checkpoint_dir`, `checkpoint_steps`: where things are.
-    """
-
-    status: str
-    step: int
-    skipped_steps: int
-    wall_time: float
-    val: dict[str, float] | None
-    model: Any
-    opt_state: Any
-    metrics_path: pathlib.Path
-    plot_path: pathlib.Path
-    checkpoint_dir: pathlib.Path
-    checkpoint_steps: list[int]
-
-    def summary(self) -> str:
-        """**Returns:** a few human-readable lines about the run."""
-        val = "n/a" if self.val is None else describe_loss(self.val)
-        return "\n".join(
-            [
-                f"status:        {self.status}",
-                f"steps:         {self.step} ({self.skipped_steps} skipped as non-finite)",
-                f"wall time:     {self.wall_time:.1f} s",
-                f"val loss:      {val}",
-                f"metrics:       {self.metrics_path}",
-                f"loss curve:    {self.plot_path}",
-                f"checkpoints:   {self.checkpoint_dir} (steps {self.checkpoint_steps})",
-            ]
-        )
 
 
 _STEP_CACHE: dict[tuple, tuple[Any, Any]] = {}
@@ -144,8 +92,9 @@ class Trainer:
 
     **Arguments:**
 
-    - `config`: the run settings; `config.model` picks the family (`models.family`), so
-      the loop trains a Llama or a DeepSeek (MLA + MoE) alike.
+    - `config`: the run settings; `config.model` picks the family
+      (`eqx_longctx.model_family`), so the loop trains a Llama, a DeepSeek (MLA + MoE) or
+      any family registered as a plugin alike.
     - `datasets`: `(train, val)` `PackedDataset`s to use instead of loading `config.data`
       (encoded with `ByteTokenizer`, like `load_datasets`).
     - `batch_hook`: `hook(step, batch) -> batch` applied to every training batch, a
@@ -173,7 +122,6 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, *, datasets=None, batch_hook: BatchHook | None = None):
         from eqx_longctx.data import ByteTokenizer, GrainBatches, GrainEvalBatches, load_datasets
-        from models import family
 
         self.config = config
         self.batch_hook = batch_hook
@@ -181,7 +129,7 @@ class Trainer:
         self.tokenizer = ByteTokenizer()
         # Every check that needs no data comes first: bad flags fail before the corpus is
         # read and the model built.
-        self.family = family(config.model)
+        self.family = model_family(config.model)
         self.model_config = build_model_config(config, self.tokenizer.vocab_size)
         self.parallel = Placement(
             config.devices,
@@ -191,7 +139,9 @@ class Trainer:
             config.fsdp_axes,
             vocab_size=self.model_config.vocab_size,
         )
-        self.parallel.check_run(config.batch_size, config.seq_len, self.model_config)
+        self.parallel.check_run(
+            config.batch_size, config.seq_len, self.model_config, family=self.family
+        )
         # The layout of every weight: a dimension the mesh does not divide fails here.
         self._abstract_model = self.parallel.abstract_model(self._make_model)
         self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig

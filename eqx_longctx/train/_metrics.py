@@ -1,5 +1,7 @@
-"""Metrics as JSON lines, and the loss-curve plot drawn from them."""
+"""What a run reports: metrics as JSON lines, the loss-curve plot drawn from them, and
+the result a run ends with."""
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -114,3 +116,56 @@ def _ema(values: list[float], decay: float) -> list[float]:
         avg = v if avg is None else decay * avg + (1 - decay) * v
         out.append(avg)
     return out
+
+
+def describe_loss(record: dict[str, Any]) -> str:
+    """**Returns:** e.g. `"1.2345 nats/token, 1.7810 bits/token, 1.7902 bits/byte"` (bits
+    per byte only when the record has them: a byte tokenizer)."""
+    text = f"{record['loss']:.4f} nats/token, {record['bits_per_token']:.4f} bits/token"
+    if record.get("bpb") is not None:
+        text += f", {record['bpb']:.4f} bits/byte"
+    return text
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run ended with.
+
+    - `status`: `"completed"`, `"nonfinite"` (stopped by `on_nonfinite="stop"`),
+      `"interrupted"` (stopped early by `run(stop_at=...)`) or `"nothing_to_do"` (resumed at
+      or past `config.steps`: nothing trained, see `Trainer.nothing_to_do`).
+    - `step`: completed steps (a step that stopped the run does not count);
+      `skipped_steps`: updates dropped as non-finite by `on_nonfinite="skip"`.
+    - `wall_time`: seconds, including earlier segments of a resumed run.
+    - `val`: the last validation record (see `evaluate`: `loss` in nats per token,
+      `bits_per_token`, and for a byte tokenizer `bpb`), or `None`.
+    - `model`, `opt_state`: the final (last finite) state.
+    - `metrics_path`, `plot_path`, `checkpoint_dir`, `checkpoint_steps`: where things are.
+    """
+
+    status: str
+    step: int
+    skipped_steps: int
+    wall_time: float
+    val: dict[str, float] | None
+    model: Any
+    opt_state: Any
+    metrics_path: pathlib.Path
+    plot_path: pathlib.Path
+    checkpoint_dir: pathlib.Path
+    checkpoint_steps: list[int]
+
+    def summary(self) -> str:
+        """**Returns:** a few human-readable lines about the run."""
+        val = "n/a" if self.val is None else describe_loss(self.val)
+        return "\n".join(
+            [
+                f"status:        {self.status}",
+                f"steps:         {self.step} ({self.skipped_steps} skipped as non-finite)",
+                f"wall time:     {self.wall_time:.1f} s",
+                f"val loss:      {val}",
+                f"metrics:       {self.metrics_path}",
+                f"loss curve:    {self.plot_path}",
+                f"checkpoints:   {self.checkpoint_dir} (steps {self.checkpoint_steps})",
+            ]
+        )

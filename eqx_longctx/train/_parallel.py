@@ -17,9 +17,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from eqx_longctx import ShardingSpec
 from eqx_longctx.data import place_batch
 
+from .._sharding import ShardingSpec
 from ._config import default_mesh, fsdp_axes_of, mesh_shape
 
 
@@ -91,7 +91,7 @@ class Placement:
 
     # ---- checks ------------------------------------------------------------------------
 
-    def check_run(self, batch_size: int, seq_len: int, model_config) -> None:
+    def check_run(self, batch_size: int, seq_len: int, model_config, family=None) -> None:
         """Check that a run's batches, the model's heads and its experts split over this
         mesh, before anything is built or traced.
 
@@ -103,11 +103,14 @@ class Placement:
         **Arguments:**
 
         - `batch_size`, `seq_len`: `--batch-size`, `--seq-len`.
-        - `model_config`: the model's config (`LlamaConfig`, `DeepSeekConfig`: anything
-          with `n_heads` and either `n_kv_heads`/`head_dim` or MLA's
-          `qk_nope_head_dim`/`qk_rope_head_dim`).
+        - `model_config`: the model's config.
+        - `family`: its `eqx_longctx.ModelFamily` (or that family's name), which gives the
+          attention heads (`attention_shape`) and the routed experts (`moe_shape`);
+          `None`: the installed or registered family whose `config` class `model_config`
+          is.
 
-        **Raises:** `ValueError` (nothing on one device) when `batch_size` does not split
+        **Raises:** `ValueError` (nothing on one device) when `family` is `None` and no
+        family has `model_config`'s class; when `batch_size` does not split
         over the batch axes or `seq_len` over the spec's layout; the mesh has an `expert`
         axis but the model has no routed experts, or their number is not divisible by it; a
         `tensor` axis is set for a model with multi-head latent attention; or the heads do
@@ -117,15 +120,17 @@ class Placement:
         if self.spec is None:
             return
         from eqx_longctx._layout import check_sequence_length
+        from eqx_longctx.attention._choose import resolve_strategy
         from eqx_longctx.attention._validate import check_spec_inputs
 
+        family = _family(family, model_config)
         spec, mesh = self.spec, dict(self.mesh.shape)
         spec.check_batch(batch_size, what=f"--batch-size {batch_size}")
         try:
             check_sequence_length(spec, seq_len)
         except ValueError as e:
             raise ValueError(f"--seq-len {seq_len}: {e}") from None
-        self._check_experts(model_config)
+        self._check_experts(model_config, family)
         if spec.tensor_axis is not None and hasattr(model_config, "kv_lora_rank"):
             # latent_attention's own rule, raised here before anything is built.
             raise ValueError(
@@ -134,35 +139,35 @@ class Placement:
                 "replicates its up-projection and cannot split heads. Drop tensor= from "
                 "--mesh (fsdp= splits the weights instead)."
             )
-        q_heads, kv_heads, head_dim = attention_heads(model_config)
+        q_heads, kv_heads, head_dim, _ = family.attention_shape(model_config)
         q = jax.ShapeDtypeStruct((batch_size, seq_len, q_heads, head_dim), np.float32)
         k = jax.ShapeDtypeStruct((batch_size, seq_len, kv_heads, head_dim), np.float32)
         try:
-            check_spec_inputs(spec, q, k, None)
+            check_spec_inputs(spec, q, k, resolve_strategy(spec, q, k))
         except ValueError as e:
             raise ValueError(
                 f"--strategy {spec.strategy!r} on mesh {mesh} with the model's {q_heads} "
                 f"query / {kv_heads} key-value heads: {e}"
             ) from None
 
-    def _check_experts(self, model_config) -> None:
+    def _check_experts(self, model_config, family) -> None:
         spec = self.spec
         if spec is None or spec.expert_axis is None:
             return
         n = spec.axis_size(spec.expert_axis)
-        experts = getattr(model_config, "n_routed_experts", None)
+        moe = family.moe_shape(model_config)
         name = type(model_config).__name__
-        if experts is None:
+        if moe is None:
             raise ValueError(
                 f"--mesh expert={n} splits the routed experts of MoE layers, but the model "
-                f"({name}) has none. Use --model deepseek, or move those devices to data= or "
-                "fsdp=."
+                f"({name}) has none. Use a model with routed experts, or move those devices "
+                "to data= or fsdp=."
             )
-        if experts % n:
+        if moe.experts % n:
             raise ValueError(
-                f"--mesh expert={n} splits the model's {experts} routed experts ({name}."
-                f"n_routed_experts), so they must be divisible by {n}. Use an expert axis "
-                f"whose size divides {experts}."
+                f"--mesh expert={n} splits the model's {moe.experts} routed experts ({name}), "
+                f"so they must be divisible by {n}. Use an expert axis whose size divides "
+                f"{moe.experts}."
             )
 
     def describe(self) -> str:
@@ -202,7 +207,7 @@ class Placement:
             model = make(None)
             arrays, rest = eqx.partition(model, eqx.is_array)
             return eqx.combine(jax.device_put(arrays, self.device), rest)
-        from eqx_longctx import init_sharded
+        from .._partition import init_sharded
 
         spec = self.spec
         return init_sharded(lambda: make(spec), spec)
@@ -233,7 +238,7 @@ class Placement:
         """
         if self.spec is None:
             return None
-        from eqx_longctx import param_shardings
+        from .._partition import param_shardings
 
         shardings = param_shardings(model, self.spec)
         inexact = eqx.filter(model, _is_inexact)
@@ -271,6 +276,17 @@ class Placement:
 
         return jax.tree.map(layout, state, is_leaf=is_params)
 
+    def step_shardings(self, optimizer: optax.GradientTransformation, model):
+        """**Returns:** `(param_shardings, opt_state_shardings)`, the layouts the train step
+        keeps its gradients, parameters and optimizer state in (`make_train_step`'s
+        `shardings`), or `None` on one device.
+
+        **Raises:** `ValueError` as [`build_model`][].
+        """
+        if self.spec is None:
+            return None
+        return self.param_shardings(model), self.opt_state_shardings(optimizer, model)
+
     def abstract_opt_state(self, optimizer: optax.GradientTransformation, model):
         """**Returns:** the optimizer state of `model` (or its `abstract_model`) as
         `jax.ShapeDtypeStruct`s carrying their shardings: a restore target.
@@ -298,6 +314,21 @@ class Placement:
             return jax.device_put(optimizer.init(params), self.device)
         shardings = self.opt_state_shardings(optimizer, model)
         return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+    def abstract_batch(self, batch_size: int, seq_len: int):
+        """**Returns:** a `Batch` of `jax.ShapeDtypeStruct`s `[batch_size, seq_len]` placed
+        as [`shard_batch`][] places a host batch (int32 tokens, targets, positions and
+        segment ids, a float32 loss mask): the step's input, allocating nothing."""
+        from eqx_longctx.data import Batch
+
+        if self.spec is None:
+            sharding = jax.sharding.SingleDeviceSharding(self.device)
+        else:
+            sharding = self.spec.sharding(self.spec.token_pspec())
+        ids = jax.ShapeDtypeStruct((batch_size, seq_len), np.int32, sharding=sharding)
+        mask = jax.ShapeDtypeStruct((batch_size, seq_len), np.float32, sharding=sharding)
+        fields: list[Any] = [ids, ids, ids, ids, mask]  # abstract, where a Batch holds arrays
+        return Batch(*fields)
 
     def shard_batch(self, batch):
         """**Returns:** `batch` (a host `Batch` of the global batch) in the spec's token
@@ -362,16 +393,23 @@ def device_grid(devices: list, shape: tuple[int, ...]) -> np.ndarray:
     return np.array(devices).reshape(shape)
 
 
-def attention_heads(model_config) -> tuple[int, int, int]:
-    """**Returns:** `(query heads, key/value heads, query/key head width)` of a model
-    config: GQA's `n_heads`, `n_kv_heads`, `head_dim`, or for multi-head latent attention
-    (MLA: keys and values are up-projected per query head) `n_heads` twice and
-    `qk_nope_head_dim + qk_rope_head_dim`."""
-    c = model_config
-    if hasattr(c, "qk_rope_head_dim"):
-        return c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
-    kv_heads = getattr(c, "n_kv_heads", None) or c.n_heads
-    return c.n_heads, kv_heads, c.head_dim
+def _family(family, model_config):
+    """The `ModelFamily` a run's config belongs to: `family` (or the family of that name),
+    else the installed or registered family whose `config` class `model_config` is."""
+    from .._family import ModelFamily, model_families, model_family
+
+    if isinstance(family, ModelFamily):
+        return family
+    if family is not None:
+        return model_family(family)
+    for candidate in model_families().values():
+        if isinstance(model_config, candidate.config):
+            return candidate
+    raise ValueError(
+        f"no installed or registered model family has the config class "
+        f"{type(model_config).__name__}; pass family= (an eqx_longctx.ModelFamily), or "
+        "register the family with eqx_longctx.register_family."
+    )
 
 
 def bytes_on_device(tree, device) -> int:

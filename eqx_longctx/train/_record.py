@@ -64,26 +64,23 @@ def run_flags(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
     """The record of a run's flags, normalised so that equal runs give equal records.
 
     Model overrides are parsed against the preset (`"2"` from the CLI equals `2` from
-    Python), `data` becomes an absolute path, and a record from before `--model` existed
-    gets `model="llama"` (the only family then). Per-invocation switches (`run_dir`,
+    Python) and `data` becomes an absolute path. Per-invocation switches (`run_dir`,
     `resume`, `overwrite`, `progress`) are left out.
 
     **Arguments:**
 
-    - `config`: a `TrainConfig`, or a dict of its fields (as a checkpoint records them).
+    - `config`: a `TrainConfig`, or a dict of all its fields.
 
     **Returns:** a JSON-serialisable dict.
+
+    **Raises:** `ValueError` for an unknown preset or override field (as `--preset` and
+    `--override` do).
     """
     fields = vars(config) if isinstance(config, TrainConfig) else dict(config)
     record = {k: v for k, v in fields.items() if k not in _NOT_RECORDED}
-    record.setdefault("model", "llama")
-    overrides = record.get("model_overrides") or {}
-    try:
-        record["model_overrides"] = resolve_overrides(
-            record.get("preset", ""), overrides, model=record["model"]
-        )
-    except ValueError:
-        record["model_overrides"] = dict(overrides)  # an old record: compare it as written
+    record["model_overrides"] = resolve_overrides(
+        record["preset"], record.get("model_overrides") or {}, model=record["model"]
+    )
     if record.get("data") is not None:
         record["data"] = str(pathlib.Path(record["data"]).expanduser().resolve())
     return json.loads(json.dumps(record, default=str))
@@ -99,8 +96,8 @@ def write_flags(run_dir: pathlib.Path, config: TrainConfig) -> pathlib.Path:
 
 def read_flags(run_dir: pathlib.Path) -> dict[str, Any] | None:
     """**Returns:** the recorded flags of the run in `run_dir`, or `None` when it has no
-    `flags.json` (runs from before the record existed); raises `ValueError` when the file
-    cannot be read."""
+    `flags.json` (deleted: then `--resume` compares with the newest checkpoint's record);
+    raises `ValueError` when the file cannot be read."""
     path = pathlib.Path(run_dir) / FLAGS_FILE
     if not path.exists():
         return None
@@ -119,8 +116,9 @@ def read_flags(run_dir: pathlib.Path) -> dict[str, Any] | None:
 
 def flag_differences(recorded: dict[str, Any], given: dict[str, Any]) -> list[str]:
     """**Returns:** one `"--flag: recorded X, given Y"` entry per run flag (`RUN_FLAGS`)
-    whose normalised values differ."""
-    recorded, given = run_flags(recorded), run_flags(given)
+    whose values differ: `recorded` as `run_flags` wrote it, `given` (a dict of every
+    `TrainConfig` field) normalised the same way."""
+    given = run_flags(given)
     out = []
     for name in RUN_FLAGS:
         if name in recorded and recorded[name] != given.get(name):

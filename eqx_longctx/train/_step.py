@@ -117,7 +117,7 @@ def decay_mask(params):
     **Raises:** `ValueError` as `eqx_longctx.logical_axes`, for an array whose field
     annotation names no dimensions or another rank.
     """
-    from eqx_longctx import logical_axes
+    from .._partition import logical_axes
 
     def decay(axes: PartitionSpec) -> bool:
         return matrix_rank(axes) >= 2
@@ -292,6 +292,48 @@ def make_train_step(
         return step(batch, model, opt_state)
 
     return train_step
+
+
+def lower_train_step(
+    optimizer: optax.GradientTransformation,
+    model,
+    opt_state,
+    batch,
+    *,
+    tokenizer: Any = _BYTES,
+    shardings: tuple[Any, Any] | None = None,
+) -> jax.stages.Lowered:
+    """Lower (trace, never run) the step [`make_train_step`][] builds, for abstract inputs:
+    what one step of a run compiles to, without allocating its model.
+
+    The model and optimizer state are donated, as the trainer's step (`donate=True`)
+    donates them, so the compiled program's memory analysis is what a step holds.
+
+    **Arguments:**
+
+    - `optimizer`, `tokenizer`, `shardings`: as for [`make_train_step`][] (a run's
+      `shardings` are `Placement.step_shardings`).
+    - `model`: the model with `jax.ShapeDtypeStruct` arrays carrying their shardings
+      (`Placement.abstract_model`), or with real arrays.
+    - `opt_state`: its optimizer state, likewise (`Placement.abstract_opt_state`).
+    - `batch`: a `Batch` of `jax.ShapeDtypeStruct`s (`Placement.abstract_batch`) or arrays.
+
+    **Returns:** the `jax.stages.Lowered` step; `.compile().memory_analysis()` gives its
+    bytes per device.
+    """
+    step = make_train_step(optimizer, tokenizer=tokenizer, shardings=shardings)
+    arrays, static = eqx.partition(model, _is_array_or_shape)
+
+    def run(arrays, opt_state, batch):
+        new_model, new_opt_state, metrics = step(eqx.combine(arrays, static), opt_state, batch)
+        return eqx.filter(new_model, eqx.is_array), new_opt_state, metrics
+
+    # The step's own jit runs inside this one, which holds the donation.
+    return jax.jit(run, donate_argnums=(0, 1)).lower(arrays, opt_state, batch)
+
+
+def _is_array_or_shape(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
 
 
 @eqx.filter_jit

@@ -28,8 +28,13 @@ The peak is parameters + gradients + optimizer state + batch + activations + the
 the layer backward and the logits. The parameters and optimizer state passed in are donated
 (the trainer's step does so), so the updated ones take no extra memory.
 
-`--compile` (`_step_compile.py`) checks the prediction against XLA's memory analysis of
-the real step, compiled for abstract arrays on fake CPU devices.
+The model is known only through its `eqx_longctx.ModelFamily`: the planner asks it for the
+model, the local config one device computes with, the attention and routed-experts shapes
+and the active parameters.
+
+`--compile` (`_compile.py`) checks the prediction against XLA's memory analysis of the
+trainer's own step under the trainer's `Placement`, compiled for abstract arrays on fake
+CPU devices.
 """
 
 import dataclasses
@@ -40,14 +45,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._checks import check_memory_budget, check_names, check_spec
+from .._family import ModelFamily, MoEShape, model_family
+from .._partition import param_bytes_per_device, param_pspecs
+from .._sharding import ShardingSpec
+from ..attention._choose import plan as plan_attention
+from ..attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, STRATEGY_ORDER
+from ..attention._explain import gib
 from ._activations import REMATS, stack_activations, stacks
-from ._checks import check_memory_budget, check_names, check_spec
-from ._partition import param_bytes_per_device, param_pspecs
-from ._sharding import ShardingSpec
-from ._step_explain import step_table
-from .attention._choose import plan as plan_attention
-from .attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, STRATEGY_ORDER
-from .attention._explain import gib
+from ._explain import step_table
 
 _F32 = 4
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment ids (int32), loss mask (float32)
@@ -137,7 +143,7 @@ class StepPlan:
 
 @no_type_check  # validated eagerly, with errors that say what to fix
 def plan_train_step(
-    family: str,
+    family: str | ModelFamily,
     config: Any,
     spec: ShardingSpec,
     *,
@@ -153,7 +159,8 @@ def plan_train_step(
 
     **Arguments:**
 
-    - `family`: `"llama"` or `"deepseek"` (`models.family`).
+    - `family`: the model family: a `ModelFamily`, or the name of an installed or
+      registered one (`eqx_longctx.model_family`), e.g. `"llama"`.
     - `config`: the model's config (its `remat` is ignored: every policy in `remats` is
       planned).
     - `spec`: the `ShardingSpec` the model runs under (its mesh, fsdp, tensor and expert
@@ -169,20 +176,18 @@ def plan_train_step(
     **Returns:** a `StepPlan`; when nothing fits the budget its `chosen` is `None` and its
     `reason` names what would fit.
 
-    **Raises:** `ValueError` for an unknown `family`, an unknown name in `strategies` or
+    **Raises:** `ValueError` for an unknown `family` name, an unknown name in `strategies` or
     `remats`, or an empty one; when `batch` does not split over the spec's batch axes or
     `seq` over its sequence shards (`2N` chunks under `"zigzag"`); for a multi-head latent
     attention config with a `tensor_axis`; when a weight dimension does not split over its mesh axes
     (as `eqx_longctx.param_pspecs`); or when a strategy in `strategies` cannot run these
-    shapes. `TypeError` when `spec` is not a `ShardingSpec`, `config` is not the family's
-    config class, or `strategies` or `remats` is not a tuple of names; `TypeError` or
+    shapes. `TypeError` when `family` is neither a name nor a `ModelFamily`, `spec` is not
+    a `ShardingSpec`, or `strategies` or `remats` is not a tuple of names; `TypeError` or
     `ValueError` for `memory_budget_bytes`, `flops_per_s` or `bytes_per_s` that is not a
     finite number `> 0`.
     """
-    from models import family as model_family
-
     where = "plan_train_step"
-    fam = model_family(family)
+    fam = as_family(family, where)
     check_spec(spec, where, none_ok=False)
     remats = check_names(remats, where, "remats", "remat policy", REMATS)
     if strategies is not None:
@@ -210,8 +215,8 @@ def plan_train_step(
     opt_state = 2 * params  # AdamW's first and second moments, laid out as the parameters
     batch_bytes = _BATCH_FIELDS * b_local * s_local * 4
     ne = spec.axis_size(spec.expert_axis)
-    per_stack = stack_activations(family, config, batch=b_local, seq=s_local, tensor=nt, expert=ne)
-    heads = attention_heads(config)
+    per_stack = stack_activations(fam, config, batch=b_local, seq=s_local, tensor=nt, expert=ne)
+    heads = tuple(fam.attention_shape(config))
     dtype = jnp.dtype(config.compute_dtype)
     attn = plan_attention(
         spec, batch=batch, seq=seq, q_heads=heads[0], kv_heads=heads[1], head_dim=heads[2],
@@ -233,7 +238,7 @@ def plan_train_step(
         # copy, and its gradient before the reduce-scatter
         head = config.vocab_size * config.dim // nt
         logits += head * (2 * param_itemsize + dtype.itemsize)
-    active = active_params(family, config) / nt
+    active = fam.active_params(config) / nt
     rows = []
     for strategy in strategies:
         cost = attn.costs[strategy]
@@ -244,7 +249,7 @@ def plan_train_step(
             )
         attn_temp = _attention_temporaries(cost.memory_train, b_local, s_local, nt, heads, dtype)
         kept = _strategy_residuals(strategy, spec, b_local, s_local, nt, heads, dtype)
-        ep = _dispatch_buffers(config, ne, b_local * s_local, dtype)
+        ep = _dispatch_buffers(fam.moe_shape(config), config.dim, ne, b_local * s_local, dtype)
         for remat in remats:
             acts = host = work = 0
             for s in per_stack:
@@ -281,7 +286,7 @@ def plan_train_step(
     budget = None if budget is None else int(budget)
     chosen, reason = _choose(rows, budget)
     problem = dict(
-        model=family, seq=seq, batch=batch, mesh=dict(spec.mesh.shape),
+        model=fam.name, seq=seq, batch=batch, mesh=dict(spec.mesh.shape),
         fsdp_axes=list(spec.fsdp_axis), tensor_axis=spec.tensor_axis,
         expert_axis=spec.expert_axis, load_balance=spec.load_balance,
         param_dtype=str(jnp.dtype(config.param_dtype)), compute_dtype=str(dtype),
@@ -291,28 +296,19 @@ def plan_train_step(
     return StepPlan(problem, tuple(rows), chosen, reason)
 
 
-def attention_heads(config: Any) -> tuple[int, int, int, int]:
-    """**Returns:** `(query heads, key/value heads, query/key width, value width)` of the
-    model's attention: GQA's, or MLA's (keys and values up-projected per query head)."""
-    c = config
-    if hasattr(c, "qk_rope_head_dim"):
-        return c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-    return c.n_heads, c.n_kv_heads, c.head_dim, c.head_dim
+def as_family(family: Any, where: str) -> ModelFamily:
+    """**Returns:** `family` if it is a `ModelFamily`, else the family of that name.
 
-
-def active_params(family: str, config: Any) -> float:
-    """Parameters one token's forward pass multiplies with (embeddings excluded; an MoE
-    counts its `top_k` routed experts of `n_routed_experts`)."""
-    from models import family as model_family
-
-    model = eqx.filter_eval_shape(model_family(family).model, config, key=jax.random.key(0))
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(model))
-    total -= math.prod(model.embed.shape)
-    if family == "deepseek":
-        c = config
-        routed = (c.n_layers - c.first_k_dense) * c.n_routed_experts * 3 * c.dim
-        total -= routed * c.moe_hidden_dim * (1 - c.top_k / c.n_routed_experts)
-    return float(total)
+    **Raises:** `ValueError` for an unknown name; `TypeError` for anything else.
+    """
+    if isinstance(family, ModelFamily):
+        return family
+    if isinstance(family, str):
+        return model_family(family)
+    raise TypeError(
+        f"{where} needs family=a ModelFamily or the name of one (e.g. 'llama'); got "
+        f"{type(family).__name__} {family!r}. Pass eqx_longctx.model_family(name)."
+    )
 
 
 def _gathered_layer_bytes(model: Any, spec: ShardingSpec) -> dict[str, int]:
@@ -349,17 +345,17 @@ def _strategy_residuals(strategy, spec, b, s, nt, heads, dtype) -> int:
     return (n - 1) * kv
 
 
-def _dispatch_buffers(config: Any, ne: int, tokens: int, dtype) -> int:
+def _dispatch_buffers(moe: MoEShape | None, dim: int, ne: int, tokens: int, dtype) -> int:
     """Bytes an expert-parallel MoE layer keeps beyond its local experts' residuals: the
-    buffers of token copies sent to and received back from the `ne` expert devices, each
-    with room for `tokens x top_k` copies per destination when dropless, else
+    buffers of token copies (`dim` wide) sent to and received back from the `ne` expert
+    devices, each with room for `tokens x top_k` copies per destination when dropless, else
     `capacity_factor x tokens x top_k / ne`."""
-    if ne == 1:
+    if ne == 1 or moe is None:
         return 0
-    n = tokens * config.top_k
-    cf = config.capacity_factor
+    n = tokens * moe.top_k
+    cf = moe.capacity_factor
     room = n if cf is None else min(n, math.ceil(cf * n / ne))
-    return 2 * ne * room * config.dim * jnp.dtype(dtype).itemsize
+    return 2 * ne * room * dim * jnp.dtype(dtype).itemsize
 
 
 def _attention_temporaries(memory_train: int, b, s, nt, heads, dtype) -> int:

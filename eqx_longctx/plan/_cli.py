@@ -3,13 +3,16 @@
 Two planners behind one command. The mesh is made of fake CPU devices, so any mesh can be
 planned on a laptop.
 
-- With `--model`, the whole train step (`eqx_longctx._step_plan`): parameters, gradients,
+- With `--model`, the whole train step (`eqx_longctx.plan_train_step`): parameters, gradients,
   AdamW state, activations under each remat policy, attention temporaries, logits and
   loss, per device, for every strategy the mesh can run; and the fastest (strategy,
-  remat) that fits `--memory-budget-gib`. `--compile` compiles the real train step on
-  abstract arrays and prints XLA's memory analysis beside the prediction; `--json` prints
-  one JSON object instead of the table.
-- Without it, one attention call (`eqx_longctx.attention.plan`): every strategy's memory,
+  remat) that fits `--memory-budget-gib`. The model config and the placement are the
+  trainer's (`eqx_longctx.train`: `--override FIELD=VALUE`, `--mesh`, `--strategy`,
+  `--load-balance`, `--fsdp-axes` mean what they mean to `python -m eqx_longctx.train`).
+  `--compile` compiles the trainer's step under that placement on abstract arrays and
+  prints XLA's memory analysis beside the prediction; `--json` prints one JSON object
+  instead of the table.
+- Without it, one attention call (`eqx_longctx.explain`): every strategy's memory,
   communication, balance and time, and the one `"auto"` picks; `--check` compiles each.
 
     python -m eqx_longctx.plan --model llama --preset llama3.1-8b --seq 1048576 --batch 4 \\
@@ -22,7 +25,6 @@ planned on a laptop.
 """
 
 import argparse
-import ast
 import dataclasses
 import json
 import math
@@ -31,86 +33,32 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._hlo import collective_bytes
-from ._mesh import parse_mesh
-from ._sharding import ShardingSpec
-from .attention import attention
-from .attention._plan import STRATEGY_ORDER, plan
+from .._hlo import collective_bytes
+from .._mesh import parse_mesh
+from .._sharding import ShardingSpec
+from ..attention._choose import plan
+from ..attention._cost import STRATEGY_ORDER
+from ._activations import REMATS
+from ._compile import compile_train_step, compiled_attention, compiled_bytes, trainer_run
 
-REMAT_CHOICES = ("none", "dots", "offload", "full")
 
+def cpu_devices(n: int) -> None:
+    """Make `n` CPU devices (fake ones: any mesh is planned on a laptop) with the trainer's
+    `set_cpu_devices`, before JAX starts its backends.
 
-def compiled_attention(
-    spec: ShardingSpec,
-    *,
-    batch: int,
-    seq: int,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    v_head_dim: int | None = None,
-    dtype=jnp.float32,
-    causal: bool = True,
-    window: int | None = None,
-    segment_ids: bool = False,
-    backward: bool = False,
-):
-    """Compile (never run) `attention` under `spec` for abstract sharded inputs.
-
-    With `backward`, the program is `jax.value_and_grad` of the summed output with respect
-    to q, k, v: the forward output stays live, as it would inside a model.
-
-    **Returns:** the `jax.stages.Compiled` program.
+    **Raises:** `ValueError` as the trainer's `check_device_count` when JAX already
+    started with fewer devices (run the planner in a fresh process).
     """
-    dv = head_dim if v_head_dim is None else v_head_dim
-    heads, tokens = spec.sharding(spec.heads_pspec()), spec.sharding(spec.token_pspec())
-    q = jax.ShapeDtypeStruct((batch, seq, q_heads, head_dim), dtype, sharding=heads)
-    k = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), dtype, sharding=heads)
-    v = jax.ShapeDtypeStruct((batch, seq, kv_heads, dv), dtype, sharding=heads)
-    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=tokens)
+    from ..train._distributed import set_cpu_devices
+    from ..train._parallel import check_device_count
 
-    def forward(q, k, v, ids):
-        return attention(
-            q, k, v, spec=spec, causal=causal, window=window,
-            segment_ids=ids if segment_ids else None,
-        )  # fmt: skip
-
-    fn = forward
-    if backward:
-        loss = lambda q, k, v, ids: jnp.sum(forward(q, k, v, ids).astype(jnp.float32))  # noqa: E731
-        fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
-    return jax.jit(fn).lower(q, k, v, ids).compile()
-
-
-def compiled_memory(compiled) -> int:
-    """Per-device bytes of a compiled program: arguments + outputs + temporaries - aliases.
-
-    (XLA:CPU leaves `peak_memory_in_bytes` at 0, so this is the comparable number.)
-    """
-    m = compiled.memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
-
-
-def _fake_devices(n: int) -> None:
-    """Ask for `n` CPU devices; works only before JAX has initialised a backend."""
     try:
         jax.config.update("jax_platforms", "cpu")
-        if jax.config.jax_num_cpu_devices < n:  # pyright: ignore[reportAttributeAccessIssue]
-            jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
-        pass  # already initialised (e.g. inside a test session): use what exists
-    if len(jax.devices()) < n:
-        raise SystemExit(
-            f"the mesh needs {n} devices but JAX already started with {len(jax.devices())}; "
-            "run the planner in a fresh process."
-        )
+        pass  # backends already exist (e.g. inside a test session): use what they have
+    set_cpu_devices(n)
+    check_device_count(n, len(jax.devices()), jax.process_count())
 
 
 def _positive(text: str) -> float:
@@ -125,12 +73,18 @@ def _positive(text: str) -> float:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    """Run the planner CLI (`python -m eqx_longctx.plan --help`): every invalid flag is one
+    line on stderr and exit status 2."""
+    from ..train._cli import _override  # the trainer's --override FIELD=VALUE
+
+    p = argparse.ArgumentParser(
+        prog="python -m eqx_longctx.plan", description=(__doc__ or "").splitlines()[0]
+    )
     p.add_argument("--mesh", default="context=8", help="axis sizes, e.g. data=2,context=4")
     p.add_argument("--strategy", default="auto", choices=STRATEGY_ORDER + ("auto",))
     p.add_argument("--load-balance", default="zigzag", choices=("none", "zigzag", "striped"))
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--batch", "--batch-size", type=int, default=1, help="global batch rows")
+    p.add_argument("--seq", "--seq-len", type=int, default=32768, help="sequence length")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     p.add_argument("--head-dim", type=int, default=128)
@@ -148,13 +102,14 @@ def main(argv=None) -> None:
     p.add_argument("--tensor-axis", default=None)
     p.add_argument("--check", action="store_true", help="compile each strategy and compare")
     step = p.add_argument_group("whole train step (with --model)")
-    step.add_argument("--model", default=None, help="model family: llama or deepseek")
+    step.add_argument("--model", default=None, help="an installed model family, e.g. llama")
     step.add_argument("--preset", default=None, help="a preset of the family, e.g. llama3.1-8b")
     step.add_argument("--train", action="store_true", help="plan a train step (AdamW)")
     step.add_argument("--fsdp-axes", default=None, help="axes the weights are split over")
-    step.add_argument("--remat", default=None, choices=REMAT_CHOICES, help="default: all")
-    step.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                      help="config override, e.g. n_layers=2 (repeatable)")  # fmt: skip
+    step.add_argument("--remat", default=None, choices=REMATS, help="default: all")
+    step.add_argument("--override", action="append", default=[], type=_override,
+                      metavar="FIELD=VALUE", help="model config field, e.g. n_layers=2 "
+                      "(repeatable; as the trainer's --override)")  # fmt: skip
     step.add_argument("--compile", action="store_true", help="compile the step and compare")
     step.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -169,7 +124,7 @@ def main(argv=None) -> None:
 
 def _run(args) -> None:
     axes = parse_mesh(args.mesh)
-    _fake_devices(math.prod(axes.values()))
+    cpu_devices(math.prod(axes.values()))
     mesh = jax.make_mesh(
         tuple(axes.values()), tuple(axes), devices=jax.devices()[: math.prod(axes.values())]
     )
@@ -233,7 +188,7 @@ def _check(spec: ShardingSpec, result, shape: dict) -> None:
         s = spec if spec.strategy == name else _with_strategy(spec, name)
         for backward in (False, True):
             c = compiled_attention(s, backward=backward, **shape)
-            comm, mem = sum(collective_bytes(c).values()), compiled_memory(c)
+            comm, mem = sum(collective_bytes(c).values()), compiled_bytes(c).device
             pc = sum((cost.comm_train if backward else cost.comm_forward).values())
             pm = cost.memory_train if backward else cost.memory_forward
             print(
@@ -253,58 +208,23 @@ def _with_strategy(spec: ShardingSpec, name: str) -> ShardingSpec:
 # ---- the whole train step ---------------------------------------------------------------
 
 
-def step_spec(axes: dict, *, strategy: str, load_balance: str, fsdp_axes: str | None):
-    """The `ShardingSpec` of a train step on a mesh of fake CPU devices: the batch over
-    `data` (and the fsdp axes that are not sequence axes), the sequence over `context`
-    (and `ulysses`), `tensor` and `expert` axes as their roles, the weights over
-    `fsdp_axes` (default: the `fsdp` axis when the mesh has one), checked as the trainer's
-    `--fsdp-axes` is."""
-    from .train._config import fsdp_axes_of  # the trainer's rules for the same flag
+def step_settings(args) -> Any:
+    """The `eqx_longctx.train.TrainConfig` of the run the flags describe: the trainer's
+    checks of `--model`, `--preset`, `--override`, `--seq`, `--batch`, `--mesh`,
+    `--strategy`, `--load-balance` and `--fsdp-axes` apply."""
+    from ..train._config import TrainConfig
 
-    fsdp = fsdp_axes_of(fsdp_axes, axes, ",".join(f"{k}={v}" for k, v in axes.items()))
-    n = math.prod(axes.values())
-    _fake_devices(n)
-    # Auto axes, as the trainer's mesh (`eqx_longctx.train.Placement`): jit propagates the
-    # shardings of the model and optimizer state.
-    grid = np.array(jax.devices()[:n]).reshape(tuple(axes.values()))
-    mesh = jax.sharding.Mesh(grid, tuple(axes))
-    ulysses = "ulysses" if "ulysses" in axes and strategy in ("usp", "auto") else None
-    return ShardingSpec(
-        mesh, strategy=strategy, load_balance=load_balance, ulysses_axis=ulysses,
-        tensor_axis="tensor" if "tensor" in axes else None, fsdp_axis=fsdp,
-        expert_axis="expert" if "expert" in axes else None,
+    return TrainConfig(
+        model=args.model, preset=args.preset, model_overrides=dict(args.override),
+        seq_len=args.seq, batch_size=args.batch, devices=math.prod(parse_mesh(args.mesh).values()),
+        mesh=args.mesh, fsdp_axes=args.fsdp_axes, strategy=args.strategy,
+        load_balance=args.load_balance, run_dir="unused", progress=False,
     )  # fmt: skip
 
 
-def step_config(model: str, preset: str | None, seq: int, sets: list[str]):
-    """The family's preset with `max_seq_len` raised to `seq` and the `--set` overrides."""
-    from models import family
-
-    fam = family(model)
-    if preset not in fam.presets:
-        raise ValueError(
-            f"unknown {model} preset {preset!r} (--preset); choose one of {sorted(fam.presets)}."
-        )
-    overrides: dict[str, Any] = {"max_seq_len": max(seq, fam.presets[preset].max_seq_len)}
-    fields = {f.name for f in dataclasses.fields(fam.presets[preset])}
-    for item in sets:
-        name, sep, text = item.partition("=")
-        if not sep or name.strip() not in fields:
-            raise ValueError(
-                f"--set takes FIELD=VALUE with a field of {type(fam.presets[preset]).__name__}; "
-                f"got {item!r}. The fields are {sorted(fields)}."
-            )
-        try:
-            value = ast.literal_eval(text.strip())
-        except (ValueError, SyntaxError):
-            value = text.strip()  # a string such as bfloat16
-        overrides[name.strip()] = value
-    return fam.config.from_preset(preset, **overrides)
-
-
 def _run_step(args) -> None:
-    from ._step_compile import compile_train_step, compiled_step_bytes
-    from ._step_explain import step_record
+    from .._family import model_family
+    from ._explain import step_record
     from ._step_plan import plan_train_step
 
     if not args.train:
@@ -314,20 +234,20 @@ def _run_step(args) -> None:
         )
     if args.preset is None:
         raise ValueError(f"--model {args.model} needs --preset (e.g. --preset tiny).")
-    axes = parse_mesh(args.mesh)
-    config = step_config(args.model, args.preset, args.seq, args.set)
-    spec = step_spec(
-        axes, strategy=args.strategy, load_balance=args.load_balance, fsdp_axes=args.fsdp_axes
-    )
+    model_family(args.model)  # an unknown family is reported as such, before its settings
+    settings = step_settings(args)
+    cpu_devices(settings.devices)
+    run = trainer_run(settings)
+    spec = run.placement.spec
     budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
     extra = {}
     if args.tflops is not None:
         extra["flops_per_s"] = args.tflops * 1e12
     if args.gbps is not None:
         extra["bytes_per_s"] = args.gbps * 1e9
-    remats = REMAT_CHOICES if args.remat is None else (args.remat,)
+    remats = REMATS if args.remat is None else (args.remat,)
     result = plan_train_step(
-        args.model, config, spec, batch=args.batch, seq=args.seq, remats=remats,
+        run.family, run.config, spec, batch=args.batch, seq=args.seq, remats=remats,
         memory_budget_bytes=budget, **extra,
     )  # fmt: skip
     result.problem["preset"] = args.preset
@@ -335,12 +255,9 @@ def _run_step(args) -> None:
     if row is None and len(result.rows) == 1:
         row = result.rows[0]  # one (strategy, remat) asked for: report it even if over budget
     compiled = None
-    if args.compile and row is not None:
-        s = spec if spec.strategy == row.strategy else _with_strategy(spec, row.strategy)
-        c = dataclasses.replace(config, remat=row.remat)
-        compiled = compiled_step_bytes(
-            compile_train_step(args.model, c, s, batch=args.batch, seq=args.seq)
-        )
+    if args.compile and row is not None:  # the trainer's run with the row's choices
+        chosen = dataclasses.replace(settings, strategy=row.strategy, remat=row.remat)
+        compiled = compiled_bytes(compile_train_step(trainer_run(chosen)))
     if args.json:
         print(json.dumps(step_record(result, row, compiled)))
     else:
@@ -357,7 +274,3 @@ def _run_step(args) -> None:
     sys.stdout.flush()
     if result.chosen is None and budget is not None:
         raise ValueError(result.reason)
-
-
-if __name__ == "__main__":
-    main()

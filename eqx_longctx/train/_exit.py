@@ -1,0 +1,33 @@
+"""How a training process reports a fatal error and ends: one line on stderr,
+`eqx-longctx-train: error: <rule, values, fix>`, then the exit status.
+
+The CLI (`_cli.py`) and the multi-process runtime (`_distributed.py`, whose watchdog
+threads end the process while the main thread is blocked in a collective) both end runs
+this way.
+"""
+
+import os
+import sys
+
+PROG = "eqx-longctx-train"
+
+
+def error_line(error: BaseException | str) -> str:
+    """**Returns:** the CLI's one-line report of `error`: `eqx-longctx-train: error: ...`."""
+    return f"{PROG}: error: {' '.join(str(error).split())}"
+
+
+def die(message: str, code: int) -> None:
+    """Print the CLI's one-line error and end the process at once (from any thread, even
+    while the main thread is blocked in a collective)."""
+    sys.stdout.flush()
+    print(error_line(message), file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` without waiting for the other processes (JAX's shutdown
+    would wait for them at a barrier)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

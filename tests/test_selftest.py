@@ -1,0 +1,100 @@
+"""`python -m eqx_longctx.selftest` passes on this CPU, and fails when an implementation is
+wrong, raises, or a result is NaN."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_longctx import selftest
+from eqx_longctx.attention._block import AbstractBlockImpl
+from eqx_longctx.attention._impls import make_impl
+from eqx_longctx.selftest import _attention, _report
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROW = re.compile(r"^(?P<case>\S.*?)\s{2,}.*\s(?P<result>PASS|FAIL|ERROR)\b", re.M)
+
+
+@pytest.mark.slow
+def test_selftest_passes_on_cpu():
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    env.pop("XLA_FLAGS", None)  # the selftest makes its own 8 devices
+    proc = subprocess.run(
+        [sys.executable, "-m", "eqx_longctx.selftest"], capture_output=True, text=True,
+        env=env, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    for line in ("jax ", "jaxlib ", "backend          cpu", "devices          8"):
+        assert line in out, out
+    assert re.search(
+        r"^case\s+impl\s+vs\s+max errors \(relative\)\s+tol\s+time\s+result$", out, re.M
+    )
+    rows = ROW.findall(out)
+    cases = [case for case, _ in rows]
+    for name in ("causal f32", "window f32", "packed f32", "gqa bf16", "ring of 8", "train"):
+        assert any(c.startswith(name) for c in cases), (name, out)
+    assert len(rows) == 4 * 3 + 1 + 1 and all(r == "PASS" for _, r in rows), out
+    assert "pallas 128x128 tpu-interpret  xla" in out  # the kernels held against XLA
+    assert re.search(r"all passed$", out.strip())
+
+
+class _OffByOnePercent(AbstractBlockImpl):
+    """The XLA block function with every output 1% too large: a wrong implementation."""
+
+    inner: AbstractBlockImpl
+
+    def tile_queries(self, q, positions, segment_ids, kv_like, options):
+        return self.inner.tile_queries(q, positions, segment_ids, kv_like, options)
+
+    def attend(self, qt, k, v, kv_positions, kv_segment_ids):
+        out, lse = self.inner.attend(qt, k, v, kv_positions, kv_segment_ids)
+        return out * 1.01, lse
+
+    def attend_backward(self, qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq):
+        return self.inner.attend_backward(
+            qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq
+        )
+
+
+class _Raises(_OffByOnePercent):
+    def tile_queries(self, q, positions, segment_ids, kv_like, options):
+        raise RuntimeError("Mosaic failed to compile\nsecond line")
+
+
+def test_a_wrong_implementation_fails_the_selftest(monkeypatch, capsys):
+    xla = make_impl("xla", platform="cpu")
+    impls = {"wrong": _OffByOnePercent(xla), "broken": _Raises(xla), "xla": xla}
+    monkeypatch.setattr(_attention, "implementations", lambda platform: impls)
+    assert selftest.main(["--quick", "--case", "causal"]) == 1
+    out = capsys.readouterr().out
+    rows = {
+        tuple(line.split()[6:9]): line for line in out.splitlines() if line.startswith("causal f32")
+    }
+    assert re.search(r" out 1\.0e-02 .*FAIL: out, .*above 1e-04$", rows[("wrong", "f32", "ref")])
+    assert re.search(
+        r"ERROR: RuntimeError: Mosaic failed to compile$", rows[("broken", "f32", "ref")]
+    )
+    assert rows[("xla", "f32", "ref")].endswith("PASS")
+    assert re.search(r"FAIL: out, .*above 1e-04$", rows[("wrong", "xla", "out")])
+    ring = [line for line in out.splitlines() if line.startswith("ring of 8")]
+    assert len(ring) == 1 and "FAIL" in ring[0] and " wrong " in ring[0]
+    assert re.search(r"did not pass$", out.strip())
+
+
+def test_errors_measure_nan_and_misplaced_infinities():
+    ref = np.array([[1.0, -np.inf], [2.0, 4.0]], np.float32)
+    assert _report.rel_err(ref, ref) == 0.0
+    assert _report.rel_err(ref * 1.5, ref) == pytest.approx(2.0 / 4.0)
+    assert _report.rel_err(np.where(ref == 2.0, np.nan, ref), ref) == float("inf")
+    assert _report.rel_err(np.where(np.isinf(ref), 0.0, ref), ref) == float("inf")
+    row = _report.run_check("c", "i", "ref", 1e-4, lambda: {"out": float("nan")})
+    assert row.status == "FAIL" and not row.ok
+    assert _report.tolerance(jnp.bfloat16) == 2e-2 and _report.tolerance(jnp.float32) == 1e-4

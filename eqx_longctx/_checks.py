@@ -74,8 +74,22 @@ def check_int(
     integral_floats: bool = False,
     fix: str = "",
 ) -> int:
-    """**Returns:** `value` as a Python `int`, after checking it is an integer (not a bool,
-    not a float unless `integral_floats` and integral) `>= minimum` (`None`: any)."""
+    """Check an integer argument or config field.
+
+    **Arguments:**
+
+    - `value`: the value to check: a Python or NumPy integer, or a 0-d integer array.
+    - `what`: what it is, for the messages (e.g. `"LlamaConfig.dim"`).
+    - `minimum`: the smallest allowed value (default 1); `None` allows any.
+    - `integral_floats`: accept a float with an integral value (`4096.0`), as `config.json`
+      readers do.
+    - `fix`: a sentence appended to the messages, saying how to fix the value.
+
+    **Returns:** `value` as a Python `int`.
+
+    **Raises:** `TypeError` when `value` is not an integer (a bool, or a float unless
+    `integral_floats` and integral); `ValueError` when it is below `minimum`.
+    """
     if _is_integer(value):
         value = int(value)
     else:
@@ -95,8 +109,21 @@ def check_int(
 def check_real(
     value: Any, what: str, *, positive: bool = False, minimum: float | None = None, fix: str = ""
 ) -> float:
-    """**Returns:** `value` as a Python `float`, after checking it is a finite real number
-    (int or float, not a bool), `> 0` if `positive`, `>= minimum` if given."""
+    """Check a real-number argument or config field.
+
+    **Arguments:**
+
+    - `value`: the value to check: a Python or NumPy int or float, or a 0-d array of one.
+    - `what`: what it is, for the messages.
+    - `positive`: require `value > 0`.
+    - `minimum`: require `value >= minimum`, if given.
+    - `fix`: a sentence appended to the messages.
+
+    **Returns:** `value` as a Python `float`.
+
+    **Raises:** `TypeError` when `value` is not a real number (a bool is not);
+    `ValueError` when it is not finite, or breaks `positive` or `minimum`.
+    """
     number = _real(value)
     if number is None:
         raise TypeError(f"{what} must be a real number; got {_seen(value)}.{fix}")
@@ -111,14 +138,36 @@ def check_real(
 
 
 def check_bool(value: Any, what: str, *, fix: str = "") -> bool:
-    """**Returns:** `value` as a Python `bool`, after checking it is one (NumPy bools too)."""
+    """Check a flag.
+
+    **Arguments:**
+
+    - `value`: the value to check (a Python or NumPy bool).
+    - `what`: what it is, for the messages.
+    - `fix`: a sentence appended to the message.
+
+    **Returns:** `value` as a Python `bool`.
+
+    **Raises:** `TypeError` when `value` is not a bool (`0` and `1` are not).
+    """
     if not isinstance(value, bool | np.bool_):
         raise TypeError(f"{what} must be True or False; got {_seen(value)}.{fix}")
     return bool(value)
 
 
 def check_instance(value: Any, what: str, cls: type, fix: str, *, none_ok: bool = False) -> None:
-    """Raise `TypeError` unless `value` is a `cls` (or `None` when `none_ok`)."""
+    """Check that an argument is an instance of a class.
+
+    **Arguments:**
+
+    - `value`: the value to check.
+    - `what`: what it is, for the message.
+    - `cls`: the class it must be an instance of.
+    - `fix`: a sentence saying how to build one, appended to the message.
+    - `none_ok`: also accept `None`.
+
+    **Raises:** `TypeError` unless `value` is a `cls` (or `None` when `none_ok`).
+    """
     if (value is None and none_ok) or isinstance(value, cls):
         return
     allowed = f"a {cls.__name__}" + (" or None" if none_ok else "")
@@ -126,8 +175,17 @@ def check_instance(value: Any, what: str, cls: type, fix: str, *, none_ok: bool 
 
 
 def check_spec(spec: Any, owner: str, *, none_ok: bool = True) -> None:
-    """Raise `TypeError` unless `spec` is a `ShardingSpec` (or `None` when `none_ok`),
-    saying how to build one."""
+    """Check a `spec=` argument.
+
+    **Arguments:**
+
+    - `spec`: the value to check.
+    - `owner`: the function or class that received it, for the message.
+    - `none_ok`: also accept `None` (one device).
+
+    **Raises:** `TypeError` unless `spec` is a `ShardingSpec` (or `None` when `none_ok`);
+    the message says how to build one from what was passed (a strategy name, a mesh).
+    """
     if (spec is None and none_ok) or isinstance(spec, ShardingSpec):
         return
     if isinstance(spec, str) and spec in STRATEGIES:

@@ -4,7 +4,7 @@ Dimension names used everywhere: `batch`, `seq` (query sequence), `kv_seq`, `q_h
 `kv_heads`, `head_dim`, `v_head_dim`, `embed`, `vocab`, `hidden`.
 """
 
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 Tokens = Int[Array, "batch seq"]
 SegmentIds = Int[Array, "batch seq"]
@@ -18,7 +18,6 @@ AttnOut = Float[Array, "batch seq q_heads v_head_dim"]
 LogSumExp = Float[Array, "batch seq q_heads"]
 Hidden = Float[Array, "batch seq embed"]
 Logits = Float[Array, "batch seq vocab"]
-Mask = Bool[Array, "batch seq"]
 # Any per-head activation (queries or keys) before or after RoPE.
 Heads = Float[Array, "batch seq heads head_dim"]
 
@@ -26,7 +25,6 @@ __all__ = [
     "Array",
     "AxisName",
     "AttnOut",
-    "Bool",
     "Float",
     "Heads",
     "Hidden",
@@ -36,7 +34,6 @@ __all__ = [
     "KvSegmentIds",
     "LogSumExp",
     "Logits",
-    "Mask",
     "Positions",
     "Query",
     "SegmentIds",

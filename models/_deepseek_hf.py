@@ -6,15 +6,17 @@ per expert (`mlp.experts.{e}.gate_proj.weight`), as DeepSeek's own checkpoints d
 DeepSeek RoPE layouts are applied in the model, so weights map by transposing and
 reshaping only. `models.deepseek.from_hf` and `to_hf` read and write the files with
 `models/_hf.py`.
+
+This module never imports `models.deepseek` (which imports it): configs arrive as
+arguments and leave as the keyword arguments of `DeepSeekConfig`.
 """
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from eqx_longctx.nn import YarnRopeScaling
 
 from . import _hf, _hf_config
-from .deepseek import DeepSeekConfig
 
 _ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -48,8 +50,8 @@ _YARN_KEYS = (
 )  # fmt: skip
 
 
-def hf_table(c: DeepSeekConfig) -> dict[str, _hf.HFTensor]:
-    """Zoo parameter path -> Hugging Face tensor."""
+def hf_table(c: Any) -> dict[str, _hf.HFTensor]:
+    """Zoo parameter path -> Hugging Face tensor, for the `DeepSeekConfig` `c`."""
     T = _hf.HFTensor
     table = {"embed": T("model.embed_tokens.weight"), "norm.weight": T("model.norm.weight")}
     if not c.tie_embeddings:
@@ -98,7 +100,7 @@ def hf_table(c: DeepSeekConfig) -> dict[str, _hf.HFTensor]:
     return table
 
 
-def mtp_tensors(hf: dict, c: DeepSeekConfig) -> list[str]:
+def mtp_tensors(hf: dict, c: Any) -> list[str]:
     """The `ignore` patterns of `load_params` for the multi-token-prediction modules of a
     DeepSeek-V3 checkpoint: `num_nextn_predict_layers` extra layers after the last one,
     not part of the next-token logits."""
@@ -107,9 +109,9 @@ def mtp_tensors(hf: dict, c: DeepSeekConfig) -> list[str]:
     return [rf"model\.layers\.({mtp_layers})\..*"] if n_mtp else []
 
 
-def config_from_hf(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
+def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:
     """`config.json` (`hf`, read from `file`) with its values' types checked, and the
-    `DeepSeekConfig` it describes (the checkpoint's dtype, no `from_hf` overrides)."""
+    `DeepSeekConfig` fields it describes (the checkpoint's dtype, no `from_hf` overrides)."""
     model_type, hf = _hf_config.check_config(
         hf, file, "models.deepseek", _ARCHITECTURES, _KEYS, _REQUIRED,
         why="the zoo does not guess them (transformers' defaults differ between DeepSeek "
@@ -186,7 +188,7 @@ def config_from_hf(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
             f"it must be <= num_hidden_layers={hf['num_hidden_layers']}.",
         )
     rope_theta, rope_scaling = _rope_from_hf(hf, file)
-    return hf, DeepSeekConfig(
+    return hf, dict(
         **_hf_config.decoder_from_hf(hf, _MAX_LEN[model_type]),
         moe_hidden_dim=hf["moe_intermediate_size"],
         n_routed_experts=hf["n_routed_experts"],
@@ -237,8 +239,9 @@ def _rope_from_hf(hf: dict, file: str) -> tuple[float, YarnRopeScaling | None]:
     return theta, YarnRopeScaling(**{k: v for k, v in params.items() if v is not None})
 
 
-def config_to_hf(c: DeepSeekConfig) -> dict:
-    """The `config.json` of `c`: DeepSeek-V3 for `"noaux_tc"` routing, else DeepSeek-V2."""
+def config_to_hf(c: Any) -> dict:
+    """The `config.json` of the `DeepSeekConfig` `c`: DeepSeek-V3 for `"noaux_tc"`
+    routing, else DeepSeek-V2."""
     v3 = c.topk_method == "noaux_tc"
     if not v3 and (c.norm_topk_prob or not c.rope_interleave):
         raise ValueError(

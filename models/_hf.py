@@ -22,7 +22,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from eqx_longctx._checks import check_int
+from eqx_longctx.nn import check_int
 
 from ._hf_config import CONFIG_FILE, checkpoint_dir, read_json
 

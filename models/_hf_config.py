@@ -14,8 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from eqx_longctx._checks import check_bool, check_int, check_real, check_spec
-from eqx_longctx.nn import DTYPES
+from eqx_longctx.nn import DTYPES, check_bool, check_int, check_real, check_spec
 
 CONFIG_FILE = "config.json"
 

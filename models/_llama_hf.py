@@ -4,14 +4,16 @@ Mistral, Qwen2 and Qwen3 to and from `LlamaConfig`, and the tensor names.
 Hugging Face stores q/k projections already permuted for its rotate_half RoPE, the
 convention of `eqx_longctx.nn.RoPE`, so weights map by transposing and reshaping only.
 `models.llama.from_hf` and `to_hf` read and write the files with `models/_hf.py`.
+
+This module never imports `models.llama` (which imports it): configs arrive as arguments
+and leave as the keyword arguments of `LlamaConfig`.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 from eqx_longctx.nn import Llama3RopeScaling
 
 from . import _hf, _hf_config, _hf_windows
-from .llama import LlamaConfig, window_runs
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -43,8 +45,8 @@ IGNORE = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
-    """Zoo parameter path -> Hugging Face tensor."""
+def hf_table(c: Any) -> dict[str, _hf.HFTensor]:
+    """Zoo parameter path -> Hugging Face tensor, for the `LlamaConfig` `c`."""
     T = _hf.HFTensor
     table = {"embed": T("model.embed_tokens.weight"), "norm.weight": T("model.norm.weight")}
     if not c.tie_embeddings:
@@ -64,7 +66,7 @@ def hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
     if c.qk_norm:
         for ours in ("q_norm", "k_norm"):
             block.append((f"attn.{ours}.weight", f"self_attn.{ours}.weight", "same", 1))
-    runs = window_runs(c.windows)
+    runs = c.window_runs
     for i, (start, _, _) in enumerate(runs):  # one LayerStack per run (see `Llama`)
         stack = "layers.layers." if len(runs) == 1 else f"layers.{i}.layers."
         offsets = (("layer", start),) if start else ()
@@ -73,9 +75,9 @@ def hf_table(c: LlamaConfig) -> dict[str, _hf.HFTensor]:
     return table
 
 
-def config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
+def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:
     """`config.json` (`hf`, read from `file`) with its values' types checked, and the
-    `LlamaConfig` it describes (the checkpoint's dtype, no `from_hf` overrides)."""
+    `LlamaConfig` fields it describes (the checkpoint's dtype, no `from_hf` overrides)."""
     model_type, hf = _hf_config.check_config(
         hf, file, "models.llama", _ARCHITECTURES, _KEYS, _REQUIRED,
         why="every {model_type} config states them.",
@@ -110,7 +112,7 @@ def config_from_hf(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
     )
     rope_theta, rope_scaling = _rope_from_hf(hf, file)
     n_heads = hf["num_attention_heads"]
-    return hf, LlamaConfig(
+    return hf, dict(
         **_hf_config.decoder_from_hf(hf, _MAX_LEN[model_type]),
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
@@ -143,8 +145,9 @@ def _rope_from_hf(hf: dict, file: str) -> tuple[float, Llama3RopeScaling | None]
     return theta, (Llama3RopeScaling(**params) if rope_type == "llama3" else None)
 
 
-def config_to_hf(c: LlamaConfig) -> dict:
-    """The `config.json` of `c`, in the family its fields call for (see `to_hf`)."""
+def config_to_hf(c: Any) -> dict:
+    """The `config.json` of the `LlamaConfig` `c`, in the family its fields call for (see
+    `models.llama.to_hf`)."""
     if c.qk_norm and c.attention_bias:
         raise ValueError(
             "to_hf: no supported Hugging Face family has both q/k norm and q/k/v-only biases "

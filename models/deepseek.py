@@ -19,7 +19,7 @@ Technical Report" (arXiv:2412.19437).
 
 import dataclasses
 import math
-from typing import cast, final, no_type_check
+from typing import Any, cast, final, no_type_check
 
 import equinox as eqx
 import jax
@@ -28,23 +28,28 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
-from eqx_longctx._checks import check_instance, check_real
-from eqx_longctx._types import Hidden, Positions, SegmentIds
 from eqx_longctx.nn import (
+    GROUPED_MATMULS,
     AbstractDecoder,
-    DecoupledRoPE,
+    DecoderBlock,
     LayerStack,
     MoE,
     MultiHeadLatentAttention,
     RMSNorm,
+    RoPE,
     SwiGLU,
+    check_choice,
     check_decoder_config,
+    check_fields,
+    check_instance,
+    check_model_args,
+    check_preset,
+    check_real,
+    check_routing,
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
-from eqx_longctx.nn._checks import check_choice, check_fields, check_model_args, check_preset
-from eqx_longctx.nn._moe import GROUPED_MATMULS, check_routing
 
-from . import _hf, _hf_config
+from . import _deepseek_hf, _hf, _hf_config
 
 # DeepSeek's reference code and transformers build the q/kv latent norms with their default
 # epsilon, whatever `rms_norm_eps` says.
@@ -59,7 +64,7 @@ class DeepSeekConfig:
 
     Fields are checked on construction as `LlamaConfig`'s are (`TypeError` for a wrong type,
     `ValueError` for a wrong value, naming the field), and the routing rule against the
-    experts (`eqx_longctx.nn._moe.check_routing`).
+    experts (`eqx_longctx.nn.check_routing`).
 
     **Arguments:**
 
@@ -198,99 +203,72 @@ class DeepSeekConfig:
         return dataclasses.replace(check_preset(PRESETS, name, overrides, "DeepSeek"), **overrides)
 
 
-@final
-class DeepSeekBlock(eqx.Module):
-    """`x + mla(norm(x))`, then `x + ffn(norm(x))`; the FFN is a SwiGLU or an MoE."""
+def make_block(
+    config: object, *, moe: bool, key: PRNGKeyArray, spec: object = None
+) -> DecoderBlock:
+    """One DeepSeek block: `x + mla(norm(x))`, then `x + ffn(norm(x))`, where the FFN is
+    a SwiGLU (dense blocks) or an MoE.
 
-    attn_norm: RMSNorm
-    attn: MultiHeadLatentAttention
-    mlp_norm: RMSNorm
-    mlp: SwiGLU | MoE
+    **Arguments:**
 
-    def __init__(self, config: "DeepSeekConfig", *, moe: bool, key: PRNGKeyArray, spec=None):
-        """**Arguments:**
+    - `config`: the `DeepSeekConfig`.
+    - `moe`: build the MoE feed-forward (else the dense SwiGLU).
+    - `key`: PRNG key.
+    - `spec`: the sharding spec, or `None` for one device.
 
-        - `config`: the hyperparameters.
-        - `moe`: build the MoE feed-forward (else the dense SwiGLU).
-        - `key`: PRNG key.
-        - `spec`: the sharding spec, or `None` for one device.
+    **Returns:** the `eqx_longctx.nn.DecoderBlock` with a `MultiHeadLatentAttention` as its
+    `attn` and a `SwiGLU` or `MoE` as its `mlp`.
 
-        **Raises:** `TypeError` when `spec` is not a `ShardingSpec` (or `None`); with
-        `moe`, `ValueError` when the spec's expert axis does not divide `n_routed_experts`;
-        and as `MultiHeadLatentAttention` and `MoE` for values a `DeepSeekConfig` has
-        already checked.
-        """
-        c = config
-        dtype = jnp.dtype(c.param_dtype)
-        out_std = c.init_std / math.sqrt(2 * c.n_layers)
-        k_attn, k_mlp = jax.random.split(key)
-        rope = DecoupledRoPE(
-            c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, interleaved=c.rope_interleave
-        )
-        self.attn_norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
-        self.attn = MultiHeadLatentAttention(
+    **Raises:** `TypeError` when `config` is not a `DeepSeekConfig` or `spec` not a
+    `ShardingSpec` (or `None`); with `moe`, `ValueError` when the spec's expert axis does
+    not divide `n_routed_experts`; and as `MultiHeadLatentAttention` and `MoE` for values a
+    `DeepSeekConfig` has already checked.
+    """
+    check_instance(config, "models.deepseek.make_block's config", DeepSeekConfig,
+                   "Build one with DeepSeekConfig.from_preset(name).")  # fmt: skip
+    c, spec = cast(DeepSeekConfig, config), cast(ShardingSpec | None, spec)
+    dtype = jnp.dtype(c.param_dtype)
+    out_std = c.init_std / math.sqrt(2 * c.n_layers)
+    init: dict[str, Any] = dict(init_std=c.init_std, out_init_std=out_std, dtype=dtype, spec=spec)
+    k_attn, k_mlp = jax.random.split(key)
+    rope = RoPE(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, interleaved=c.rope_interleave)
+    attn = MultiHeadLatentAttention(
+        c.dim,
+        c.n_heads,
+        kv_lora_rank=c.kv_lora_rank,
+        q_lora_rank=c.q_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+        rope=rope,
+        key=k_attn,
+        norm_eps=LATENT_NORM_EPS,
+        **init,
+    )
+    if moe:
+        mlp = MoE(
             c.dim,
-            c.n_heads,
-            kv_lora_rank=c.kv_lora_rank,
-            q_lora_rank=c.q_lora_rank,
-            qk_nope_head_dim=c.qk_nope_head_dim,
-            qk_rope_head_dim=c.qk_rope_head_dim,
-            v_head_dim=c.v_head_dim,
-            rope=rope,
-            key=k_attn,
-            norm_eps=LATENT_NORM_EPS,
-            init_std=c.init_std,
-            out_init_std=out_std,
-            dtype=dtype,
-            spec=spec,
+            c.moe_hidden_dim,
+            c.n_routed_experts,
+            c.top_k,
+            key=k_mlp,
+            n_shared=c.n_shared_experts,
+            topk_method=c.topk_method,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=c.routed_scaling_factor,
+            grouped_matmul=c.grouped_matmul,
+            capacity_factor=c.capacity_factor,
+            **init,
         )
-        self.mlp_norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
-        if moe:
-            self.mlp = MoE(
-                c.dim,
-                c.moe_hidden_dim,
-                c.n_routed_experts,
-                c.top_k,
-                key=k_mlp,
-                n_shared=c.n_shared_experts,
-                topk_method=c.topk_method,
-                n_group=c.n_group,
-                topk_group=c.topk_group,
-                norm_topk_prob=c.norm_topk_prob,
-                routed_scaling_factor=c.routed_scaling_factor,
-                grouped_matmul=c.grouped_matmul,
-                capacity_factor=c.capacity_factor,
-                init_std=c.init_std,
-                out_init_std=out_std,
-                dtype=dtype,
-                spec=spec,
-            )
-        else:
-            self.mlp = SwiGLU(
-                c.dim,
-                c.hidden_dim,
-                key=k_mlp,
-                init_std=c.init_std,
-                out_init_std=out_std,
-                dtype=dtype,
-                spec=spec,
-            )
+    else:
+        mlp = SwiGLU(c.dim, c.hidden_dim, key=k_mlp, **init)
+    return DecoderBlock(attn, mlp, dim=c.dim, norm_eps=c.norm_eps, dtype=dtype)
 
-    def __call__(
-        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
-    ) -> Hidden:
-        """**Arguments:**
 
-        - `x`: `[batch, seq, embed]` residual stream.
-        - `positions`: `[batch, seq]` RoPE positions.
-        - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
-
-        **Returns:** the updated residual stream, same shape and dtype.
-
-        **Raises:** as `eqx_longctx.nn.MultiHeadLatentAttention.__call__`.
-        """
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        return x + self.mlp(self.mlp_norm(x))
+# The old name of `make_block`, still used by notebooks/mla_and_deepseek.ipynb.
+DeepSeekBlock = make_block
 
 
 @final
@@ -326,7 +304,7 @@ class DeepSeek(AbstractDecoder):
         self.dense_layers = self.moe_layers = None
         if c.first_k_dense:
             self.dense_layers = LayerStack(
-                lambda k: DeepSeekBlock(c, moe=False, key=k, spec=spec),
+                lambda k: make_block(c, moe=False, key=k, spec=spec),
                 c.first_k_dense,
                 key=k_dense,
                 remat=c.remat,
@@ -334,7 +312,7 @@ class DeepSeek(AbstractDecoder):
             )
         if c.n_moe_layers:
             self.moe_layers = LayerStack(
-                lambda k: DeepSeekBlock(c, moe=True, key=k, spec=spec),
+                lambda k: make_block(c, moe=True, key=k, spec=spec),
                 c.n_moe_layers,
                 key=k_moe,
                 remat=c.remat,
@@ -432,10 +410,13 @@ def from_hf(
     when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
     `dtype` or overrides that are not valid.
     """
-    from . import _deepseek_hf  # imported here: it imports this module
+
+    def parse(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
+        hf, fields = _deepseek_hf.config_from_hf(hf, file)
+        return hf, DeepSeekConfig(**fields)
 
     path, hf, config = _hf_config.read_model_config(
-        path, "models.deepseek", _deepseek_hf.config_from_hf,
+        path, "models.deepseek", parse,
         spec=spec, dtype=dtype, overrides=overrides, allowed=_deepseek_hf.OVERRIDES,
     )  # fmt: skip
     table, ignore = _deepseek_hf.hf_table(config), _deepseek_hf.mtp_tensors(hf, config)
@@ -461,8 +442,6 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     `rope_interleave=False`, which that model does not support; `TypeError` or
     `ValueError` for a `max_shard_size` that is not a positive int.
     """
-    from . import _deepseek_hf  # imported here: it imports this module
-
     check_instance(model, "models.deepseek.to_hf's model", DeepSeek, "Build it with DeepSeek(...).")
     config = cast(DeepSeek, model).config
     hf_config = _deepseek_hf.config_to_hf(config)
@@ -473,9 +452,9 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
 __all__ = [
     "PRESETS",
     "DeepSeek",
-    "DeepSeekBlock",
     "DeepSeekConfig",
     "YarnRopeScaling",
     "from_hf",
+    "make_block",
     "to_hf",
 ]

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import cast, final, no_type_check
+from typing import Any, cast, final, no_type_check
 
 import equinox as eqx
 import jax
@@ -27,28 +27,24 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_longctx import ShardingSpec
-from eqx_longctx._checks import check_instance
 from eqx_longctx.nn import (
     AbstractDecoder,
     DecoderBlock,
     LayerStack,
     RMSNorm,
     RoPE,
+    SelfAttention,
+    SwiGLU,
     check_decoder_config,
-)
-from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
-from eqx_longctx.nn._checks import (
     check_fields,
+    check_instance,
     check_layer_windows,
     check_model_args,
     check_preset,
 )
+from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
 
-from . import _hf, _hf_config
-
-
-def _is_none(x) -> bool:
-    return x is None
+from . import _hf, _hf_config, _llama_hf
 
 
 @final
@@ -162,6 +158,17 @@ class LlamaConfig:
             for kind in self.layer_types
         )
 
+    @property
+    def window_runs(self) -> tuple[tuple[int, int, int | None], ...]:
+        """`(first layer, number of layers, window)` of each run of consecutive layers with
+        the same window: one `LayerStack` each in `Llama`."""
+        runs, start = [], 0
+        for window, group in itertools.groupby(self.windows):
+            n = len(list(group))
+            runs.append((start, n, window))
+            start += n
+        return tuple(runs)
+
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "LlamaConfig":
         """A preset from `PRESETS` with some fields replaced.
@@ -183,17 +190,6 @@ class LlamaConfig:
         if ("dim" in overrides or "n_heads" in overrides) and "head_dim" not in overrides:
             overrides["head_dim"] = None
         return dataclasses.replace(preset, **overrides)
-
-
-def window_runs(windows: tuple[int | None, ...]) -> list[tuple[int, int, int | None]]:
-    """`(first layer, number of layers, window)` of each run of consecutive layers with
-    the same window."""
-    runs, start = [], 0
-    for window, group in itertools.groupby(windows):
-        n = len(list(group))
-        runs.append((start, n, window))
-        start += n
-    return runs
 
 
 @final
@@ -235,34 +231,30 @@ class Llama(AbstractDecoder):
         k_embed, k_layers, k_head = jax.random.split(cast(PRNGKeyArray, key), 3)
         rope = RoPE(head_dim, c.rope_theta, c.rope_scaling)
         out_std = c.init_std / math.sqrt(2 * c.n_layers)
+        init: dict[str, Any] = dict(
+            init_std=c.init_std, out_init_std=out_std, dtype=dtype, spec=spec
+        )
 
         def make_layer(k, window):
-            block = DecoderBlock(
+            k_attn, k_mlp = jax.random.split(k)
+            attn = SelfAttention(
                 c.dim,
                 c.n_heads,
                 n_kv_heads,
                 head_dim,
-                c.hidden_dim,
                 rope=rope,
-                key=k,
-                norm_eps=c.norm_eps,
+                key=k_attn,
                 qkv_bias=c.attention_bias,
+                qk_norm=c.qk_norm,
+                norm_eps=c.norm_eps,
                 window=window,
-                init_std=c.init_std,
-                out_init_std=out_std,
-                dtype=dtype,
-                spec=spec,
+                **init,
             )
-            if not c.qk_norm:
-                return block
-            # DecoderBlock does not forward `qk_norm` to its SelfAttention: add the norms here.
-            norms = tuple(RMSNorm(head_dim, eps=c.norm_eps, dtype=dtype) for _ in range(2))
-            return eqx.tree_at(
-                lambda b: (b.attn.q_norm, b.attn.k_norm), block, norms, is_leaf=_is_none
-            )
+            mlp = SwiGLU(c.dim, c.hidden_dim, key=k_mlp, **init)
+            return DecoderBlock(attn, mlp, dim=c.dim, norm_eps=c.norm_eps, dtype=dtype)
 
         self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
-        runs = window_runs(c.windows)
+        runs = c.window_runs
         keys = [k_layers] if len(runs) == 1 else list(jax.random.split(k_layers, len(runs)))
         stacks = tuple(
             LayerStack(
@@ -359,10 +351,13 @@ def from_hf(
     when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
     `dtype` or overrides that are not valid.
     """
-    from . import _llama_hf  # imported here: it imports this module
+
+    def parse(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
+        hf, fields = _llama_hf.config_from_hf(hf, file)
+        return hf, LlamaConfig(**fields)
 
     path, _, config = _hf_config.read_model_config(
-        path, "models.llama", _llama_hf.config_from_hf,
+        path, "models.llama", parse,
         spec=spec, dtype=dtype, overrides=overrides, allowed=_llama_hf.OVERRIDES,
     )  # fmt: skip
     table = _llama_hf.hf_table(config)
@@ -389,8 +384,6 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     family (both `qk_norm` and `attention_bias`, or mixed `layer_types` with neither);
     `TypeError` or `ValueError` for a `max_shard_size` that is not a positive int.
     """
-    from . import _llama_hf  # imported here: it imports this module
-
     check_instance(model, "models.llama.to_hf's model", Llama, "Build it with Llama(config, ...).")
     config = cast(Llama, model).config
     hf_config = _llama_hf.config_to_hf(config)

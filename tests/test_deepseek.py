@@ -28,7 +28,7 @@ from hf_helpers import (
 )
 
 import eqx_longctx as el
-from eqx_longctx.nn import DecoupledRoPE, MoE, YarnRopeScaling
+from eqx_longctx.nn import MoE, RoPE, YarnRopeScaling
 from models.deepseek import PRESETS, DeepSeek, DeepSeekConfig, from_hf, to_hf
 
 ATOL = 1e-4  # max abs logit difference against transformers, float32
@@ -167,7 +167,7 @@ def test_yarn_matches_transformers(mscale, mscale_all_dim):
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_decoupled_rope_layouts(interleaved):
     d = 8
-    rope = DecoupledRoPE(d, 10000.0, interleaved=interleaved)
+    rope = RoPE(d, 10000.0, interleaved=interleaved)
     x = jax.random.normal(jax.random.key(0), (2, 5, 3, d))
     pos = jax.random.randint(jax.random.key(1), (2, 5), 0, 500)
     xn, angle = np.asarray(x, np.float64), np.asarray(pos, np.float64)[:, :, None, None]
@@ -432,7 +432,7 @@ def test_building_block_errors(tmp_path):
     with pytest.raises(ValueError, match="factor >= 1"):
         YarnRopeScaling(0.5, 4096)
     with pytest.raises(ValueError, match="positive even number"):
-        DecoupledRoPE(7, 1e4)
+        RoPE(7, 1e4, interleaved=True)
     with pytest.raises(ValueError, match="can override only"):
         from_hf(tmp_path, n_layers=3)
     config = DeepSeekConfig.from_preset("tiny", topk_method="greedy", norm_topk_prob=True)

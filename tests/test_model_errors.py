@@ -20,7 +20,6 @@ import eqx_longctx as el
 from eqx_longctx._layout import layout_order
 from eqx_longctx.nn import (
     DecoderBlock,
-    DecoupledRoPE,
     Llama3RopeScaling,
     MoE,
     MultiHeadLatentAttention,
@@ -211,11 +210,10 @@ BLOCKS = {
     "SelfAttention": lambda spec: SelfAttention(16, 4, 2, 4, rope=RoPE(4, 1e4), key=KEY, spec=spec),
     "MultiHeadLatentAttention": lambda spec: MultiHeadLatentAttention(
         16, 2, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=4, qk_rope_head_dim=4,
-        v_head_dim=4, rope=DecoupledRoPE(4, 1e4), key=KEY, spec=spec,
+        v_head_dim=4, rope=RoPE(4, 1e4, interleaved=True), key=KEY, spec=spec,
     ),
     "SwiGLU": lambda spec: SwiGLU(16, 24, key=KEY, spec=spec),
     "MoE": lambda spec: MoE(16, 8, 4, 2, key=KEY, spec=spec),
-    "DecoderBlock": lambda s: DecoderBlock(16, 4, 2, 4, 24, rope=RoPE(4, 1e4), key=KEY, spec=s),
 }  # fmt: skip
 
 
@@ -223,6 +221,17 @@ BLOCKS = {
 def test_building_blocks_check_their_spec(name):
     with pytest.raises(TypeError, match=rf"{name} needs spec=a ShardingSpec or None .*'usp'"):
         BLOCKS[name]("usp")
+
+
+def test_decoder_block_checks_its_sublayers():
+    """The block holds no spec (its sublayers do); it checks that they are modules."""
+    attn, mlp = BLOCKS["SelfAttention"](None), BLOCKS["SwiGLU"](None)
+    assert isinstance(DecoderBlock(attn, mlp, dim=16).mlp, SwiGLU)
+    with pytest.raises(TypeError, match=r"DecoderBlock's attn must be a callable Equinox module"):
+        DecoderBlock(lambda x, p, s: x, mlp, dim=16)
+    # Under pytest, beartype checks the annotation (a callable) before the block's own check.
+    with pytest.raises(TypeError, match=r"DecoderBlock's mlp must be .* got ndarray|'mlp'"):
+        DecoderBlock(attn, np.zeros(3), dim=16)
 
 
 # ---------------------------------------------------------------- calls

@@ -1,6 +1,7 @@
 """Checks of model configuration fields and constructor arguments, written once for every
 model family, RoPE scaling and the Hugging Face reader (the value checks they build on,
-`check_int`, `check_real`, `check_bool`, `check_spec`, are in `eqx_longctx._checks`)."""
+`check_int`, `check_real`, `check_bool`, `check_spec`, are in `eqx_longctx._checks`).
+`eqx_longctx.nn` exports both sets, so a family outside this repository can use them."""
 
 import dataclasses
 from collections.abc import Iterable, Mapping
@@ -17,7 +18,18 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check_choice(value: Any, what: str, choices: Iterable[str]) -> str:
-    """Raise `ValueError` unless `value` is one of the strings `choices`."""
+    """Check that an option is one of its choices.
+
+    **Arguments:**
+
+    - `value`: the value to check.
+    - `what`: what it is, for the message (e.g. `"DeepSeekConfig.grouped_matmul"`).
+    - `choices`: the allowed strings.
+
+    **Returns:** `value`.
+
+    **Raises:** `ValueError` unless `value` is one of the strings `choices`.
+    """
     choices = tuple(choices)
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{what} must be one of {choices}; got {_short(value)}.")
@@ -34,8 +46,20 @@ def check_fields(
     bools: Iterable[str] = (),
 ) -> None:
     """Check and normalise fields of a frozen dataclass in place (call from
-    `__post_init__`): positive ints, positive ints or `None`, ints `>= 0`, positive finite
-    reals (stored as float), bools. Messages name `Class.field`."""
+    `__post_init__`); each value is stored back as a plain Python value.
+
+    **Arguments:**
+
+    - `config`: the frozen dataclass instance.
+    - `ints`: fields that must be positive ints.
+    - `optional_ints`: fields that must be positive ints or `None`.
+    - `non_negative_ints`: fields that must be ints `>= 0`.
+    - `positive_reals`: fields that must be finite reals `> 0` (stored as float).
+    - `bools`: fields that must be bools.
+
+    **Raises:** as `check_int`, `check_real` and `check_bool` (`TypeError` for a wrong
+    type, `ValueError` for a value out of range); each message names `Class.field`.
+    """
     cls = type(config).__name__
 
     def put(name: str, check, **kwargs) -> None:
@@ -72,7 +96,19 @@ def check_key(key: Any, owner: str) -> None:
 
 
 def check_model_args(owner: str, config: Any, config_cls: type, key: Any, spec: Any) -> None:
-    """The constructor arguments of a model family: its config class, a PRNG key, a spec."""
+    """Check the constructor arguments of a model family's model class.
+
+    **Arguments:**
+
+    - `owner`: the model class's name, for the messages (e.g. `"Llama"`).
+    - `config`: must be a `config_cls`.
+    - `config_cls`: the family's config class.
+    - `key`: must be a JAX PRNG key (`jax.random.key` or `jax.random.PRNGKey`).
+    - `spec`: must be a `ShardingSpec` or `None`.
+
+    **Raises:** `TypeError` for a `config`, `key` or `spec` of the wrong kind; each message
+    says how to build the right one.
+    """
     check_instance(
         config,
         f"{owner}'s config",
@@ -128,8 +164,20 @@ def check_decoder_config(config: Any, *, scaling_cls: type) -> None:
 
 
 def check_preset(presets: Mapping[str, Any], name: Any, overrides: Mapping[str, Any], family: str):
-    """**Returns:** `presets[name]`, after checking that `name` is a preset and every key of
-    `overrides` a field of its config."""
+    """Look up a preset for a config's `from_preset(name, **overrides)`.
+
+    **Arguments:**
+
+    - `presets`: preset name -> config (a dataclass instance).
+    - `name`: the requested preset.
+    - `overrides`: the fields the caller will replace.
+    - `family`: the family's name, for the message (e.g. `"Llama"`).
+
+    **Returns:** `presets[name]`.
+
+    **Raises:** `ValueError` when `name` is not a preset (the message lists them);
+    `TypeError` when a key of `overrides` is not a field of its config.
+    """
     if not isinstance(name, str) or name not in presets:
         raise ValueError(
             f"unknown {family} preset {_short(name)}; choose one of {sorted(presets)}."
@@ -156,6 +204,14 @@ def check_layer_windows(config: Any) -> None:
     when `sliding_window` is set, else none does) or one of `LAYER_TYPES` per layer, stored
     as a tuple, and as `None` when every layer is of one kind (so that equal models have
     equal configs). A sliding layer needs a window, and a window needs a sliding layer.
+
+    **Arguments:**
+
+    - `config`: the frozen dataclass instance (fields are normalised in place).
+
+    **Raises:** `TypeError` for a `sliding_window` that is not an int or `layer_types` that
+    is not a tuple or list; `ValueError` for a window below 1, `layer_types` without one of
+    `LAYER_TYPES` per layer, sliding layers without a window, or a window no layer uses.
     """
     cls = type(config).__name__
     window = config.sliding_window

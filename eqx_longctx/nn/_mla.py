@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA), with decoupled RoPE and YaRN frequency scaling.
+"""Multi-head latent attention (MLA), with decoupled RoPE (`eqx_longctx.nn.RoPE`).
 
 Einsum letters: `b` batch, `s` sequence, `e` embed, `h` heads, `d` query/key head dim
 (`qk_nope_head_dim + qk_rope_head_dim`), `n` the fused key-nope + value width of the
@@ -15,220 +15,19 @@ Mixture-of-Experts Language Model" (arXiv:2405.04434); Peng et al. 2023, "YaRN: 
 Context Window Extension of Large Language Models" (arXiv:2309.00071).
 """
 
-import dataclasses
-import math
-from typing import final, no_type_check
+from typing import final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._checks import check_bool, check_instance, check_int, check_real, check_spec
+from .._checks import check_spec
 from .._sharding import ShardingSpec
-from .._types import Heads, Hidden, Positions, SegmentIds
+from .._types import Hidden, Positions, SegmentIds
 from ..attention import latent_attention
 from ._norm import RMSNorm
-
-
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-@final
-@no_type_check  # __post_init__ checks every field, with messages that name the fix
-@dataclasses.dataclass(frozen=True)
-class YarnRopeScaling:
-    """YaRN RoPE scaling (Hugging Face `rope_type="yarn"`), with DeepSeek's `mscale` terms.
-
-    Frequency `i` of a `head_dim`-wide rotation with base `theta` is blended between the
-    original (`extrapolation`) and `factor`-times slower (`interpolation`) by a linear ramp
-    over the dimensions whose wavelength count over `original_max_position_embeddings` falls
-    between `beta_fast` and `beta_slow` rotations (ramp bounds floored/ceiled when
-    `truncate`).
-
-    Two magnitudes go with it, as in Hugging Face transformers:
-
-    - `rotary_factor()`: multiplies cos and sin (so the rotated query and key parts):
-      `attention_factor` if given, else `m(factor, mscale) / m(factor, mscale_all_dim)` when
-      both are set, else `m(factor, 1)`, with `m(f, a) = 0.1 * a * ln(f) + 1` (1 if f <= 1).
-      DeepSeek's checkpoints set `mscale == mscale_all_dim`, making it 1.
-    - `softmax_scale_factor()`: multiplies the softmax scale `1/sqrt(qk_head_dim)`:
-      `m(factor, mscale_all_dim) ** 2` when `mscale_all_dim` is set, else 1 (DeepSeek's
-      attention-temperature correction).
-
-    **Arguments:**
-
-    - `factor`: context extension factor (40 for DeepSeek-V2/V3).
-    - `original_max_position_embeddings`: pre-training context length (4096).
-    - `beta_fast`, `beta_slow`: rotation counts bounding the blended band (32 and 1).
-    - `mscale`, `mscale_all_dim`: DeepSeek's magnitude terms, or `None`.
-    - `attention_factor`: explicit cos/sin multiplier, or `None` to derive it.
-    - `truncate`: round the ramp bounds outward to whole dimensions (the default).
-
-    **Raises:** `TypeError` for a field of the wrong type; `ValueError` unless `factor >= 1`,
-    `0 < beta_slow < beta_fast`, `attention_factor` is positive or `None`, and
-    `original_max_position_embeddings` is a positive int.
-    """
-
-    factor: float | int
-    original_max_position_embeddings: int
-    beta_fast: float | int = 32.0
-    beta_slow: float | int = 1.0
-    mscale: float | int | None = None
-    mscale_all_dim: float | int | None = None
-    attention_factor: float | int | None = None
-    truncate: bool = True
-
-    def __post_init__(self):
-        for name in (
-            "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"
-        ):  # fmt: skip
-            value = getattr(self, name)
-            if value is not None or name == "factor":
-                object.__setattr__(self, name, check_real(value, f"YarnRopeScaling.{name}"))
-        original = check_int(
-            self.original_max_position_embeddings,
-            "YarnRopeScaling.original_max_position_embeddings",
-            fix=" DeepSeek-V2/V3 use 4096.",
-        )
-        object.__setattr__(self, "original_max_position_embeddings", original)
-        object.__setattr__(self, "truncate", check_bool(self.truncate, "YarnRopeScaling.truncate"))
-        if not self.factor >= 1:
-            raise ValueError(
-                f"YarnRopeScaling needs factor >= 1 (it stretches the context); got "
-                f"factor={self.factor}. DeepSeek-V2/V3 use 40."
-            )
-        if not 0 < self.beta_slow < self.beta_fast:
-            raise ValueError(
-                "YarnRopeScaling needs 0 < beta_slow < beta_fast (rotation counts bounding the "
-                f"blended band); got beta_slow={self.beta_slow}, beta_fast={self.beta_fast}. "
-                "The defaults are 1 and 32."
-            )
-        if self.attention_factor is not None and not self.attention_factor > 0:
-            raise ValueError(
-                f"YarnRopeScaling needs attention_factor > 0 or None; got {self.attention_factor}."
-            )
-
-    def frequencies(self, head_dim: int, theta: float) -> np.ndarray:
-        """**Returns:** `[head_dim / 2]` float64 YaRN frequencies for base `theta`."""
-        exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
-        extrapolation = 1.0 / theta**exponents
-        interpolation = extrapolation / self.factor
-        old = float(self.original_max_position_embeddings)
-
-        def correction_dim(rotations: float) -> float:
-            return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        if low == high:
-            high += 0.001  # the reference's guard against a zero-width ramp
-        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-        keep = 1.0 - ramp  # 1: original frequency, 0: interpolated
-        return interpolation * (1 - keep) + extrapolation * keep
-
-    def rotary_factor(self) -> float:
-        """**Returns:** the multiplier of cos and sin (Hugging Face's `attention_factor`)."""
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(
-                self.factor, self.mscale_all_dim
-            )
-        return _yarn_mscale(self.factor, 1.0)
-
-    def softmax_scale_factor(self) -> float:
-        """**Returns:** the multiplier of the softmax scale (`mscale_all_dim` correction)."""
-        if not self.mscale_all_dim:
-            return 1.0
-        return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
-
-
-@final
-class DecoupledRoPE(eqx.Module):
-    """Rotary embedding of the rotary part of MLA queries and keys, optionally YaRN-scaled.
-
-    With `interleaved=True` (DeepSeek's layout, the only one of DeepSeek-V2 and the default
-    of V3) frequency `i` rotates the neighbouring features `(2i, 2i + 1)`; with `False` it
-    rotates `(i, i + head_dim/2)` (Hugging Face "rotate_half"). The rotated values are
-    multiplied by the scaling's `rotary_factor()`. Holds no arrays.
-    """
-
-    head_dim: int = eqx.field(static=True)
-    theta: float = eqx.field(static=True)
-    scaling: YarnRopeScaling | None = eqx.field(static=True)
-    interleaved: bool = eqx.field(static=True)
-
-    def __init__(
-        self,
-        head_dim: int,
-        theta: float | int,
-        scaling: YarnRopeScaling | None = None,
-        *,
-        interleaved: bool = True,
-    ):
-        """**Arguments:**
-
-        - `head_dim`: number of rotated features (`qk_rope_head_dim`, even).
-        - `theta`: base of the frequency ladder.
-        - `scaling`: optional YaRN scaling.
-        - `interleaved`: rotate neighbouring feature pairs (DeepSeek) instead of halves.
-
-        **Raises:** `TypeError` when `scaling` is not a `YarnRopeScaling` (or `None`) or an
-        argument has the wrong type; `ValueError` unless `head_dim` is positive and even and
-        `theta > 0`.
-        """
-        self.head_dim = check_int(head_dim, "DecoupledRoPE head_dim", minimum=None)
-        self.theta = check_real(theta, "DecoupledRoPE theta")
-        check_instance(
-            scaling, "DecoupledRoPE scaling", YarnRopeScaling, "Build YarnRopeScaling(...).",
-            none_ok=True,
-        )  # fmt: skip
-        self.scaling = scaling
-        self.interleaved = check_bool(interleaved, "DecoupledRoPE interleaved")
-
-    def __check_init__(self):
-        if self.head_dim <= 0 or self.head_dim % 2 != 0:
-            raise ValueError(
-                f"DecoupledRoPE rotates pairs of features, so head_dim must be a positive even "
-                f"number; got head_dim={self.head_dim}. DeepSeek uses qk_rope_head_dim=64."
-            )
-        if not self.theta > 0:
-            raise ValueError(f"DecoupledRoPE needs a positive base theta; got {self.theta}.")
-
-    def frequencies(self) -> np.ndarray:
-        """**Returns:** `[head_dim / 2]` float64 rotation frequencies, scaling applied."""
-        if self.scaling is not None:
-            return self.scaling.frequencies(self.head_dim, self.theta)
-        exponents = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
-        return 1.0 / self.theta**exponents
-
-    def __call__(self, x: Heads, positions: Positions) -> Heads:
-        """**Arguments:**
-
-        - `x`: `[batch, seq, heads, head_dim]` rotary parts of queries or keys.
-        - `positions`: `[batch, seq]` integer positions.
-
-        **Returns:** the rotated `x` (same layout, shape and dtype); computed in float32.
-        """
-        inv_freq = jnp.asarray(self.frequencies(), jnp.float32)
-        angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq
-        factor = 1.0 if self.scaling is None else self.scaling.rotary_factor()
-        cos, sin = factor * jnp.cos(angles), factor * jnp.sin(angles)
-        x32 = x.astype(jnp.float32)
-        if self.interleaved:
-            x1, x2 = x32[..., 0::2], x32[..., 1::2]
-            pairs = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-            rotated = pairs.reshape(x.shape)
-        else:
-            half = self.head_dim // 2
-            x1, x2 = x32[..., :half], x32[..., half:]
-            rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        return rotated.astype(x.dtype)
+from ._rope import RoPE
 
 
 @final
@@ -265,7 +64,7 @@ class MultiHeadLatentAttention(eqx.Module):
     kv_norm: RMSNorm
     wkv_b: Float[Array, "kv_lora_rank heads nope_and_v"]
     wo: Float[Array, "heads v_head_dim embed"]
-    rope: DecoupledRoPE
+    rope: RoPE
     n_heads: int = eqx.field(static=True)
     qk_nope_head_dim: int = eqx.field(static=True)
     qk_rope_head_dim: int = eqx.field(static=True)
@@ -284,7 +83,7 @@ class MultiHeadLatentAttention(eqx.Module):
         qk_nope_head_dim: int,
         qk_rope_head_dim: int,
         v_head_dim: int,
-        rope: DecoupledRoPE,
+        rope: RoPE,
         key: PRNGKeyArray,
         norm_eps: float = 1e-6,
         init_std: float = 0.02,
@@ -362,7 +161,7 @@ class MultiHeadLatentAttention(eqx.Module):
             raise ValueError(
                 "MultiHeadLatentAttention's RoPE must rotate the qk_rope_head_dim features; got "
                 f"qk_rope_head_dim={self.qk_rope_head_dim} but rope.head_dim="
-                f"{self.rope.head_dim}. Build DecoupledRoPE({self.qk_rope_head_dim}, ...)."
+                f"{self.rope.head_dim}. Build RoPE({self.qk_rope_head_dim}, ...)."
             )
         if (self.wq is None) == (self.wq_b is None):
             raise ValueError(

@@ -43,8 +43,21 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 def check_routing(
     owner: str, n_experts: int, top_k: int, topk_method: str, n_group: int, topk_group: int
 ) -> None:
-    """Raise `ValueError` unless the routing rule can pick `top_k` of `n_experts` experts
-    (`owner` names the caller in the message, e.g. `"MoE"` or `"DeepSeekConfig"`)."""
+    """Check that a routing rule can pick `top_k` of `n_experts` experts (see `MoE`).
+
+    **Arguments:**
+
+    - `owner`: the caller, named in the messages (e.g. `"MoE"` or `"DeepSeekConfig"`).
+    - `n_experts`, `top_k`: routed experts, and how many each token uses.
+    - `topk_method`: `"greedy"`, `"group_limited_greedy"` or `"noaux_tc"`.
+    - `n_group`, `topk_group`: expert groups, and how many a token may use (group-limited
+      methods only).
+
+    **Raises:** `ValueError` for an unknown `topk_method`, a `top_k` not in
+    `[1, n_experts]`, or, for group-limited routing, an `n_group` that does not divide the
+    experts, a `topk_group` not in `[1, n_group]`, `top_k > topk_group` x experts per group,
+    or (`"noaux_tc"`) groups of fewer than 2 experts.
+    """
     if topk_method not in TOPK_METHODS:
         raise ValueError(f"{owner} topk_method must be one of {TOPK_METHODS}; got {topk_method!r}.")
     if not 1 <= top_k <= n_experts:

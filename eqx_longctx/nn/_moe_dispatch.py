@@ -29,6 +29,8 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 GROUPED_MATMULS = ("auto", "ragged_dot", "scan")
+"""How `MoE(grouped_matmul=...)` runs its experts: `"auto"` (`"ragged_dot"` on TPU, else
+`"scan"`), `"ragged_dot"` (one grouped matmul) or `"scan"` (one expert at a time)."""
 
 
 def resolve_grouped_matmul(method: str) -> str:

@@ -1,17 +1,23 @@
-"""Rotary position embeddings, with the Llama 3.1 frequency scaling.
+"""Rotary position embeddings: one module, two pair conventions, pluggable frequency scaling.
 
 Einsum letters: `b` batch, `s` sequence, `f` frequency (head_dim / 2).
 
-Convention: Hugging Face "rotate_half". Frequency `i` rotates the pair of features
-`(i, i + head_dim/2)` (first half against second half), not interleaved neighbours
-`(2i, 2i+1)` as in the original Meta code; checkpoints converted by Hugging Face permute
-their q/k projections to match this.
+Conventions: with `interleaved=False` (Hugging Face "rotate_half", used by Llama, Qwen and
+Mistral checkpoints) frequency `i` rotates the features `(i, i + head_dim/2)`; with
+`interleaved=True` (DeepSeek's layout, and the original Meta code) it rotates the
+neighbours `(2i, 2i + 1)`.
+
+Scalings (all `AbstractRopeScaling`): `Llama3RopeScaling` (Llama 3.1) and `YarnRopeScaling`
+(YaRN, with DeepSeek's magnitude terms). A scaling gives the frequencies, a multiplier of
+cos and sin, and a multiplier of the softmax scale for attention layers that apply one.
 
 References: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position
 Embedding" (arXiv:2104.09864); Llama Team 2024, "The Llama 3 Herd of Models"
-(arXiv:2407.21783) for the long-context frequency scaling.
+(arXiv:2407.21783); Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large
+Language Models" (arXiv:2309.00071).
 """
 
+import abc
 import dataclasses
 import math
 from typing import final, no_type_check
@@ -20,14 +26,42 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_instance, check_int, check_real
+from .._checks import check_bool, check_instance, check_int, check_real
 from .._types import Heads, Positions
+
+
+def _plain_frequencies(head_dim: int, theta: float) -> np.ndarray:
+    """`theta ** (-2i / head_dim)` for `i < head_dim / 2`, float64."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    return 1.0 / float(theta) ** exponents
+
+
+class AbstractRopeScaling(abc.ABC):
+    """How a RoPE scaling changes the rotation: what `RoPE` asks of its `scaling`.
+
+    A scaling is a frozen (hashable) dataclass, so it can sit in a static field.
+    """
+
+    @abc.abstractmethod
+    def frequencies(self, head_dim: int, theta: float) -> np.ndarray:
+        """**Returns:** `[head_dim / 2]` float64 scaled frequencies (radians per position)
+        of a `head_dim`-wide rotation with base `theta`."""
+
+    def rotary_factor(self) -> float:
+        """**Returns:** the multiplier of cos and sin (1 unless the scaling says otherwise)."""
+        return 1.0
+
+    def softmax_scale_factor(self) -> float:
+        """**Returns:** the multiplier of the softmax scale, for attention layers that apply
+        one (`MultiHeadLatentAttention` does, as DeepSeek; `SelfAttention` does not, as
+        transformers' Llama and Qwen); 1 unless the scaling says otherwise."""
+        return 1.0
 
 
 @final
 @no_type_check  # __post_init__ checks every field, with messages that name the fix
 @dataclasses.dataclass(frozen=True)
-class Llama3RopeScaling:
+class Llama3RopeScaling(AbstractRopeScaling):
     """Llama 3.1 RoPE frequency scaling (Hugging Face `rope_type="llama3"`).
 
     With `old = original_max_position_embeddings` and wavelength `w = 2*pi / freq`:
@@ -75,16 +109,10 @@ class Llama3RopeScaling:
                 f"high_freq_factor={self.high_freq_factor}. Llama 3.1 uses 1 and 4."
             )
 
-    def apply(self, inv_freq: np.ndarray) -> np.ndarray:
-        """Scale rotary frequencies (radians per position) as in Llama 3.1.
-
-        **Arguments:**
-
-        - `inv_freq`: `[head_dim / 2]` unscaled frequencies.
-
-        **Returns:** the scaled frequencies, same shape, float64.
-        """
-        inv_freq = np.asarray(inv_freq, np.float64)
+    def frequencies(self, head_dim: int, theta: float) -> np.ndarray:
+        """**Returns:** `[head_dim / 2]` float64 frequencies for base `theta`, scaled as in
+        Llama 3.1."""
+        inv_freq = _plain_frequencies(head_dim, theta)
         old = float(self.original_max_position_embeddings)
         wavelen = 2 * math.pi / inv_freq
         smooth = (old / wavelen - self.low_freq_factor) / (
@@ -95,9 +123,129 @@ class Llama3RopeScaling:
         return np.where(wavelen < old / self.high_freq_factor, inv_freq, out)
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@final
+@no_type_check  # __post_init__ checks every field, with messages that name the fix
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling(AbstractRopeScaling):
+    """YaRN RoPE scaling (Hugging Face `rope_type="yarn"`), with DeepSeek's `mscale` terms.
+
+    Frequency `i` of a `head_dim`-wide rotation with base `theta` is blended between the
+    original (`extrapolation`) and `factor`-times slower (`interpolation`) by a linear ramp
+    over the dimensions whose wavelength count over `original_max_position_embeddings` falls
+    between `beta_fast` and `beta_slow` rotations (ramp bounds floored/ceiled when
+    `truncate`).
+
+    Two magnitudes go with it, as in Hugging Face transformers:
+
+    - `rotary_factor()`: multiplies cos and sin (so the rotated query and key parts):
+      `attention_factor` if given, else `m(factor, mscale) / m(factor, mscale_all_dim)` when
+      both are set, else `m(factor, 1)`, with `m(f, a) = 0.1 * a * ln(f) + 1` (1 if f <= 1).
+      DeepSeek's checkpoints set `mscale == mscale_all_dim`, making it 1.
+    - `softmax_scale_factor()`: multiplies the softmax scale `1/sqrt(qk_head_dim)`:
+      `m(factor, mscale_all_dim) ** 2` when `mscale_all_dim` is set, else 1 (DeepSeek's
+      attention-temperature correction).
+
+    **Arguments:**
+
+    - `factor`: context extension factor (40 for DeepSeek-V2/V3).
+    - `original_max_position_embeddings`: pre-training context length (4096).
+    - `beta_fast`, `beta_slow`: rotation counts bounding the blended band (32 and 1).
+    - `mscale`, `mscale_all_dim`: DeepSeek's magnitude terms, or `None`.
+    - `attention_factor`: explicit cos/sin multiplier, or `None` to derive it.
+    - `truncate`: round the ramp bounds outward to whole dimensions (the default).
+
+    **Raises:** `TypeError` for a field of the wrong type; `ValueError` unless `factor >= 1`,
+    `0 < beta_slow < beta_fast`, `attention_factor` is positive or `None`, and
+    `original_max_position_embeddings` is a positive int.
+    """
+
+    factor: float | int
+    original_max_position_embeddings: int
+    beta_fast: float | int = 32.0
+    beta_slow: float | int = 1.0
+    mscale: float | int | None = None
+    mscale_all_dim: float | int | None = None
+    attention_factor: float | int | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        for name in (
+            "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None or name == "factor":
+                object.__setattr__(self, name, check_real(value, f"YarnRopeScaling.{name}"))
+        original = check_int(
+            self.original_max_position_embeddings,
+            "YarnRopeScaling.original_max_position_embeddings",
+            fix=" DeepSeek-V2/V3 use 4096.",
+        )
+        object.__setattr__(self, "original_max_position_embeddings", original)
+        object.__setattr__(self, "truncate", check_bool(self.truncate, "YarnRopeScaling.truncate"))
+        if not self.factor >= 1:
+            raise ValueError(
+                f"YarnRopeScaling needs factor >= 1 (it stretches the context); got "
+                f"factor={self.factor}. DeepSeek-V2/V3 use 40."
+            )
+        if not 0 < self.beta_slow < self.beta_fast:
+            raise ValueError(
+                "YarnRopeScaling needs 0 < beta_slow < beta_fast (rotation counts bounding the "
+                f"blended band); got beta_slow={self.beta_slow}, beta_fast={self.beta_fast}. "
+                "The defaults are 1 and 32."
+            )
+        if self.attention_factor is not None and not self.attention_factor > 0:
+            raise ValueError(
+                f"YarnRopeScaling needs attention_factor > 0 or None; got {self.attention_factor}."
+            )
+
+    def frequencies(self, head_dim: int, theta: float) -> np.ndarray:
+        """**Returns:** `[head_dim / 2]` float64 YaRN frequencies for base `theta`."""
+        extrapolation = _plain_frequencies(head_dim, theta)
+        interpolation = extrapolation / self.factor
+        old = float(self.original_max_position_embeddings)
+
+        def correction_dim(rotations: float) -> float:
+            return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # the reference's guard against a zero-width ramp
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        keep = 1.0 - ramp  # 1: original frequency, 0: interpolated
+        return interpolation * (1 - keep) + extrapolation * keep
+
+    def rotary_factor(self) -> float:
+        """**Returns:** the multiplier of cos and sin (Hugging Face's `attention_factor`)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return _yarn_mscale(self.factor, 1.0)
+
+    def softmax_scale_factor(self) -> float:
+        """**Returns:** the multiplier of the softmax scale (`mscale_all_dim` correction)."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
 @final
 class RoPE(eqx.Module):
     """Rotary position embedding of queries or keys at explicit token positions.
+
+    Rotates pairs of features by `positions * freq_i`: the pairs `(i, i + head_dim/2)`
+    (Hugging Face "rotate_half"), or `(2i, 2i + 1)` with `interleaved`. The frequencies are
+    `theta ** (-2i / head_dim)`, or the `scaling`'s; the rotated values are multiplied by
+    `scaling.rotary_factor()`.
 
     Holds no arrays: the frequencies are a compile-time constant derived from the static
     configuration, so a stack of layers carries no per-layer copies of them.
@@ -105,29 +253,41 @@ class RoPE(eqx.Module):
 
     head_dim: int = eqx.field(static=True)
     theta: float = eqx.field(static=True)
-    scaling: Llama3RopeScaling | None = eqx.field(static=True)
+    scaling: AbstractRopeScaling | None = eqx.field(static=True)
+    interleaved: bool = eqx.field(static=True)
 
-    def __init__(self, head_dim: int, theta: float | int, scaling: Llama3RopeScaling | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float | int,
+        scaling: AbstractRopeScaling | None = None,
+        *,
+        interleaved: bool = False,
+    ):
         """**Arguments:**
 
-        - `head_dim`: size of each query/key head (even).
+        - `head_dim`: number of rotated features (even): the whole query/key head, or
+          MLA's `qk_rope_head_dim`.
         - `theta`: base of the geometric frequency ladder (`freq_i = theta**(-2i/head_dim)`).
-        - `scaling`: optional Llama 3.1 long-context frequency scaling.
+        - `scaling`: optional frequency scaling, e.g. `Llama3RopeScaling` or
+          `YarnRopeScaling`.
+        - `interleaved`: rotate neighbouring feature pairs (DeepSeek) instead of halves.
 
-        **Raises:** `TypeError` when `scaling` is not a `Llama3RopeScaling` (or `None`) or a
-        number has the wrong type; `ValueError` unless `head_dim` is positive and even and
-        `theta > 0`.
+        **Raises:** `TypeError` when `scaling` is not an `AbstractRopeScaling` (or `None`) or
+        an argument has the wrong type; `ValueError` unless `head_dim` is positive and even
+        and `theta > 0`.
         """
         self.head_dim = check_int(head_dim, "RoPE head_dim", minimum=None)
         self.theta = check_real(theta, "RoPE theta")
         check_instance(
             scaling,
             "RoPE scaling",
-            Llama3RopeScaling,
-            "Build Llama3RopeScaling(...).",
+            AbstractRopeScaling,
+            "Build Llama3RopeScaling(...) or YarnRopeScaling(...).",
             none_ok=True,
         )
         self.scaling = scaling
+        self.interleaved = check_bool(interleaved, "RoPE interleaved")
 
     def __check_init__(self):
         if self.head_dim <= 0 or self.head_dim % 2 != 0:
@@ -143,14 +303,12 @@ class RoPE(eqx.Module):
 
     def frequencies(self) -> np.ndarray:
         """**Returns:** `[head_dim / 2]` float64 rotation frequencies, scaling applied."""
-        exponents = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
-        inv_freq = 1.0 / (float(self.theta) ** exponents)
         if self.scaling is not None:
-            inv_freq = self.scaling.apply(inv_freq)
-        return inv_freq
+            return self.scaling.frequencies(self.head_dim, self.theta)
+        return _plain_frequencies(self.head_dim, self.theta)
 
     def __call__(self, x: Heads, positions: Positions) -> Heads:
-        """Rotate each feature pair `(i, i + head_dim/2)` by `positions * freq_i`.
+        """Rotate each feature pair of frequency `i` by `positions * freq_i`.
 
         **Arguments:**
 
@@ -164,8 +322,16 @@ class RoPE(eqx.Module):
         angles = jnp.einsum("bs,f->bsf", positions.astype(jnp.float32), inv_freq)
         cos = jnp.cos(angles)[:, :, None, :]
         sin = jnp.sin(angles)[:, :, None, :]
-        half = self.head_dim // 2
+        factor = 1.0 if self.scaling is None else self.scaling.rotary_factor()
+        if factor != 1.0:
+            cos, sin = factor * cos, factor * sin
         x32 = x.astype(jnp.float32)
-        x1, x2 = x32[..., :half], x32[..., half:]
-        rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        if self.interleaved:
+            x1, x2 = x32[..., 0::2], x32[..., 1::2]
+            pairs = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+            rotated = pairs.reshape(x.shape)
+        else:
+            half = self.head_dim // 2
+            x1, x2 = x32[..., :half], x32[..., half:]
+            rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
         return rotated.astype(x.dtype)

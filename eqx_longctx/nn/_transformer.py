@@ -21,10 +21,7 @@ from .._checks import check_spec
 from .._partition import gather_for_compute
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
-from ._attention import SelfAttention
-from ._mlp import SwiGLU
 from ._norm import RMSNorm
-from ._rope import RoPE
 
 REMAT_POLICIES = ("none", "full", "dots", "offload")
 """The rematerialisation policies of `LayerStack(remat=...)`, the model configs' `remat` and
@@ -34,72 +31,50 @@ OFFLOAD_NAME = "layer_input"
 
 @final
 class DecoderBlock(eqx.Module):
-    """`x + attn(norm(x))`, then `x + mlp(norm(x))` (the Llama block)."""
+    """The pre-norm residual block: `x + attn(attn_norm(x))`, then `x + mlp(mlp_norm(x))`.
+
+    One block serves every family: it takes its two sublayers built, so Llama, Qwen2/3 and
+    Mistral pass a `SelfAttention` and a `SwiGLU`, DeepSeek a `MultiHeadLatentAttention`
+    and a `SwiGLU` or `MoE`. The norms are `RMSNorm`s over `dim`.
+    """
 
     attn_norm: RMSNorm
-    attn: SelfAttention
+    attn: Callable[[Hidden, Positions, SegmentIds | None], Hidden]
     mlp_norm: RMSNorm
-    mlp: SwiGLU
+    mlp: Callable[[Hidden], Hidden]
 
     def __init__(
         self,
-        dim: int,
-        n_heads: int,
-        n_kv_heads: int,
-        head_dim: int,
-        hidden_dim: int,
+        attn: Callable[[Hidden, Positions, SegmentIds | None], Hidden],
+        mlp: Callable[[Hidden], Hidden],
         *,
-        rope: RoPE,
-        key: PRNGKeyArray,
+        dim: int,
         norm_eps: float = 1e-5,
-        qkv_bias: bool = False,
-        window: int | None = None,
-        init_std: float = 0.02,
-        out_init_std: float | None = None,
         dtype=jnp.float32,
-        spec=None,
     ):
         """**Arguments:**
 
-        - `dim`, `n_heads`, `n_kv_heads`, `head_dim`, `rope`, `qkv_bias`, `window`: as in
-          `SelfAttention` (which is causal).
-        - `hidden_dim`: SwiGLU width.
-        - `key`: PRNG key.
+        - `attn`: the attention sublayer, called as `attn(x, positions, segment_ids) -> x`
+          (e.g. `SelfAttention`, `MultiHeadLatentAttention`).
+        - `mlp`: the feed-forward sublayer, called as `mlp(x) -> x` (e.g. `SwiGLU`, `MoE`).
+        - `dim`: model width (`embed`), the size the two RMSNorms normalise.
         - `norm_eps`: RMSNorm epsilon.
-        - `init_std`, `out_init_std`: standard deviations of the input and output
-          projections of both sublayers.
-        - `dtype`: parameter dtype.
-        - `spec`: the sharding spec, or `None` for one device.
+        - `dtype`: dtype of the norm weights.
 
-        **Raises:** as `SelfAttention`, `SwiGLU` and `RMSNorm`.
+        **Raises:** `TypeError` when `attn` or `mlp` is not a callable Equinox module; as
+        `RMSNorm` for `dim` or `norm_eps`.
         """
-        check_spec(spec, "DecoderBlock")
-        k_attn, k_mlp = jax.random.split(key)
+        for name, layer in (("attn", attn), ("mlp", mlp)):
+            if not (isinstance(layer, eqx.Module) and callable(layer)):
+                raise TypeError(
+                    f"DecoderBlock's {name} must be a callable Equinox module (e.g. "
+                    f"{'SelfAttention' if name == 'attn' else 'SwiGLU'}(...)); got "
+                    f"{type(layer).__name__}."
+                )
         self.attn_norm = RMSNorm(dim, eps=norm_eps, dtype=dtype)
-        self.attn = SelfAttention(
-            dim,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            rope=rope,
-            key=k_attn,
-            qkv_bias=qkv_bias,
-            window=window,
-            init_std=init_std,
-            out_init_std=out_init_std,
-            dtype=dtype,
-            spec=spec,
-        )
+        self.attn = attn
         self.mlp_norm = RMSNorm(dim, eps=norm_eps, dtype=dtype)
-        self.mlp = SwiGLU(
-            dim,
-            hidden_dim,
-            key=k_mlp,
-            init_std=init_std,
-            out_init_std=out_init_std,
-            dtype=dtype,
-            spec=spec,
-        )
+        self.mlp = mlp
 
     def __call__(
         self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
@@ -112,7 +87,8 @@ class DecoderBlock(eqx.Module):
 
         **Returns:** the updated residual stream, same shape and dtype.
 
-        **Raises:** as [`SelfAttention.__call__`][eqx_longctx.nn.SelfAttention.__call__].
+        **Raises:** as the sublayers' `__call__` (e.g.
+        [`SelfAttention.__call__`][eqx_longctx.nn.SelfAttention.__call__]).
         """
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         return x + self.mlp(self.mlp_norm(x))

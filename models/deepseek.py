@@ -267,9 +267,6 @@ def make_block(
     return DecoderBlock(attn, mlp, dim=c.dim, norm_eps=c.norm_eps, dtype=dtype)
 
 
-# The old name of `make_block`, still used by notebooks/mla_and_deepseek.ipynb.
-DeepSeekBlock = make_block
-
 
 @final
 class DeepSeek(AbstractDecoder):

@@ -267,7 +267,6 @@ def make_block(
     return DecoderBlock(attn, mlp, dim=c.dim, norm_eps=c.norm_eps, dtype=dtype)
 
 
-
 @final
 class DeepSeek(AbstractDecoder):
     """The DeepSeek-V2/V3 decoder. Call it as `model(tokens, positions, segment_ids)`."""

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float
 import eqx_longctx as el
 from eqx_longctx import collective_bytes
 from eqx_longctx._hlo import collectives
-from eqx_longctx.nn import DecoupledRoPE, MultiHeadLatentAttention
+from eqx_longctx.nn import MultiHeadLatentAttention, RoPE
 
 B, S, H, RANK, NOPE, ROPE, DV = 4, 64, 8, 16, 8, 4, 12
 
@@ -187,7 +187,7 @@ def test_mla_layer_under_tensor_moves_the_latent_and_reduces_once():
     layer = el.init_sharded(
         lambda: MultiHeadLatentAttention(
             dim, H, kv_lora_rank=RANK, q_lora_rank=24, qk_nope_head_dim=NOPE,
-            qk_rope_head_dim=ROPE, v_head_dim=DV, rope=DecoupledRoPE(ROPE, 10000.0),
+            qk_rope_head_dim=ROPE, v_head_dim=DV, rope=RoPE(ROPE, 10000.0, interleaved=True),
             key=jax.random.key(0), spec=spec,
         ),
         spec,

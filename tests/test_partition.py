@@ -211,7 +211,6 @@ DS_PLANS = [
     ("fsdp_expert", (2, 2, 2), ("fsdp", "expert", "context"),
      dict(fsdp_axis="fsdp", expert_axis="expert")),
     # MLA's heads over a tensor axis (the latent whole on each shard), with every other axis.
-    ("tensor", (2, 1), ("tensor", "context"), dict(tensor_axis="tensor")),
     ("tensor_ring", (2, 4), ("tensor", "context"), dict(tensor_axis="tensor")),
     ("tensor_ulysses", (2, 2, 2), ("data", "tensor", "context"),
      dict(tensor_axis="tensor", strategy="ulysses", load_balance="striped")),

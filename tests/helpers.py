@@ -1,7 +1,13 @@
-"""Shared test helpers: tolerances keyed by dtype, relative error, random inputs."""
+"""Shared test helpers: tolerances keyed by dtype, relative error, random inputs, and the
+check that shell commands of the project's CLIs are accepted."""
 
 import importlib
 import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -103,3 +109,103 @@ def resolve_dotted(path: str):
             obj = getattr(obj, attr)
         return obj
     raise ImportError(f"no module of {path!r} imports")
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Runs in a fresh process with argv[2] fake CPU devices. For each `[module, *flags]` it
+# parses the flags with that CLI's own parser and runs its checks up to the point where
+# the work would start, printing one JSON line: {"ok": mesh} or {"refused": message}.
+# - eqx_longctx.train: the trainer's parser, multi-process flags, TrainConfig, Placement
+#   and Placement.check_run (batch, sequence, heads and experts against the mesh), as
+#   Trainer does before reading data or building anything.
+# - eqx_longctx.plan: the planner's own main(), stopped where its placement is built (the
+#   trainer's, through trainer_run) after the same check_run; the plan itself, a budget
+#   that nothing fits included, is the planner's answer, not a refusal.
+CLI_CHECK = r"""
+import contextlib, io, json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", int(sys.argv[2]))
+from eqx_longctx.data import ByteTokenizer
+from eqx_longctx.train._cli import UsageError, build_parser
+from eqx_longctx.train._config import TrainConfig, build_model_config
+from eqx_longctx.train._distributed import cluster_from_flags
+from eqx_longctx.train._parallel import Placement
+import eqx_longctx.plan._cli as plan_cli
+
+class Placed(Exception):
+    pass
+
+def check_train(flags):
+    a = build_parser().parse_args(flags + ["--run-dir", "unused"])
+    cluster_from_flags(a.coordinator, a.num_processes, a.process_id, a.devices)
+    config = TrainConfig(
+        model=a.model, preset=a.preset, model_overrides=dict(a.override), seq_len=a.seq_len,
+        batch_size=a.batch_size, steps=a.steps, lr=a.lr, warmup_steps=a.warmup_steps,
+        devices=a.devices, mesh=a.mesh, fsdp_axes=a.fsdp_axes, strategy=a.strategy,
+        load_balance=a.load_balance, remat=a.remat, run_dir="unused",
+    )
+    model_config = build_model_config(config, ByteTokenizer().vocab_size)
+    placement = Placement(
+        config.devices, config.mesh, config.strategy, config.load_balance, config.fsdp_axes,
+        vocab_size=model_config.vocab_size,
+    )
+    placement.check_run(config.batch_size, config.seq_len, model_config)
+    return placement.describe()
+
+trainer_run = plan_cli.trainer_run
+
+def placed_run(settings, vocab_size=None):
+    run = trainer_run(settings, vocab_size)
+    run.placement.check_run(settings.batch_size, settings.seq_len, run.config, run.family)
+    raise Placed(run.placement.describe())
+
+plan_cli.trainer_run = placed_run
+
+def check_plan(flags):
+    try:
+        plan_cli.main(flags)
+    except Placed as e:
+        return str(e)
+    return "planned"  # one attention call (no --model): its whole plan ran
+
+for module, *flags in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            ok = (check_train if module == "eqx_longctx.train" else check_plan)(flags)
+        result = {"ok": ok}
+    except (UsageError, ValueError, TypeError) as e:
+        result = {"refused": f"{type(e).__name__}: {e}"}
+    except SystemExit as e:  # argparse: --help (0), or the planner's one-line error (2)
+        lines = err.getvalue().strip().splitlines() or [f"exit status {e.code}"]
+        result = {"ok": "help"} if e.code == 0 else {"refused": lines[-1]}
+    print(json.dumps(result), flush=True)
+"""
+
+
+def check_cli_commands(commands: list[list[str]], devices: int = 64) -> list[str]:
+    """Check shell commands of `python -m eqx_longctx.train` / `python -m eqx_longctx.plan`
+    the way those CLIs check them before any work (see `CLI_CHECK`), on `devices` fake CPU
+    devices in one fresh process.
+
+    **Arguments:**
+
+    - `commands`: each `[module, *flags]`, `module` `"eqx_longctx.train"` or
+      `"eqx_longctx.plan"`.
+    - `devices`: fake CPU devices to make (at least the largest mesh).
+
+    **Returns:** for each command, `""` when accepted, else the CLI's refusal.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-c", CLI_CHECK, json.dumps(commands), str(devices)],
+        env={**env, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(commands), result.stdout[-3000:]
+    return [line.get("refused", "") for line in lines]

@@ -25,6 +25,12 @@ from .attention import reference_attention as reference_attention
 from .attention._choose import choose_strategy as choose_strategy
 from .attention._choose import explain as explain
 from .attention._explain import Plan as Plan
+from .inference import KVCache as KVCache
+from .inference import decode_step as decode_step
+from .inference import generate as generate
+from .inference import init_cache as init_cache
+from .inference import prefill as prefill
+from .inference import sample_tokens as sample_tokens
 from .plan import StepPlan as StepPlan
 from .plan import plan_train_step as plan_train_step
 

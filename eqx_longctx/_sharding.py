@@ -348,13 +348,15 @@ class ShardingSpec(eqx.Module):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, pspec))
 
-    def auto_axes(self, fn: Callable[..., Any], out_pspec: PartitionSpec) -> Callable[..., Any]:
-        """Run `fn` with this mesh's axes Auto when the mesh is Explicit (else as is)."""
+    def auto_axes(self, fn: Callable[..., Any], out_pspec: Any) -> Callable[..., Any]:
+        """Run `fn` with this mesh's axes Auto when the mesh is Explicit (else as is);
+        `out_pspec` is the `PartitionSpec` of its output, or a pytree of them."""
         if not self.is_explicit or _in_auto_context(self.mesh):
             return fn
-        return jax.sharding.auto_axes(
-            fn, axes=tuple(self.mesh.axis_names), out_sharding=self.sharding(out_pspec)
+        shardings = jax.tree.map(
+            self.sharding, out_pspec, is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
+        return jax.sharding.auto_axes(fn, axes=tuple(self.mesh.axis_names), out_sharding=shardings)
 
 
 def _in_auto_context(mesh: Mesh) -> bool:

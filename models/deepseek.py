@@ -325,10 +325,13 @@ class DeepSeek(AbstractDecoder):
     def run_layers(self, x, positions, segment_ids):
         """The dense blocks, then the MoE blocks, from embeddings to the last hidden state
         (before the final norm)."""
-        for stack in (self.dense_layers, self.moe_layers):
-            if stack is not None:
-                x = stack(x, positions, segment_ids)
+        for stack in self.layer_stacks():
+            x = stack(x, positions, segment_ids)
         return x
+
+    def layer_stacks(self) -> tuple[LayerStack, ...]:
+        """The layer stacks in order: the dense blocks, then the MoE blocks."""
+        return tuple(s for s in (self.dense_layers, self.moe_layers) if s is not None)
 
 
 # DeepSeek's long-context YaRN setting (both V2 and V3 extend 4k pre-training to 160k).

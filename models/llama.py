@@ -274,9 +274,13 @@ class Llama(AbstractDecoder):
     def run_layers(self, x, positions, segment_ids):
         """The blocks (one stack per run of equally windowed layers), from embeddings to
         the last hidden state (before the final norm)."""
-        for stack in self.layers if isinstance(self.layers, tuple) else (self.layers,):
+        for stack in self.layer_stacks():
             x = stack(x, positions, segment_ids)
         return x
+
+    def layer_stacks(self) -> tuple[LayerStack, ...]:
+        """The layer stacks in order: one per run of equally windowed layers."""
+        return self.layers if isinstance(self.layers, tuple) else (self.layers,)
 
 
 # fmt: off

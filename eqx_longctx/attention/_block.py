@@ -82,6 +82,18 @@ def pairs_are_empty(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):
     return jnp.all(empty)
 
 
+def merge_partials(out, lse, block_out, block_lse):
+    """Combine two softmax partials `(out, lse)` over disjoint key sets into one (float32,
+    -inf safe): the online-softmax merge the ring, USP and decoding share."""
+    new = jnp.logaddexp(lse, block_lse)
+    # Only rows that have seen no key yet (-inf) are special; NaN and +inf propagate.
+    empty = new == -jnp.inf
+    safe = jnp.where(empty, 0.0, new)
+    w_old = jnp.where(empty, 0.0, jnp.exp(lse - safe))[..., None]
+    w_new = jnp.where(empty, 0.0, jnp.exp(block_lse - safe))[..., None]
+    return w_old * out + w_new * block_out.astype(jnp.float32), new
+
+
 def block_attention(
     impl: AbstractBlockImpl, q, k, v, q_pos, kv_pos, q_seg, kv_seg, options
 ) -> tuple[jax.Array, jax.Array]:

@@ -5,7 +5,7 @@ Each of the `N` devices holds one query shard and one K/V shard. For `N` steps i
 queries to the K/V shard it currently holds and passes that shard (with its token positions
 and segment ids) to the next device with `lax.ppermute`; the next shard's transfer is issued
 before the current shard's compute so the two can overlap. Partial results merge by online
-softmax in float32 (`_merge`: a log-add-exp that never forms `inf - inf`, so rows that see
+softmax in float32 (`merge_partials`: a log-add-exp that never forms `inf - inf`, so rows that see
 no key stay exactly zero). Hops that the causal mask or disjoint segments leave empty are
 skipped with `lax.cond`, not computed and zeroed.
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._types import AxisName
-from ._block import AbstractBlockImpl, BlockOptions, custom_vjps, pairs_are_empty
+from ._block import AbstractBlockImpl, BlockOptions, custom_vjps, merge_partials, pairs_are_empty
 
 
 class _RingConfig(NamedTuple):
@@ -122,17 +122,6 @@ def _hops(config: _RingConfig) -> int:
     return n if config.hops is None else min(config.hops, n)
 
 
-def _merge(out, lse, block_out, block_lse):
-    """Combine two softmax partials over disjoint key sets (float32, -inf safe)."""
-    new = jnp.logaddexp(lse, block_lse)
-    # Only rows that have seen no key yet (-inf) are special; NaN and +inf propagate.
-    empty = new == -jnp.inf
-    safe = jnp.where(empty, 0.0, new)
-    w_old = jnp.where(empty, 0.0, jnp.exp(lse - safe))[..., None]
-    w_new = jnp.where(empty, 0.0, jnp.exp(block_lse - safe))[..., None]
-    return w_old * out + w_new * block_out.astype(jnp.float32), new
-
-
 def _zeros_f32(tree):
     return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
 
@@ -158,7 +147,7 @@ def _ring_forward(config, q, params, source, positions, segment_ids):
         def compute(acc):
             k_j, v_j = config.expand(params, src_j)
             block_out, block_lse = config.impl.attend(qt, k_j, v_j, pos_j, seg_j)
-            return _merge(out, lse, block_out, block_lse)
+            return merge_partials(out, lse, block_out, block_lse)
 
         empty = _hop_is_empty(config, positions, pos_j, segment_ids, seg_j)
         return lax.cond(empty, lambda acc: acc, compute, acc)

@@ -9,7 +9,7 @@ References: Vaswani et al. 2017, "Attention Is All You Need" (arXiv:1706.03762);
 Billion Parameters" (query/key normalisation, arXiv:2302.05442), as used by Qwen3.
 """
 
-from typing import final
+from typing import ClassVar, final
 
 import equinox as eqx
 import jax
@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import attention
+from ..attention._decode import decode_attention
 from ..attention._validate import check_options
 from ._norm import RMSNorm
 from ._rope import RoPE
@@ -167,6 +168,11 @@ class SelfAttention(eqx.Module):
         heads do not split over the spec's mesh, or `segment_ids` is not `[batch, seq]`
         integers.
         """
+        q, k, v = self._project(x, positions)
+        return self._output(self._attend(q, k, v, segment_ids))
+
+    def _project(self, x, positions):
+        """Queries, keys and values of `x` at `positions`: biases, norms and RoPE applied."""
         dtype = x.dtype
         q = jnp.einsum("bse,ehd->bshd", x, self.wq.astype(dtype))
         k = jnp.einsum("bse,ekd->bskd", x, self.wk.astype(dtype))
@@ -178,15 +184,52 @@ class SelfAttention(eqx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = self.rope(q, positions)
-        k = self.rope(k, positions)
-        out = attention(
-            q,
-            k,
-            v,
-            spec=self.spec,
-            causal=self.causal,
-            window=self.window,
+        return self.rope(q, positions), self.rope(k, positions), v
+
+    def _attend(self, q, k, v, segment_ids):
+        return attention(
+            q, k, v, spec=self.spec, causal=self.causal, window=self.window,
             segment_ids=segment_ids,
-        )
-        return jnp.einsum("bshd,hde->bse", out, self.wo.astype(dtype))
+        )  # fmt: skip
+
+    def _output(self, out):
+        return jnp.einsum("bshd,hde->bse", out, self.wo.astype(out.dtype))
+
+    # ---- inference (eqx_longctx.inference): the cache holds K and V per KV head ----------
+
+    cache_split_heads: ClassVar[bool] = True
+    """The cached K/V heads split over the spec's tensor axis, like the layer's heads."""
+
+    def cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """**Returns:** `(heads, dim)` of each array cached per token: K and V per KV head
+        (never repeated for GQA)."""
+        return ((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim))
+
+    def prefill(
+        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+    ) -> tuple[Hidden, tuple[Array, Array]]:
+        """`__call__`, also returning what the KV cache keeps of these tokens.
+
+        **Returns:** `(out, (k, v))`: the layer's output and the rotated keys and the values
+        `[batch, seq, kv_heads, head_dim]`.
+        """
+        q, k, v = self._project(x, positions)
+        return self._output(self._attend(q, k, v, segment_ids)), (k, v)
+
+    def decode(
+        self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl
+    ) -> tuple[Hidden, tuple[Array, Array]]:
+        """One new token per row against the cache (see `eqx_longctx.attention.decode_attention`).
+
+        **Arguments:** `x` `[batch, n, embed]` the new token repeated on the spec's `n`
+        sequence shards; `positions` `[batch, n]`; `cache` this layer's `(k, v)` and
+        `cache_positions` `[batch, slots]`; `impl` the block implementation.
+
+        **Returns:** `(out, (k, v))`: the output and the new token's cache entry.
+        """
+        q, k, v = self._project(x, positions)
+        out = decode_attention(
+            q, (k, v), cache, cache_positions, positions, spec=self.spec, impl=impl,
+            window=self.window,
+        )  # fmt: skip
+        return self._output(out), (k, v)

@@ -47,6 +47,29 @@ class AbstractDecoder(eqx.Module):
     def run_layers(self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None) -> Hidden:
         """The blocks, from embeddings to the last hidden state (before the final norm)."""
 
+    def layer_stacks(self) -> tuple[Any, ...]:
+        """The `LayerStack`s that `run_layers` applies, in order: what inference
+        (`eqx_longctx.generate`) walks to fill and read the KV cache. A family supports
+        inference by returning them (its `run_layers` must be exactly these stacks in turn).
+
+        **Raises:** `NotImplementedError` for a family that does not say.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not list its layer stacks, so it cannot generate: "
+            "implement layer_stacks() to return the LayerStacks run_layers applies, in order."
+        )
+
+    def head(self, x: Hidden) -> Logits:
+        """The final norm and output head: `[batch, seq, embed]` last hidden states (what
+        `run_layers` returns) to `[batch, seq, vocab]` float32 logits."""
+        dtype = jnp.dtype(self.config.compute_dtype)
+        x = self.norm(x.astype(dtype))
+        if self.lm_head is None:
+            weight, pattern = self._gathered("embed"), "bse,ve->bsv"
+        else:
+            weight, pattern = self._gathered("lm_head"), "bse,ev->bsv"
+        return jnp.einsum(pattern, x, weight.astype(dtype), preferred_element_type=jnp.float32)
+
     @property
     def _config_name(self) -> str:
         return type(self.config).__name__
@@ -169,17 +192,4 @@ class AbstractDecoder(eqx.Module):
             positions = self.spec.place(positions, self.spec.token_pspec())
             if segment_ids is not None:
                 segment_ids = self.spec.place(segment_ids, self.spec.token_pspec())
-        x = self.norm(self.run_layers(x.astype(dtype), positions, segment_ids))
-        if self.lm_head is None:
-            return jnp.einsum(
-                "bse,ve->bsv",
-                x,
-                self._gathered("embed").astype(dtype),
-                preferred_element_type=jnp.float32,
-            )
-        return jnp.einsum(
-            "bse,ev->bsv",
-            x,
-            self._gathered("lm_head").astype(dtype),
-            preferred_element_type=jnp.float32,
-        )
+        return self.head(self.run_layers(x.astype(dtype), positions, segment_ids))

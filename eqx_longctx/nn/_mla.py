@@ -15,7 +15,7 @@ Mixture-of-Experts Language Model" (arXiv:2405.04434); Peng et al. 2023, "YaRN: 
 Context Window Extension of Large Language Models" (arXiv:2309.00071).
 """
 
-from typing import final
+from typing import ClassVar, final
 
 import equinox as eqx
 import jax
@@ -26,6 +26,7 @@ from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import latent_attention
+from ..attention._decode import decode_attention
 from ._norm import RMSNorm
 from ._rope import RoPE
 
@@ -255,18 +256,70 @@ class MultiHeadLatentAttention(eqx.Module):
         or heads (over the tensor axis, and again over a Ulysses axis) do not split over the
         spec's mesh, or `segment_ids` is not `[batch, seq]` integers.
         """
+        return self.prefill(x, positions, segment_ids)[0]
+
+    # ---- inference (eqx_longctx.inference): the cache holds the latent and rotary key ----
+
+    cache_split_heads: ClassVar[bool] = False
+    """The cached latent is shared by every head: whole on every tensor shard."""
+    window: ClassVar[None] = None
+    """MLA attends every earlier token (no sliding window)."""
+
+    def cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """**Returns:** `(heads, dim)` of the one array cached per token: the normalised
+        latent and the rotated rotary key side by side, `kv_lora_rank + qk_rope_head_dim`
+        wide (576 for DeepSeek-V3), never per-head keys and values."""
+        return ((1, self.kv_lora_rank + self.qk_rope_head_dim),)
+
+    def prefill(
+        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+    ) -> tuple[Hidden, tuple[Array]]:
+        """`__call__`, also returning what the KV cache keeps of these tokens.
+
+        **Returns:** `(out, (latent,))`: the layer's output and `[batch, seq, 1,
+        kv_lora_rank + qk_rope_head_dim]`, the normalised latent and the rotated rotary key.
+        """
         # Context-parallel strategies move the latent (kv_lora_rank + qk_rope_head_dim per
         # token), not per-head K/V; each device up-projects the tokens it holds.
+        latent = self.latent(x, positions)
         out = latent_attention(
             self.queries(x, positions),
-            self.latent(x, positions),
+            latent,
             self.up_projection(),
             spec=self.spec,
             causal=True,
             segment_ids=segment_ids,
             scale=self.softmax_scale,
         )
-        return jnp.einsum("bshv,hve->bse", out, self.wo.astype(x.dtype))
+        out = jnp.einsum("bshv,hve->bse", out, self.wo.astype(x.dtype))
+        return out, (jnp.concatenate(latent, axis=-1)[:, :, None, :],)
+
+    def decode(
+        self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl
+    ) -> tuple[Hidden, tuple[Array]]:
+        """One new token per row against the cached latents, absorbed: the keys' up-projection
+        is folded into the queries, so attention runs in the latent space (one shared K/V
+        "head" of `kv_lora_rank + qk_rope_head_dim` features whose values are the latent);
+        the latent outputs are merged over the devices first, and the values'
+        up-projection runs once after the merge.
+
+        **Arguments:** as [`SelfAttention.decode`][eqx_longctx.nn.SelfAttention.decode].
+
+        **Returns:** `(out, (latent,))`: the output and the new token's cache entry.
+        """
+        dtype = x.dtype
+        q = self.queries(x, positions)
+        new = jnp.concatenate(self.latent(x, positions), axis=-1)[:, :, None, :]
+        nope = self.qk_nope_head_dim
+        w_uk, w_uv = self.wkv_b[..., :nope].astype(dtype), self.wkv_b[..., nope:].astype(dtype)
+        q_latent = jnp.einsum("bshn,chn->bshc", q[..., :nope], w_uk)
+        q = jnp.concatenate([q_latent, q[..., nope:]], axis=-1)
+        out = decode_attention(
+            q, (new,), cache, cache_positions, positions, spec=self.spec, impl=impl,
+            scale=self.softmax_scale, split_heads=False, value_dim=self.kv_lora_rank,
+        )  # fmt: skip
+        out = jnp.einsum("bshc,chv->bshv", out, w_uv)
+        return jnp.einsum("bshv,hve->bse", out, self.wo.astype(dtype)), (new,)
 
 
 @final

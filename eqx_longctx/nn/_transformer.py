@@ -93,6 +93,20 @@ class DecoderBlock(eqx.Module):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         return x + self.mlp(self.mlp_norm(x))
 
+    def prefill(self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None):
+        """`__call__`, also returning the attention's cache entry (`attn.prefill`)."""
+        a, entry = self.attn.prefill(self.attn_norm(x), positions, segment_ids)  # pyright: ignore[reportAttributeAccessIssue]
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), entry
+
+    def decode(self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl):
+        """One new token per row (`attn.decode`); **returns** `(x, new cache entry)`."""
+        a, entry = self.attn.decode(  # pyright: ignore[reportAttributeAccessIssue]
+            self.attn_norm(x), positions, cache, cache_positions, impl=impl
+        )
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), entry
+
 
 @final
 class LayerStack(eqx.Module):
@@ -218,3 +232,40 @@ class LayerStack(eqx.Module):
 
         x, _ = lax.scan(body, x, (params, per_layer(positions), per_layer(segment_ids)))
         return x
+
+    def _compute_layer(self, layer_params):
+        static = eqx.filter(self.layers, eqx.is_array, inverse=True)
+        return gather_for_compute(eqx.combine(layer_params, static), self.spec)
+
+    def prefill(self, x: Hidden, positions: Positions, segment_ids, store: Callable):
+        """Run the layers as `__call__` does (no remat: inference), keeping each layer's
+        cache entry as `store` turns it into cache slots.
+
+        **Arguments:** as `__call__`; `store(entry) -> stored` maps one layer's `[batch, seq,
+        ...]` cache entry (what `layer.prefill` returns) to what the cache keeps.
+
+        **Returns:** `(x, stored)`: the residual stream after all layers and the stored
+        entries, stacked over the layers.
+        """
+
+        def body(h, layer_params):
+            layer = self._compute_layer(layer_params)
+            h, entry = layer.prefill(h, positions, segment_ids)  # pyright: ignore[reportAttributeAccessIssue]
+            return h, store(entry)
+
+        return lax.scan(body, x, eqx.filter(self.layers, eqx.is_array))
+
+    def decode(self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl):
+        """One new token per row through every layer, each reading its slice of `cache`
+        (arrays stacked over the layers) and `cache_positions`.
+
+        **Returns:** `(x, new)`: the residual stream and the new token's cache entries,
+        stacked over the layers (the caller writes them into the cache).
+        """
+
+        def body(h, xs):
+            layer_params, layer_cache = xs
+            layer = self._compute_layer(layer_params)
+            return layer.decode(h, positions, layer_cache, cache_positions, impl=impl)  # pyright: ignore[reportAttributeAccessIssue]
+
+        return lax.scan(body, x, (eqx.filter(self.layers, eqx.is_array), cache))

@@ -1,0 +1,146 @@
+"""Decoding attention over a sequence-sharded KV cache: each device attends its own slots.
+
+One new token per batch row attends every cached token plus itself. The cache's slots are
+split over the spec's sequence axes; each device runs the block contract
+(`AbstractBlockImpl.attend`) on the slots it holds, which gives an `(out, lse)` partial,
+and one all-gather of those small partials over the sequence axes lets every device merge
+them by online softmax (`merge_partials`), as Flash-Decoding and Tree Attention do. The
+cache itself never moves. The new token's own key and value join the merge as one more
+partial, so the cache is only written after the layer ran (a donated in-place update by
+the caller).
+
+The query heads of one K/V head are the query *rows* the implementation tiles (`[batch,
+group, kv_heads, dim]`, all at the new token's position), so GQA never repeats K/V and a
+kernel that tiles 128 query rows sees `group` rows instead of one. Latent attention (MLA,
+absorbed) is the case of one K/V head whose values are the first `value_dim` features of
+its keys.
+
+Slots carry their token positions (`-1`: empty), so the order of slots does not matter:
+the causal and window rules are evaluated on positions, and empty slots get a position no
+query can see.
+
+The new token arrives as `n` identical rows (`n` = the number of sequence shards), laid out
+like a sequence over the sequence axes, so that every layer outside the attention runs
+under the spec's usual activation sharding, each device computing its own copy.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from .._sharding import ShardingSpec
+from ._block import AbstractBlockImpl, BlockOptions, merge_partials
+
+_UNSEEN = 2**30  # the position of an empty slot: later than any query, so never visible
+
+
+def _split(kv: tuple, value_dim: int | None):
+    """`(k, v)` from a cache entry: the pair itself, or one latent array whose first
+    `value_dim` features are the values."""
+    if len(kv) == 2:
+        return kv
+    (k,) = kv
+    return k, k[..., :value_dim]
+
+
+def _self_partial(q_rows, k_new, v_new, scale):
+    """The new token against its own key: `(out, lse)` in rows layout (`[b, g, kvh, dv]`,
+    `[b, g, kvh]`). A single visible key: its value, weighted one."""
+    s = jnp.einsum("bgkd,bkd->bgk", q_rows.astype(jnp.float32), k_new.astype(jnp.float32))
+    out = jnp.broadcast_to(v_new[:, None].astype(jnp.float32), (*s.shape, v_new.shape[-1]))
+    return out, s * scale
+
+
+def _local(
+    impl: AbstractBlockImpl, options: BlockOptions, value_dim, axes, q, new, cache, cache_pos, q_pos
+):
+    """One device's decode attention (inside `shard_map`, or the whole of it on one device)."""
+    b, _, h, dk = q.shape
+    k_cache, v_cache = _split(cache, value_dim)
+    k_new, v_new = _split(tuple(x[:, 0] for x in new), value_dim)
+    kvh = k_cache.shape[2]
+    g = h // kvh
+    rows = q[:, 0].reshape(b, kvh, g, dk).transpose(0, 2, 1, 3)  # [b, g, kvh, dk]
+    rows_pos = jnp.broadcast_to(q_pos[:, :1], (b, g)).astype(jnp.int32)
+    kv_pos = jnp.where(cache_pos >= 0, cache_pos, _UNSEEN).astype(jnp.int32)
+    qt: Any = impl.tile_queries(rows, rows_pos, None, k_cache, options)
+    out, lse = impl.attend(qt, k_cache, v_cache, kv_pos, None)  # pyright: ignore[reportGeneralTypeIssues]
+    out, lse = qt.merge_q(out).astype(jnp.float32), qt.merge_rows(lse)
+    if axes is not None:  # every device's partial, merged in the same order everywhere
+        outs = lax.all_gather(jnp.concatenate([out, lse[..., None]], -1), axes, axis=0)
+        out, lse = outs[0, ..., :-1], outs[0, ..., -1]
+        for i in range(1, outs.shape[0]):
+            out, lse = merge_partials(out, lse, outs[i, ..., :-1], outs[i, ..., -1])
+    out, _ = merge_partials(out, lse, *_self_partial(rows, k_new, v_new, options.scale))
+    out = out.transpose(0, 2, 1, 3).reshape(b, 1, h, out.shape[-1])
+    return out.astype(q.dtype)
+
+
+def decode_attention(
+    q,
+    new: tuple,
+    cache: tuple,
+    cache_positions,
+    positions,
+    *,
+    spec: ShardingSpec | None,
+    impl: AbstractBlockImpl,
+    window: int | None = None,
+    scale: float | None = None,
+    split_heads: bool = True,
+    value_dim: int | None = None,
+):
+    """Attention of one new token per row over a KV cache (and the token itself).
+
+    **Arguments:**
+
+    - `q`: `[batch, n, q_heads, head_dim]`: the new token's queries, repeated on `n`
+      rows (`n` = the spec's sequence shards, 1 without a spec).
+    - `new`: the new token's cache entry, `(k, v)` each `[batch, n, kv_heads, dim]`, or
+      `(kv,)` for a latent whose first `value_dim` features are the values.
+    - `cache`: the cache's entry for this layer, the same structure with `[batch, slots,
+      kv_heads, dim]` arrays, slots split over the spec's sequence axes.
+    - `cache_positions`: `[batch, slots]` token position of each slot, `-1` for empty.
+    - `positions`: `[batch, n]` the new token's position (equal along `n`).
+    - `spec`: the sharding spec, or `None` for one device.
+    - `impl`: the block implementation that attends each device's slots.
+    - `window`: sliding window `W` (keys `j` with `0 <= i - j < W`), or `None`.
+    - `scale`: the score scale (default `1/sqrt(head_dim)`).
+    - `split_heads`: whether the cache's heads split over the spec's tensor axis (K/V
+      heads), or stay whole on every tensor shard (one shared latent).
+    - `value_dim`: with a one-array latent entry, the width of its value part.
+
+    **Returns:** `[batch, n, q_heads, v_dim]` in `q`'s dtype (equal along `n`).
+    """
+    options = BlockOptions.make(True, window, scale, q.shape[-1])
+    if spec is None:
+        return _local(impl, options, value_dim, None, q, new, cache, cache_positions, positions)
+    batch, seq, tensor = spec.batch_entry(), spec.sequence_axes, spec.tensor_axis
+    kv_heads = tensor if split_heads else None
+    q_spec = PartitionSpec(batch, seq, tensor, None)
+    kv_spec = PartitionSpec(batch, seq, kv_heads, None)
+    tokens = spec.token_pspec()
+    axes = seq[0] if len(seq) == 1 else seq
+
+    def local(q, new, cache, cache_pos, q_pos):
+        return _local(impl, options, value_dim, axes, q, new, cache, cache_pos, q_pos)
+
+    kv_specs = tuple(kv_spec for _ in cache)
+    mapped = jax.shard_map(
+        local,
+        mesh=spec.compute_mesh(),
+        in_specs=(q_spec, kv_specs, kv_specs, tokens, tokens),
+        out_specs=q_spec,
+        check_vma=False,
+    )
+    place = spec.place
+    return mapped(
+        place(q, q_spec),
+        tuple(place(x, kv_spec) for x in new),
+        tuple(place(x, kv_spec) for x in cache),
+        place(cache_positions, tokens),
+        place(positions, tokens),
+    )

@@ -1,0 +1,228 @@
+"""The KV cache: slots split over the spec's sequence axes, each slot carrying its token's
+position, so the order of slots never matters.
+
+Geometry. With `N` sequence shards, each device holds `per` slots of every layer.
+
+- **Full layers**: the prefill's `P` tokens (the prompt padded to the layout's multiple, in
+  layout order) are written where the layout put them: device `d` keeps its own `P / N`
+  tokens in its first `P / N` slots, with no reshuffle. Decode step `t` (0-based) writes
+  the new token on device `t mod N` at local slot `P / N + t // N`, so the devices stay
+  balanced: each holds at most `ceil(t / N)` more.
+- **Sliding layers** with a window `W` shorter than the cache keep a ring buffer of `R =
+  W` rounded up to a multiple of `N` slots (`R / N` per device), whatever `max_len` is.
+  Row `b` with `L_b` prompt tokens keeps position `p` in ring slot `(p - L_b) mod R`; decode
+  step `t` (position `L_b + t`) writes slot `t mod R` in every row, overwriting position
+  `L_b + t - R`, which no later query can see. The prefill fills the ring with one
+  reduce-scatter of `R` slots over the sequence axes.
+
+Empty slots have position `-1`; the decoding attention never sees them.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+from jaxtyping import Array, Int
+
+from .._sharding import ShardingSpec
+
+
+def layout_multiple(spec: ShardingSpec | None) -> int:
+    """Sequence lengths the spec's layout splits: `2N` for zig-zag, else `N` (1 alone)."""
+    if spec is None:
+        return 1
+    n = spec.context_parallel_size
+    return 2 * n if spec.load_balance == "zigzag" and n > 1 else n
+
+
+def slots_per_device(spec: ShardingSpec | None, max_len: int) -> int:
+    """Full-cache slots per device for `max_len` tokens: any prompt padded to the layout's
+    multiple, plus the decoded tokens spread round-robin, fits."""
+    n = 1 if spec is None else spec.context_parallel_size
+    return (max_len + layout_multiple(spec) + n - 2) // n
+
+
+class StackCache(eqx.Module):
+    """The cache of one `LayerStack`: its layers' entries and the slots' token positions.
+
+    - `entries`: per cached array of the attention layer (K and V, or MLA's latent),
+      `[layers, batch, slots, heads, dim]`.
+    - `positions`: `[batch, slots]` int32 token position of each slot; `-1` when empty.
+    - `ring`: the ring-buffer length (a sliding layer's slots), or `None` for a full cache.
+    - `window`: the layers' sliding window, or `None`.
+    - `split_heads`: whether the heads split over the spec's tensor axis.
+    """
+
+    entries: tuple[Array, ...]
+    positions: Int[Array, "batch slots"]
+    ring: int | None = eqx.field(static=True)
+    window: int | None = eqx.field(static=True)
+    split_heads: bool = eqx.field(static=True)
+
+
+class KVCache(eqx.Module):
+    """An immutable KV cache for one model and spec (build it with `init_cache`).
+
+    - `stacks`: one `StackCache` per layer stack of the model.
+    - `lengths`: `[batch]` int32 tokens of each row so far (the next token's position).
+    - `step`: decode steps since the prefill.
+    - `offset`: the slots per device the prefill filled (`P / N`).
+    - `max_len`, `config`, `spec`: the capacity in tokens, and the model's config and spec
+      the cache was built for (static).
+    """
+
+    stacks: tuple[StackCache, ...]
+    lengths: Int[Array, " batch"]
+    step: Int[Array, ""]
+    offset: Int[Array, ""]
+    max_len: int = eqx.field(static=True)
+    config: Any = eqx.field(static=True)
+    spec: ShardingSpec | None = eqx.field(static=True)
+
+    @property
+    def batch(self) -> int:
+        """Rows of the cache."""
+        return self.lengths.shape[0]
+
+    def nbytes_per_device(self) -> int:
+        """Bytes of this cache on the most loaded device, read from the arrays' shards
+        (abstract arrays: computed from their shardings)."""
+        total = 0
+        for leaf in jax.tree.leaves(self):
+            shards = getattr(leaf, "addressable_shards", None)
+            if shards:
+                total += max(s.data.nbytes for s in shards)
+            else:
+                total += leaf.size * leaf.dtype.itemsize
+        return total
+
+
+def _shard_map(spec: ShardingSpec, fn: Callable, in_specs, out_specs):
+    return jax.shard_map(
+        fn, mesh=spec.compute_mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+
+
+def _seq_axes(spec: ShardingSpec):
+    axes = spec.sequence_axes
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _ring_slots(positions, lengths, ring: int):
+    """Ring slot of each prompt token (`ring` = dropped: outside the last `ring` tokens)."""
+    rel = positions - lengths[:, None]
+    keep = (rel < 0) & (rel >= -ring)
+    return jnp.where(keep, jnp.mod(rel, ring), ring)
+
+
+def store_fn(
+    spec: ShardingSpec | None, stack: StackCache, per: int, positions, lengths
+) -> Callable:
+    """`store(entry) -> stored`: one layer's prefill entry (`[batch, P, heads, dim]` arrays
+    in layout order) as that layer's cache slots (`[batch, slots, heads, dim]`), cast to
+    the cache's dtype."""
+    dtypes = tuple(x.dtype for x in stack.entries)
+
+    def local(entry, positions, lengths):
+        out = []
+        for x, dtype in zip(entry, dtypes, strict=True):
+            x = x.astype(dtype)
+            if stack.ring is None:  # where the layout put them, in the first P/N slots
+                pad = [(0, 0)] * x.ndim
+                pad[1] = (0, per - x.shape[1])
+                out.append(jnp.pad(x, pad))
+                continue
+            slots = _ring_slots(positions, lengths, stack.ring)
+            rows = jnp.arange(x.shape[0])[:, None]
+            ring = jnp.zeros((x.shape[0], stack.ring, *x.shape[2:]), dtype)
+            ring = ring.at[rows, slots].set(x, mode="drop")
+            if spec is not None and spec.context_parallel_size > 1:
+                ring = lax.psum_scatter(ring, _seq_axes(spec), scatter_dimension=1, tiled=True)
+            out.append(ring)
+        return tuple(out)
+
+    return _stack_map(spec, stack, local, positions, lengths)
+
+
+def _stack_map(spec, stack: StackCache, local: Callable, positions, lengths) -> Callable:
+    """`fn(entry)` running `local(entry, positions, lengths)` per device."""
+    if spec is None:
+        return lambda entry: local(entry, positions, lengths)
+    heads = spec.tensor_axis if stack.split_heads else None
+    entry_spec = PartitionSpec(spec.batch_entry(), spec.sequence_axes, heads, None)
+    tokens = spec.token_pspec()
+    specs = tuple(entry_spec for _ in stack.entries)
+    mapped = _shard_map(spec, local, (specs, tokens, PartitionSpec(spec.batch_entry())), specs)
+
+    def fn(entry):
+        entry = tuple(spec.place(x, entry_spec) for x in entry)
+        return mapped(entry, positions, lengths)
+
+    return fn
+
+
+def slot_positions(spec: ShardingSpec | None, stack: StackCache, per: int, positions, lengths):
+    """The `[batch, slots]` positions the prefill leaves in a stack's cache (`-1`: empty):
+    prompt positions `>= lengths` (padding) are empty."""
+
+    def local(positions, lengths):
+        valid = positions < lengths[:, None]
+        if stack.ring is None:
+            pos = jnp.where(valid, positions, -1)
+            return jnp.pad(pos, ((0, 0), (0, per - pos.shape[1])), constant_values=-1)
+        slots = _ring_slots(positions, lengths, stack.ring)
+        rows = jnp.arange(positions.shape[0])[:, None]
+        ring = jnp.zeros((positions.shape[0], stack.ring), jnp.int32)
+        ring = ring.at[rows, slots].set(positions + 1, mode="drop")
+        if spec is not None and spec.context_parallel_size > 1:
+            ring = lax.psum_scatter(ring, _seq_axes(spec), scatter_dimension=1, tiled=True)
+        return ring - 1
+
+    if spec is None:
+        return local(positions, lengths)
+    tokens = spec.token_pspec()
+    mapped = _shard_map(spec, local, (tokens, PartitionSpec(spec.batch_entry())), tokens)
+    return mapped(spec.place(positions, tokens), lengths)
+
+
+def write_token(spec: ShardingSpec | None, stack: StackCache, new: tuple, positions, step, offset):
+    """The stack's cache with one decoded token written: `new` its entries `[layers, batch,
+    n, heads, dim]` (equal along `n`), `positions` `[batch]` its positions. A dynamic
+    update of one slot on the device that owns it (in place when the cache is donated)."""
+    n = 1 if spec is None else spec.context_parallel_size
+    if stack.ring is None:
+        owner, slot = step % n, offset + step // n
+    else:
+        per = stack.ring // n
+        owner, slot = (step % stack.ring) // per, step % per
+
+    def local(entries, new, cache_pos, positions):
+        me = 0 if spec is None or n == 1 else lax.axis_index(_seq_axes(spec))
+        mine = me == owner
+        out = []
+        for x, y in zip(entries, new, strict=True):
+            start = (0, 0, slot, 0, 0)
+            old = lax.dynamic_slice(x, start, (*x.shape[:2], 1, *x.shape[3:]))
+            y = jnp.where(mine, y[:, :, :1].astype(x.dtype), old)
+            out.append(lax.dynamic_update_slice(x, y, start))
+        old = lax.dynamic_slice(cache_pos, (0, slot), (cache_pos.shape[0], 1))
+        pos = jnp.where(mine, positions[:, None].astype(cache_pos.dtype), old)
+        return tuple(out), lax.dynamic_update_slice(cache_pos, pos, (0, slot))
+
+    if spec is None:
+        entries, cache_pos = local(stack.entries, new, stack.positions, positions)
+    else:
+        heads = spec.tensor_axis if stack.split_heads else None
+        entry = PartitionSpec(None, spec.batch_entry(), spec.sequence_axes, heads, None)
+        entries = tuple(entry for _ in new)
+        tokens = spec.token_pspec()
+        in_specs = (entries, entries, tokens, PartitionSpec(spec.batch_entry()))
+        mapped = _shard_map(spec, local, in_specs, (entries, tokens))
+        new_spec = entry
+        new = tuple(spec.place(y, new_spec) for y in new)
+        entries, cache_pos = mapped(stack.entries, new, stack.positions, positions)
+    return StackCache(entries, cache_pos, stack.ring, stack.window, stack.split_heads)

@@ -1,0 +1,287 @@
+"""`init_cache`, `prefill` and `decode_step`: the inference path of every model family.
+
+The library walks a model through the `AbstractDecoder` protocol only (`embed_tokens`,
+`layer_stacks`, `head`) and each layer through `prefill` / `decode`, so a family plugs in
+without being named here. Each public call validates its inputs eagerly, then runs one
+compiled function: the prefill compiles once per padded prompt length, the decode step once
+per cache shape (`compile_counts` says how often each was traced).
+"""
+
+import collections
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from .._layout import layout_order
+from .._sharding import ShardingSpec
+from ..attention._impls import make_impl
+from ._cache import (
+    KVCache,
+    StackCache,
+    layout_multiple,
+    slot_positions,
+    slots_per_device,
+    store_fn,
+    write_token,
+)
+from ._checks import check_cache, check_model, check_prompts, check_step_tokens
+
+_TRACES: collections.Counter = collections.Counter()
+
+
+def compile_counts() -> dict[str, int]:
+    """**Returns:** how many times the prefill and the decode step were traced (compiled)
+    in this process, `{"prefill": n, "decode": m}`: the decode step compiles once per
+    model, spec and cache shape, whatever the step or the prompt length."""
+    return {"prefill": _TRACES["prefill"], "decode": _TRACES["decode"]}
+
+
+def _seq_shards(spec: ShardingSpec | None) -> int:
+    return 1 if spec is None else spec.context_parallel_size
+
+
+def _attention_layer(stack) -> Any:
+    attn = getattr(stack.layers, "attn", None)
+    if attn is None or not hasattr(attn, "cache_shapes"):
+        raise TypeError(
+            f"inference needs each layer to be a DecoderBlock whose attention caches tokens "
+            f"(SelfAttention, MultiHeadLatentAttention, or a layer with cache_shapes, prefill "
+            f"and decode); got a layer of type {type(stack.layers).__name__}."
+        )
+    return attn
+
+
+def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KVCache:
+    """An empty KV cache for `batch` rows of up to `max_len` tokens.
+
+    Under `model.spec` the cache's slots split over the spec's sequence axes, its rows over
+    the batch axes and (for K/V heads) its heads over the tensor axis, so each device holds
+    1/N of it. Full-attention layers keep `max_len` slots (plus the layout's padding);
+    sliding-window layers a ring buffer of their window rounded up to a multiple of the
+    sequence shards; MLA layers their latent and rotary key only.
+
+    **Arguments:**
+
+    - `model`: the model (an `AbstractDecoder`, e.g. `models.llama.Llama`).
+    - `batch`: rows.
+    - `max_len`: tokens per row the cache must hold (prompt and new tokens), at most the
+      model's `max_seq_len`.
+    - `dtype`: the cache's dtype; default the model's compute dtype.
+
+    **Returns:** the `KVCache`.
+
+    **Raises:** `TypeError` for a model that is not an `AbstractDecoder` with layer stacks
+    or arguments of the wrong type; `ValueError` for a batch or `max_len` that is not
+    positive, a `max_len` above `max_seq_len`, or a batch the spec's batch axes do not split.
+    """
+    check_model(model)
+    batch, max_len = check_cache(model, batch, max_len)
+    spec = model.spec
+    dtype = jnp.dtype(model.config.compute_dtype if dtype is None else dtype)
+    n = _seq_shards(spec)
+    per = slots_per_device(spec, max_len)
+    stacks = []
+    for stack in model.layer_stacks():
+        attn = _attention_layer(stack)
+        window = attn.window
+        ring = None
+        if window is not None and -(-window // n) < per:
+            ring = -(-window // n) * n
+        slots = per * n if ring is None else ring
+        entries = tuple(
+            jnp.zeros((stack.n_layers, batch, slots, h, d), dtype) for h, d in attn.cache_shapes()
+        )
+        positions = jnp.full((batch, slots), -1, jnp.int32)
+        stacks.append(StackCache(entries, positions, ring, window, attn.cache_split_heads))
+    zero = jnp.zeros((), jnp.int32)
+    cache = KVCache(
+        tuple(stacks), jnp.zeros((batch,), jnp.int32), zero, zero, max_len, model.config, spec
+    )
+    if spec is None:
+        return cache
+    shardings = jax.tree.map(spec.sharding, cache_pspecs(cache), is_leaf=_is_pspec)
+    return jax.device_put(cache, shardings)
+
+
+def _is_pspec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def cache_pspecs(cache: KVCache) -> Any:
+    """The cache's pytree with a `PartitionSpec` per array (needs `cache.spec`)."""
+    spec = cache.spec
+    assert spec is not None
+    leaves = []
+    for s in cache.stacks:  # the leaves in KVCache's field order
+        heads = spec.tensor_axis if s.split_heads else None
+        entry = PartitionSpec(None, spec.batch_entry(), spec.sequence_axes, heads, None)
+        leaves += [entry] * len(s.entries) + [spec.token_pspec()]
+    leaves += [PartitionSpec(spec.batch_entry()), PartitionSpec(), PartitionSpec()]
+    return jax.tree.structure(cache).unflatten(leaves)
+
+
+def _run(model, fn, out_pspecs, *args):
+    """`fn(model, *args)` with the spec's Explicit axes made Auto (as the models run)."""
+    if model.spec is None:
+        return fn(model, *args)
+    return model.spec.auto_axes(fn, out_pspecs)(model, *args)
+
+
+def _logits_pspec(spec: ShardingSpec) -> PartitionSpec:
+    return PartitionSpec(spec.batch_entry(), None)
+
+
+# ---- prefill -----------------------------------------------------------------------------
+
+
+def _prefill_core(model, cache, tokens, positions, lengths, last, impl):
+    _TRACES["prefill"] += 1
+    spec = model.spec
+    per = slots_per_device(spec, cache.max_len)
+    x = model.embed_tokens(tokens)
+    if spec is not None:
+        x = spec.place(x, spec.activation_pspec())
+        positions = spec.place(positions, spec.token_pspec())
+    stacks = []
+    for stack, sc in zip(model.layer_stacks(), cache.stacks, strict=True):
+        store = store_fn(spec, sc, per, positions, lengths)
+        x, entries = stack.prefill(x, positions, None, store)
+        pos = slot_positions(spec, sc, per, positions, lengths)
+        stacks.append(StackCache(tuple(entries), pos, sc.ring, sc.window, sc.split_heads))
+    # Each row's last prompt token, picked by a one-hot contraction over the (sharded)
+    # sequence: a local product and one small all-reduce, never a gather of the sequence.
+    onehot = (jnp.arange(x.shape[1])[None, :] == last[:, None]).astype(x.dtype)
+    logits = model.head(jnp.einsum("bs,bse->be", onehot, x)[:, None])[:, 0]
+    offset = jnp.asarray(tokens.shape[1] // _seq_shards(spec), jnp.int32)
+    new = KVCache(tuple(stacks), lengths, jnp.zeros((), jnp.int32), offset, cache.max_len,
+                  cache.config, cache.spec)  # fmt: skip
+    return logits, new
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _prefill_jit(model, cache, tokens, positions, lengths, last, impl):
+    out_pspecs = None
+    if model.spec is not None:
+        out_pspecs = (_logits_pspec(model.spec), cache_pspecs(cache))
+    return _run(model, _prefill_core, out_pspecs, cache, tokens, positions, lengths, last, impl)
+
+
+def _block_impl(model, impl):
+    spec = model.spec
+    if impl is None:
+        impl = "auto" if spec is None else spec.impl
+    platform = jax.devices()[0].platform if spec is None else spec.platform
+    return make_impl(impl, platform=platform)
+
+
+def prefill(model: Any, cache: KVCache, prompts: Any, lengths: Any = None, *, impl: Any = None):
+    """Run the prompts through the model and fill the cache (a new sequence per row).
+
+    The prompt runs as in training, under the spec's strategy and layout; the prefill pads
+    it to the layout's multiple and lays it out itself, and each device keeps its own
+    tokens' keys and values where the layout put them.
+
+    **Arguments:**
+
+    - `model`: the model the cache was built for.
+    - `cache`: a `KVCache` from `init_cache(model, ...)` (donated: do not reuse it).
+    - `prompts`: `[batch, prompt_len]` token ids in natural order (NumPy or JAX),
+      right-padded when `lengths` is given.
+    - `lengths`: `[batch]` prompt length of each row (1..prompt_len), or `None` for all.
+    - `impl`: the block implementation (`"xla"`, `"pallas"`, `"auto"` or an
+      `AbstractBlockImpl`); default the spec's.
+
+    **Returns:** `(logits, cache)`: `[batch, vocab]` float32 logits of each row's last
+    prompt token, and the filled cache.
+
+    **Raises:** `TypeError` for prompts or lengths that are not integer arrays, or a cache
+    that is not a `KVCache`; `ValueError` for a cache built for another model, spec or
+    batch, a prompt longer than the cache's `max_len`, token ids outside the vocabulary,
+    or lengths outside `1..prompt_len`.
+    """
+    check_model(model)
+    tokens, lengths = check_prompts(model, cache, prompts, lengths)
+    spec = model.spec
+    s = tokens.shape[1]
+    m = layout_multiple(spec)
+    padded = -(-s // m) * m
+    tokens = np.pad(tokens, ((0, 0), (0, padded - s)))
+    order = np.arange(padded) if spec is None else layout_order(spec, padded)
+    inverse = np.argsort(order)
+    positions = np.broadcast_to(order, tokens.shape).astype(np.int32)
+    tokens = tokens[:, order].astype(np.int32)
+    last = inverse[lengths - 1].astype(np.int32)
+    if spec is not None:
+        tokens = spec.place(jnp.asarray(tokens), spec.token_pspec())
+        positions = spec.place(jnp.asarray(positions), spec.token_pspec())
+    return _prefill_jit(
+        model, cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths),
+        jnp.asarray(last), _block_impl(model, impl),
+    )  # fmt: skip
+
+
+# ---- decode ------------------------------------------------------------------------------
+
+
+def _decode_core(model, cache, tokens, impl):
+    _TRACES["decode"] += 1
+    spec = model.spec
+    n = _seq_shards(spec)
+    b = tokens.shape[0]
+    p = cache.lengths
+    x = model.embed_tokens(tokens[:, None])
+    x = jnp.broadcast_to(x, (b, n, x.shape[-1]))
+    positions = jnp.broadcast_to(p[:, None], (b, n))
+    if spec is not None:
+        x = spec.place(x, spec.activation_pspec())
+        positions = spec.place(positions, spec.token_pspec())
+    stacks = []
+    for stack, sc in zip(model.layer_stacks(), cache.stacks, strict=True):
+        x, new = stack.decode(x, positions, sc.entries, sc.positions, impl=impl)
+        stacks.append(write_token(spec, sc, new, p, cache.step, cache.offset))
+    logits = model.head(x[:, :1])[:, 0]
+    new_cache = KVCache(tuple(stacks), p + 1, cache.step + 1, cache.offset, cache.max_len,
+                        cache.config, cache.spec)  # fmt: skip
+    return logits, new_cache
+
+
+def decode_core(model, cache, tokens, impl):
+    """The decode step as a traceable function (for callers that jit their own loop)."""
+    out_pspecs = None
+    if model.spec is not None:
+        out_pspecs = (_logits_pspec(model.spec), cache_pspecs(cache))
+    return _run(model, _decode_core, out_pspecs, cache, tokens, impl)
+
+
+_decode_jit = eqx.filter_jit(decode_core, donate="all-except-first")
+
+
+def decode_step(model: Any, cache: KVCache, tokens: Any, *, impl: Any = None):
+    """Feed one token per row and get the next logits: one compiled step, reused for every
+    token (no recompile per step or per length).
+
+    Each device attends its own cache slots through the block implementation, giving
+    `(out, logsumexp)` partials that one all-gather of those partials over the sequence
+    axes merges; the cache never moves. The new token's keys and values are then written
+    into the cache in place (the cache is donated).
+
+    **Arguments:**
+
+    - `model`: the model the cache was built for.
+    - `cache`: a filled `KVCache` (from `prefill` or a previous step; donated).
+    - `tokens`: `[batch]` token ids, one per row.
+    - `impl`: as in `prefill`.
+
+    **Returns:** `(logits, cache)`: `[batch, vocab]` float32 logits for the next token, and
+    the cache holding one more token per row.
+
+    **Raises:** `TypeError` / `ValueError` for tokens that are not `[batch]` ids in the
+    vocabulary, a cache built for another model or spec, or a full cache.
+    """
+    check_model(model)
+    tokens = check_step_tokens(model, cache, tokens)
+    return _decode_jit(model, cache, tokens, _block_impl(model, impl))

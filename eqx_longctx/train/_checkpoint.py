@@ -392,3 +392,74 @@ def check_meta_matches(meta: dict[str, Any], model_config: dict[str, Any], where
         f"{where} differs in {'; '.join(diffs)}. Pass the same --preset/--override flags "
         "as the run that wrote it, or start a fresh --run-dir."
     )
+
+
+class CheckpointReader:
+    """Read-only access to a run's checkpoints, for using a model rather than resuming its
+    training (`python -m eqx_longctx.generate --run-dir`): it never cleans, moves or writes
+    anything, so it may read a run that is still training.
+
+    **Arguments:**
+
+    - `directory`: the checkpoint directory (`<run_dir>/checkpoints`).
+
+    **Raises:** `ValueError` as [`check_checkpoint_dir`][], and when `directory` is not a
+    folder.
+    """
+
+    def __init__(self, directory: str | pathlib.Path):
+        self.directory = check_checkpoint_dir(directory)
+        if not self.directory.is_dir():
+            raise ValueError(
+                f"reading a run's model needs its checkpoints; {self.directory} does not "
+                "exist. Point --run-dir at a run of python -m eqx_longctx.train that saved one."
+            )
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(read_only=True),
+            item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    def steps(self) -> list[int]:
+        """**Returns:** the saved steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """**Returns:** the JSON record of `step` (model config, the run's flags, ...)."""
+        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored["meta"])
+
+    def read_model(self, model, step: int):
+        """The parameters of `step` restored into `model`'s structure and shardings; the
+        optimizer state is not read.
+
+        **Arguments:**
+
+        - `model`: a model of the checkpoint's config, built or abstract (e.g.
+          `Placement.abstract_model`); its arrays give the shapes, dtypes and shardings.
+        - `step`: a saved step.
+
+        **Returns:** the model with the checkpoint's parameters.
+        """
+        params, static = eqx.partition(model, _is_array_or_shape)
+        target = _abstract(params)
+        stored = self._manager.item_metadata(step)["state"]
+        stored = getattr(stored, "tree", stored)
+        skip = jax.tree.map(lambda _: ocp.PLACEHOLDER, stored["opt_state"])
+        item = {"params": target, "opt_state": skip}
+        restore_args = {
+            "params": ocp.checkpoint_utils.construct_restore_args(target),
+            "opt_state": skip,
+        }
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item, restore_args=restore_args)),
+        )
+        return eqx.combine(restored["state"]["params"], static)
+
+    def close(self) -> None:
+        """Release the manager."""
+        self._manager.close()

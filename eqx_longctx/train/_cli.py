@@ -122,36 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="delete an earlier run's checkpoints and metrics in --run-dir",
     )
-    p.add_argument(
-        "--devices",
-        type=int,
-        default=d.devices,
-        help="devices to run on (on CPU: fake devices; 1 = no mesh)",
-    )
-    p.add_argument(
-        "--mesh",
-        default=d.mesh,
-        help="mesh axis sizes, AXIS=SIZE with axes data, fsdp, expert, ulysses, context, "
-        "tensor, e.g. data=2,context=4 or fsdp=2,context=4 (default: data=2,context=DEVICES/2 "
-        "from 4 devices, else context=DEVICES)",
-    )
-    p.add_argument(
-        "--fsdp-axes",
-        default=d.fsdp_axes,
-        help="mesh axes the parameters, gradients and optimizer state are split over, "
-        "comma-separated, e.g. fsdp,context (default: fsdp when --mesh has it, else none)",
-    )
-    p.add_argument(
-        "--strategy",
-        default=d.strategy,
-        choices=("all_gather", "ulysses", "ring", "usp", "auto"),
-        help="context-parallel attention strategy",
-    )
-    p.add_argument(
-        "--load-balance",
-        default=d.load_balance,
-        choices=("none", "zigzag", "striped"),
-        help="token layout that balances causal work over the context axis",
+    add_placement_flags(
+        p,
+        devices=d.devices,
+        default_mesh_help="data=2,context=DEVICES/2 from 4 devices, else context=DEVICES",
+        strategy=d.strategy,
+        load_balance=d.load_balance,
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default=d.on_nonfinite)
@@ -189,6 +165,58 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit (status 3) when another process has sent no heartbeat for this long",
     )
     return p
+
+
+def add_placement_flags(
+    p: argparse.ArgumentParser,
+    *,
+    devices: int,
+    default_mesh_help: str,
+    strategy: str = "ring",
+    load_balance: str = "zigzag",
+) -> None:
+    """Add the flags that say where a model runs: `--devices`, `--mesh`, `--fsdp-axes`,
+    `--strategy` and `--load-balance` (the trainer's; other CLIs built on its `Placement`,
+    such as `python -m eqx_longctx.generate`, take the same flags with the same meaning).
+
+    **Arguments:**
+
+    - `p`: the parser to add them to.
+    - `devices`: the default `--devices`.
+    - `default_mesh_help`: what `--mesh` is by default, for the help text.
+    - `strategy`, `load_balance`: their defaults.
+    """
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=devices,
+        help="devices to run on (on CPU: fake devices; 1 = no mesh)",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="mesh axis sizes, AXIS=SIZE with axes data, fsdp, expert, ulysses, context, "
+        "tensor, e.g. data=2,context=4 or fsdp=2,context=4 (default: "
+        f"{default_mesh_help})",
+    )
+    p.add_argument(
+        "--fsdp-axes",
+        default=None,
+        help="mesh axes the parameters, gradients and optimizer state are split over, "
+        "comma-separated, e.g. fsdp,context (default: fsdp when --mesh has it, else none)",
+    )
+    p.add_argument(
+        "--strategy",
+        default=strategy,
+        choices=("all_gather", "ulysses", "ring", "usp", "auto"),
+        help="context-parallel attention strategy",
+    )
+    p.add_argument(
+        "--load-balance",
+        default=load_balance,
+        choices=("none", "zigzag", "striped"),
+        help="token layout that balances causal work over the context axis",
+    )
 
 
 def _positive_int(text: str) -> int:

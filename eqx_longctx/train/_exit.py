@@ -12,9 +12,10 @@ import sys
 PROG = "eqx-longctx-train"
 
 
-def error_line(error: BaseException | str) -> str:
-    """**Returns:** the CLI's one-line report of `error`: `eqx-longctx-train: error: ...`."""
-    return f"{PROG}: error: {' '.join(str(error).split())}"
+def error_line(error: BaseException | str, prog: str = PROG) -> str:
+    """**Returns:** the CLI's one-line report of `error`: `eqx-longctx-train: error: ...`
+    (`prog` names another CLI built on the trainer's, e.g. `eqx-longctx-generate`)."""
+    return f"{prog}: error: {' '.join(str(error).split())}"
 
 
 def die(message: str, code: int) -> None:

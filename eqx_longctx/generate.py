@@ -1,0 +1,12 @@
+"""`python -m eqx_longctx.generate`: print a model's continuation of a prompt (see
+`eqx_longctx.inference._cli`).
+
+This file exists only to be run with `-m`. The package attribute `eqx_longctx.generate` is
+the function `eqx_longctx.inference.generate`: nothing may `import eqx_longctx.generate`
+as a module (the import would replace that attribute with this module).
+"""
+
+if __name__ == "__main__":
+    from eqx_longctx.inference._cli import main
+
+    raise SystemExit(main())

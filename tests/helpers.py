@@ -122,6 +122,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # - eqx_longctx.plan: the planner's own main(), stopped where its placement is built (the
 #   trainer's, through trainer_run) after the same check_run; the plan itself, a budget
 #   that nothing fits included, is the planner's answer, not a refusal.
+# - eqx_longctx.generate: the generation CLI's parser and its placement flags (the
+#   trainer's Placement on the mesh); the run or checkpoint it names is not read.
 CLI_CHECK = r"""
 import contextlib, io, json, sys
 import jax
@@ -132,6 +134,7 @@ from eqx_longctx.train._config import TrainConfig, build_model_config
 from eqx_longctx.train._distributed import cluster_from_flags
 from eqx_longctx.train._parallel import Placement
 import eqx_longctx.plan._cli as plan_cli
+import eqx_longctx.inference._cli as generate_cli
 
 class Placed(Exception):
     pass
@@ -169,11 +172,19 @@ def check_plan(flags):
         return str(e)
     return "planned"  # one attention call (no --model): its whole plan ran
 
+def check_generate(flags):
+    a = generate_cli.build_parser().parse_args(flags)
+    devices, mesh = generate_cli.placement_flags(a)
+    return Placement(devices, mesh, a.strategy, a.load_balance, a.fsdp_axes).describe()
+
+CHECKS = {"eqx_longctx.train": check_train, "eqx_longctx.plan": check_plan,
+          "eqx_longctx.generate": check_generate}
+
 for module, *flags in json.loads(sys.argv[1]):
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            ok = (check_train if module == "eqx_longctx.train" else check_plan)(flags)
+            ok = CHECKS[module](flags)
         result = {"ok": ok}
     except (UsageError, ValueError, TypeError) as e:
         result = {"refused": f"{type(e).__name__}: {e}"}
@@ -185,14 +196,14 @@ for module, *flags in json.loads(sys.argv[1]):
 
 
 def check_cli_commands(commands: list[list[str]], devices: int = 64) -> list[str]:
-    """Check shell commands of `python -m eqx_longctx.train` / `python -m eqx_longctx.plan`
+    """Check shell commands of `python -m eqx_longctx.train` / `.plan` / `.generate`
     the way those CLIs check them before any work (see `CLI_CHECK`), on `devices` fake CPU
     devices in one fresh process.
 
     **Arguments:**
 
-    - `commands`: each `[module, *flags]`, `module` `"eqx_longctx.train"` or
-      `"eqx_longctx.plan"`.
+    - `commands`: each `[module, *flags]`, `module` `"eqx_longctx.train"`,
+      `"eqx_longctx.plan"` or `"eqx_longctx.generate"`.
     - `devices`: fake CPU devices to make (at least the largest mesh).
 
     **Returns:** for each command, `""` when accepted, else the CLI's refusal.

@@ -6,8 +6,8 @@
 - A block that is deliberately a fragment (a signature, pseudo-code) carries the fence
   option `title="Sketch: ..."`: the docs render it as a visible title bar over the block,
   and it is not run. Keep those few.
-- The shell commands of the project's CLIs (`python -m eqx_longctx.train`, `python -m
-  eqx_longctx.plan`) in `bash` (or unlabelled) blocks are parsed by the CLI's own parser
+- The shell commands of the project's CLIs (`python -m eqx_longctx.train`, `.plan`,
+  `.generate`) in `bash` (or unlabelled) blocks are parsed by the CLI's own parser
   and checked against the mesh on fake devices (`helpers.check_cli_commands`, as the
   recipes in examples/ are): none may be refused.
 
@@ -32,8 +32,11 @@ from helpers import ROOT, check_cli_commands
 MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PYTHON = ("python", "py", "python3")
 SHELL = ("bash", "sh", "shell", "console", "")
-CLI_MODULES = ("eqx_longctx.train", "eqx_longctx.plan")
-SCRIPTS = {"eqx-longctx-train": "eqx_longctx.train"}  # console scripts
+CLI_MODULES = ("eqx_longctx.train", "eqx_longctx.plan", "eqx_longctx.generate")
+SCRIPTS = {  # console scripts
+    "eqx-longctx-train": "eqx_longctx.train",
+    "eqx-longctx-generate": "eqx_longctx.generate",
+}
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 _SKETCH = re.compile(r'\btitle="Sketch\b')
 
@@ -168,7 +171,7 @@ def test_cli_commands_are_accepted():
         if b.lang in SHELL
         for c in cli_commands(b)
     ]
-    assert {c[0] for _, c in found} == set(CLI_MODULES), "the docs show both CLIs"
+    assert {c[0] for _, c in found} == set(CLI_MODULES), "the docs show every CLI"
     devices = max(_devices(flags) for _, (_, *flags) in found)
     refusals = check_cli_commands([c for _, c in found], devices=devices)
     refused = [

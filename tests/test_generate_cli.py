@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -121,13 +122,28 @@ def test_hf_prompt_ids_print_the_generated_ids(hf_dir):
     assert result.stdout == _hf_expected(hf_dir, [5, 17, 3, 60, 2])
 
 
+def test_hf_tokenizer_json_encodes_the_prompt_and_decodes_the_stream(hf_dir, tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    path = tmp_path / "with_tokenizer"
+    shutil.copytree(hf_dir, path)
+    vocab = {f"w{i}": i for i in range(97)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    assert main(["--hf", str(path), "--prompt", "w5 w17 w3 w60 w2", "--max-new-tokens",
+                 str(NEW)]) == 0  # fmt: skip
+    ids = _hf_expected(hf_dir, [5, 17, 3, 60, 2]).split()
+    assert capsys.readouterr().out == " ".join(f"w{i}" for i in ids) + "\n"
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="eqx_longctx/inference/_generate.py: _step_jit is "
-    "eqx.filter_jit(donate='warn-except-first'), which donates the sampling settings "
-    "(jnp scalars made once per generate call); under a sharding spec the first decode step "
-    "deletes them and the second raises 'RuntimeError: Array has been deleted with "
-    "shape=float32[]' (any spec, max_new_tokens >= 3)",
+    "eqx.filter_jit(donate='warn-except-first'), so it donates `settings` (the jnp scalars "
+    "generate makes once per call); under any sharding spec the first decode step deletes "
+    "them and the next _step_jit/_choose_jit raises 'RuntimeError: Array has been deleted "
+    "with shape=float32[]' (max_new_tokens >= 2). Passing a copy of settings to each step "
+    "gives the one-device tokens.",
 )
 def test_hf_under_ring_on_eight_devices_gives_the_same_tokens(hf_dir):
     result = _run("eqx_longctx.generate", "--hf", str(hf_dir), "--prompt-ids", "5,17,3,60,2",

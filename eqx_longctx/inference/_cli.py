@@ -171,17 +171,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..train._distributed import set_cpu_devices
 
     set_cpu_devices(args.devices)
-    # Not the user's concern: CPU cannot reuse donated buffers; orbax notes read-only mode.
-    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    absl = logging.getLogger("absl")
+    level = absl.level
     try:
-        _generate(args)
+        # Not the user's concern: CPU cannot reuse donated buffers; orbax notes read-only mode.
+        absl.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            _generate(args)
     except (ValueError, TypeError) as e:
         sys.stdout.flush()
         print(error_line(e, PROG), file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        absl.setLevel(level)
     return 0
 
 

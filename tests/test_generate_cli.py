@@ -136,15 +136,6 @@ def test_hf_tokenizer_json_encodes_the_prompt_and_decodes_the_stream(hf_dir, tmp
     assert capsys.readouterr().out == " ".join(f"w{i}" for i in ids) + "\n"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="eqx_longctx/inference/_generate.py: _step_jit is "
-    "eqx.filter_jit(donate='warn-except-first'), so it donates `settings` (the jnp scalars "
-    "generate makes once per call); under any sharding spec the first decode step deletes "
-    "them and the next _step_jit/_choose_jit raises 'RuntimeError: Array has been deleted "
-    "with shape=float32[]' (max_new_tokens >= 2). Passing a copy of settings to each step "
-    "gives the one-device tokens.",
-)
 def test_hf_under_ring_on_eight_devices_gives_the_same_tokens(hf_dir):
     result = _run("eqx_longctx.generate", "--hf", str(hf_dir), "--prompt-ids", "5,17,3,60,2",
                   "--max-new-tokens", str(NEW), "--devices", "8", "--strategy", "ring")  # fmt: skip

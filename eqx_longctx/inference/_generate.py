@@ -30,8 +30,10 @@ def _choose_jit(logits, done, key, step, settings, filtered):
     return _choose(logits, done, key, step, settings, filtered=filtered)
 
 
-@eqx.filter_jit(donate="warn-except-first")
-def _step_jit(model, cache, logits, done, key, step, settings, impl, filtered):
+@eqx.filter_jit(donate="all-except-first")
+def _step_jit(args, cache):
+    """Sample, then decode the sampled tokens; only the cache (the last argument) is donated."""
+    model, logits, done, key, step, settings, impl, filtered = args
     out, done = _choose(logits, done, key, step, settings, filtered=filtered)
     logits, cache = decode_core(model, cache, out, impl)
     return out, done, logits, cache
@@ -139,9 +141,8 @@ def generate(
         if return_logits:
             seen.append(logits)
         if t < new - 1:
-            tok, done, logits, cache = _step_jit(
-                model, cache, logits, done, key, step, settings, block_impl, filtered
-            )
+            args = (model, logits, done, key, step, settings, block_impl, filtered)
+            tok, done, logits, cache = _step_jit(args, cache)
         else:
             tok, done = _choose_jit(logits, done, key, step, settings, filtered)
         out.append(tok)

@@ -203,7 +203,7 @@ def test_decode_logits_equal_full_forward(runs, prompts, family, sharded):
 # (strict) once fixed, so that the mark goes.
 DONATED_LOGITS = (
     "generate(return_logits=True) keeps each step's logits, which _step_jit donates "
-    "(eqx.filter_jit(donate='warn-except-first'), eqx_longctx/inference/_generate.py:32, "
+    "(eqx.filter_jit(donate='warn-except-first'), eqx_longctx/inference/_generate.py:33, "
     "donates every argument but the model): 'Array has been deleted with shape=float32[2,96]' "
     "at the final jnp.stack (_generate.py:152) once max_new_tokens >= 2"
 )

@@ -10,7 +10,7 @@ family and loaded with `from_hf`. Two prompts of different lengths, right-padded
 transformers generates each row alone (no padding on its side). Tokens must be equal token
 for token, except at a near-tie of the reference's top-2 logits (gap < `TIE`): there the row
 may diverge, and is compared no further. The step logits come from `prefill` and
-`decode_step` (`greedy_steps`) until `generate(return_logits=True)` works (the xfails below).
+`decode_step` (`greedy_steps`); `generate` must emit the same tokens and logits.
 """
 
 import functools
@@ -199,29 +199,10 @@ def test_decode_logits_equal_full_forward(runs, prompts, family, sharded):
         assert err <= RTOL
 
 
-# Bugs in eqx_longctx/inference (issue 18), found here; each xfail turns into a failure
-# (strict) once fixed, so that the mark goes.
-DONATED_LOGITS = (
-    "generate(return_logits=True) keeps each step's logits, which _step_jit donates "
-    "(eqx.filter_jit(donate='warn-except-first'), eqx_longctx/inference/_generate.py:33, "
-    "donates every argument but the model): 'Array has been deleted with shape=float32[2,96]' "
-    "at the final jnp.stack (_generate.py:152) once max_new_tokens >= 2"
-)
-SHARDED_SAMPLING = (
-    "generate under a spec: _sample (eqx_longctx/inference/_sampling.py:216) vmaps "
-    "jax.random.categorical over replicated keys and batch-sharded logits, which an Explicit "
-    "mesh refuses ('Mapped away dimension of inputs passed to vmap should be sharded the "
-    "same ... None vs data'), greedy included (generate always passes a key); with "
-    "batch_axis=None, _step_jit's donation of the key deletes it ('Array has been deleted "
-    "with shape=uint32[2]')"
-)
-
-
 @pytest.mark.parametrize(
     "family,sharded",
     [(f, False) for f in FAMILIES]
-    + [pytest.param(f, True, marks=pytest.mark.xfail(strict=True, reason=SHARDED_SAMPLING))
-       for f in ("llama3-gqa", "deepseek-v3-noaux")],  # usp and ring: the loop is the same
+    + [(f, True) for f in ("llama3-gqa", "deepseek-v3-noaux")],  # usp and ring
 )  # fmt: skip
 def test_generate_emits_the_greedy_steps(runs, prompts, family, sharded):
     """`generate`'s greedy tokens are the argmax chain of `prefill` and `decode_step`."""
@@ -230,7 +211,6 @@ def test_generate_emits_the_greedy_steps(runs, prompts, family, sharded):
     np.testing.assert_array_equal(np.asarray(generated), tokens)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=DONATED_LOGITS)
 def test_generate_returns_logits(runs, prompts):
     model, tokens, logits = runs("llama3-gqa", False)
     got_tokens, got_logits = el.generate(

@@ -132,7 +132,10 @@ def _run(model, fn, out_pspecs, *args):
 
 
 def _logits_pspec(spec: ShardingSpec) -> PartitionSpec:
-    return PartitionSpec(spec.batch_entry(), None)
+    # Replicated (batch x vocab floats): sampling then draws every row with the same keys
+    # on every device, whatever the mesh's axis types.
+    del spec
+    return PartitionSpec(None, None)
 
 
 # ---- prefill -----------------------------------------------------------------------------

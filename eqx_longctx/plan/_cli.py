@@ -84,7 +84,8 @@ def main(argv=None) -> None:
     p.add_argument("--strategy", default="auto", choices=STRATEGY_ORDER + ("auto",))
     p.add_argument("--load-balance", default="zigzag", choices=("none", "zigzag", "striped"))
     p.add_argument("--batch", "--batch-size", type=int, default=1, help="global batch rows")
-    p.add_argument("--seq", "--seq-len", type=int, default=32768, help="sequence length")
+    p.add_argument("--seq", "--seq-len", type=int, default=None,
+                   help="sequence length (default 32768); --generate: cache tokens")  # fmt: skip
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     p.add_argument("--head-dim", type=int, default=128)
@@ -112,8 +113,22 @@ def main(argv=None) -> None:
                       "(repeatable; as the trainer's --override)")  # fmt: skip
     step.add_argument("--compile", action="store_true", help="compile the step and compare")
     step.add_argument("--json", action="store_true", help="print one JSON object")
+    gen = p.add_argument_group("inference (with --model and --generate)")
+    gen.add_argument("--generate", action="store_true", help="plan the KV cache, prefill, decode")
+    gen.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default --seq)")
+    gen.add_argument("--cache-dtype", default=None, choices=("float32", "bfloat16"),
+                     help="default: the compute dtype")  # fmt: skip
     args = p.parse_args(argv)
     try:
+        if args.generate:
+            from ._generate_cli import run_generate
+
+            run_generate(args)
+            return
+        if args.prompt_len is not None or args.cache_dtype is not None:
+            raise ValueError("--prompt-len and --cache-dtype plan inference: add --generate.")
+        if args.seq is None:
+            args.seq = 32768
         if args.model is not None:
             _run_step(args)
         else:

@@ -17,9 +17,7 @@ import pytest
 
 import eqx_longctx as el
 from eqx_longctx.inference import init_cache
-from eqx_longctx.plan import main
-from eqx_longctx.plan._compile import compile_generate, compiled_bytes
-from eqx_longctx.plan._generate_plan import plan_generate
+from eqx_longctx.plan import compile_generate, compiled_bytes, main, plan_generate
 from models.deepseek import DeepSeekConfig
 from models.llama import LlamaConfig
 
@@ -103,7 +101,7 @@ def test_cache_bytes_equal_init_cache(family, shape, window, load_balance, tenso
 
 
 def test_mla_caches_the_latent_not_per_head_keys_and_values():
-    config = _config("deepseek")
+    config = DeepSeekConfig.from_preset("tiny")
     plan = plan_generate("deepseek", config, None, batch=1, seq=1024)
     width = config.kv_lora_rank + config.qk_rope_head_dim
     assert len(plan.stacks) == 2  # the dense and the MoE layers

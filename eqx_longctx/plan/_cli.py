@@ -1,6 +1,6 @@
 """`python -m eqx_longctx.plan`: what a run will cost, per device, before it runs.
 
-Two planners behind one command. The mesh is made of fake CPU devices, so any mesh can be
+Three planners behind one command. The mesh is made of fake CPU devices, so any mesh can be
 planned on a laptop.
 
 - With `--model`, the whole train step (`eqx_longctx.plan_train_step`): parameters, gradients,
@@ -12,13 +12,19 @@ planned on a laptop.
   `--compile` compiles the trainer's step under that placement on abstract arrays and
   prints XLA's memory analysis beside the prediction; `--json` prints one JSON object
   instead of the table.
-- Without it, one attention call (`eqx_longctx.explain`): every strategy's memory,
+- With `--model` and `--generate`, inference (`eqx_longctx.plan.plan_generate`): the KV
+  cache of `--seq` tokens per row, the parameters, and the peaks of the prefill and of a
+  decode step, per device; `--compile` compiles the real prefill and decode step on
+  abstract arrays beside them.
+- Without `--model`, one attention call (`eqx_longctx.explain`): every strategy's memory,
   communication, balance and time, and the one `"auto"` picks; `--check` compiles each.
 
     python -m eqx_longctx.plan --model llama --preset llama3.1-8b --seq 1048576 --batch 4 \\
         --mesh fsdp=4,context=16 --train --memory-budget-gib 95
     python -m eqx_longctx.plan --model llama --preset tiny --seq 8192 --batch 2 \\
         --mesh fsdp=2,context=4 --train --remat full --compile --json
+    python -m eqx_longctx.plan --model llama --preset llama3.1-8b --generate --seq 1048576 \\
+        --mesh context=64 --cache-dtype bfloat16 --json
     python -m eqx_longctx.plan --mesh data=2,context=4 --strategy auto --load-balance zigzag \\
         --batch 2 --seq 32768 --heads 32 --kv-heads 8 --head-dim 128
     python -m eqx_longctx.plan --mesh ulysses=2,context=4 --strategy usp --seq 65536 --check

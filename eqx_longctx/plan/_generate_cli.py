@@ -22,8 +22,8 @@ def run_generate(args: Any) -> None:
     `--preset` or `--seq`, and as `plan_generate` and the trainer's settings.
     """
     from .._family import model_family
-    from ._cli import cpu_devices, step_settings
-    from ._compile import compile_generate, compiled_bytes, trainer_run
+    from ._cli import cpu_devices, step_settings, trainer_run  # the CLI's, as --train uses
+    from ._compile import compile_generate, compiled_bytes
     from ._generate_plan import plan_generate
 
     given = [flag for name, flag in _TRAIN_ONLY.items() if getattr(args, name) not in (None, False)]

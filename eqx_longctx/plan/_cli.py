@@ -127,9 +127,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     try:
         if args.generate:
-            from ._generate_cli import run_generate
-
-            run_generate(args)
+            _run_generate(args)
             return
         if args.prompt_len is not None or args.cache_dtype is not None:
             raise ValueError("--prompt-len and --cache-dtype plan inference: add --generate.")
@@ -241,6 +239,17 @@ def step_settings(args) -> Any:
         mesh=args.mesh, fsdp_axes=args.fsdp_axes, strategy=args.strategy,
         load_balance=args.load_balance, run_dir="unused", progress=False,
     )  # fmt: skip
+
+
+def _run_generate(args) -> None:
+    from .._family import model_family
+    from ._generate_cli import check_generate_flags, run_generate
+
+    check_generate_flags(args)
+    model_family(args.model)  # an unknown family is reported as such, before its settings
+    settings = step_settings(args)  # the trainer's checks of model, preset, mesh, batch
+    cpu_devices(settings.devices)
+    run_generate(args, trainer_run(settings))
 
 
 def _run_step(args) -> None:

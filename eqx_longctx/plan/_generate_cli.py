@@ -15,17 +15,9 @@ from ..attention._explain import gib
 _TRAIN_ONLY = {"train": "--train", "remat": "--remat", "memory_budget_gib": "--memory-budget-gib"}
 
 
-def run_generate(args: Any) -> None:
-    """Plan (and with `args.compile` compile) inference for the CLI's flags.
-
-    **Raises:** `ValueError` for a flag of the train-step planner, a missing `--model`,
-    `--preset` or `--seq`, and as `plan_generate` and the trainer's settings.
-    """
-    from .._family import model_family
-    from ._cli import cpu_devices, step_settings, trainer_run  # the CLI's, as --train uses
-    from ._compile import compile_generate, compiled_bytes
-    from ._generate_plan import plan_generate
-
+def check_generate_flags(args: Any) -> None:
+    """**Raises:** `ValueError` for a flag of the train-step planner, or a missing
+    `--model`, `--preset` or `--seq`."""
     given = [flag for name, flag in _TRAIN_ONLY.items() if getattr(args, name) not in (None, False)]
     if given:
         raise ValueError(
@@ -41,10 +33,18 @@ def run_generate(args: Any) -> None:
             "--generate needs --seq, the tokens per row the KV cache holds (prompt and new "
             "tokens), e.g. --seq 131072."
         )
-    model_family(args.model)
-    settings = step_settings(args)  # the trainer's checks of model, preset, mesh, batch
-    cpu_devices(settings.devices)
-    run = trainer_run(settings)
+
+
+def run_generate(args: Any, run: Any) -> None:
+    """Plan (and with `args.compile` compile) inference for the CLI's flags and print it.
+
+    **Arguments:** `args`, the parsed flags; `run`, the trainer's `TrainerRun` of them.
+
+    **Raises:** `ValueError` as `plan_generate`.
+    """
+    from ._compile import compile_generate, compiled_bytes
+    from ._generate_plan import plan_generate
+
     spec = run.placement.spec
     plan = plan_generate(
         run.family, run.config, spec, batch=args.batch, seq=args.seq,
@@ -53,9 +53,8 @@ def run_generate(args: Any) -> None:
     plan.problem["preset"] = args.preset
     compiled = None
     if args.compile:
-        model = eqx.filter_eval_shape(
-            run.family.model, run.config, key=jax.random.key(0), spec=spec
-        )
+        key = jax.random.key(0)
+        model = eqx.filter_eval_shape(run.family.model, run.config, key=key, spec=spec)
         first, step = compile_generate(
             model, batch=args.batch, seq=args.seq, prompt_len=args.prompt_len,
             cache_dtype=args.cache_dtype,

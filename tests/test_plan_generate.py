@@ -137,9 +137,9 @@ def test_cli_json_compiles_and_has_a_row_per_phase(capsys):
 @pytest.mark.parametrize(
     "argv,match",
     [
-        ([*GEN, "--train"], "--generate plans inference .*--train belong to the train-step"),
-        ([*GEN, "--remat", "full"], "--remat belong to the train-step planner"),
-        ([*GEN, "--memory-budget-gib", "8"], "--memory-budget-gib belong to the train-step"),
+        ([*GEN, "--train"], "--generate plans inference .*--train is a flag of the train-step"),
+        ([*GEN, "--remat", "full"], "--remat is a flag of the train-step planner"),
+        ([*GEN, "--memory-budget-gib", "8"], "--memory-budget-gib is a flag of the train-step"),
         ([a for a in GEN if a not in ("--seq", "2048")], "--generate needs --seq"),
         (
             ["--model", "llama", "--generate", "--seq", "64"],

@@ -20,9 +20,10 @@ def check_generate_flags(args: Any) -> None:
     `--model`, `--preset` or `--seq`."""
     given = [flag for name, flag in _TRAIN_ONLY.items() if getattr(args, name) not in (None, False)]
     if given:
+        what = "is a flag" if len(given) == 1 else "are flags"
         raise ValueError(
             f"--generate plans inference (no backward, no optimizer); {', '.join(given)} "
-            "belong to the train-step planner: drop them, or drop --generate and pass --train."
+            f"{what} of the train-step planner: drop it, or drop --generate and pass --train."
         )
     if args.model is None or args.preset is None:
         raise ValueError(

@@ -23,7 +23,9 @@ per device (the model runs as `eqx_longctx.init_cache`, `prefill` and `decode_st
   holds the head, the decode step both: measured on XLA:CPU, Llama 3.1 8B).
 
 No backward pass, no optimizer state. `--compile` (`_compile.py`) checks the prediction
-against XLA's memory analysis of the real prefill and decode step.
+against XLA's memory analysis of the real prefill and decode step. Known gap: with fsdp
+axes, XLA:CPU's programs hold about one more copy of the parameter shards, not counted
+here (docs/scaling.md).
 """
 
 import dataclasses

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Var
 
 from .. import _compat
 from .._family import ModelFamily
@@ -126,3 +127,77 @@ def _saved_bytes(stack: LayerStack, x, ids) -> int:
         shape, dtype = getattr(aval, "shape", ()), getattr(aval, "dtype", jnp.float32)
         total += math.prod(shape) * jnp.dtype(dtype).itemsize
     return total
+
+
+def forward_working_set(
+    family: ModelFamily,
+    config: Any,
+    *,
+    batch: int,
+    seq: int,
+    tensor: int = 1,
+    expert: int = 1,
+    attention: int = 0,
+) -> dict[str, int]:
+    """Per-device bytes one layer holds at once in a forward pass (inference: nothing is
+    kept for a backward), for each `LayerStack` path of the full model.
+
+    Asked of JAX: one layer's `prefill` (its output and cache entry) is traced at the local
+    shapes (as `stack_activations`) and its equations are walked in order, each result
+    live from the equation that makes it to the last that reads it; the most bytes live at
+    once, the layer input included and the weights left out (counted as parameters), is the
+    working set. A nested call (a `jnp` function) counts its results, not its own
+    temporaries; the attention's `custom_vjp` call adds `attention` bytes (its temporaries,
+    from the attention cost model) to what is live beside it.
+
+    **Returns:** path -> bytes.
+    """
+    full = eqx.filter_eval_shape(family.model, config, key=jax.random.key(0))
+    local = family.local_config(config, tensor=tensor, expert=expert)
+    local = dataclasses.replace(local, max_seq_len=seq, remat="none")
+    model = eqx.filter_eval_shape(family.model, local, key=jax.random.key(0))
+    dtype = jnp.dtype(config.compute_dtype)
+    x = jax.ShapeDtypeStruct((batch, seq, config.dim), dtype)
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    by_path = {
+        path: _forward_peak(stack, x, ids, attention) for path, stack in stacks(model).items()
+    }
+    return {path: by_path[_local_path(path, by_path)] for path in stacks(full)}
+
+
+def _forward_peak(stack: LayerStack, x, ids, attention: int) -> int:
+    params, static = eqx.partition(stack.layers, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+
+    def layer(params, x, positions):
+        return eqx.combine(params, static).prefill(x, positions, None)
+
+    closed = jax.make_jaxpr(layer)(one, x, ids)
+    jaxpr = closed.jaxpr
+    weights = set(jaxpr.invars[: len(jax.tree.leaves(one))])
+    last = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, Var):
+                last[v] = i
+    for v in jaxpr.outvars:
+        if isinstance(v, Var):
+            last[v] = len(jaxpr.eqns)
+    live = {v: _nbytes(v) for v in jaxpr.invars if v not in weights and v in last}
+    peak = sum(live.values())
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.outvars:
+            live[v] = _nbytes(v)
+        extra = attention if eqn.primitive.name.startswith("custom_vjp") else 0
+        peak = max(peak, sum(live.values()) + extra)
+        for v in [v for v in live if last.get(v, -1) <= i]:
+            del live[v]
+    return peak
+
+
+def _nbytes(v: Any) -> int:
+    aval = v.aval
+    return (
+        math.prod(getattr(aval, "shape", ()))
+        * jnp.dtype(getattr(aval, "dtype", jnp.float32)).itemsize
+    )

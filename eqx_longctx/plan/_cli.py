@@ -1,6 +1,6 @@
 """`python -m eqx_longctx.plan`: what a run will cost, per device, before it runs.
 
-Two planners behind one command. The mesh is made of fake CPU devices, so any mesh can be
+Three planners behind one command. The mesh is made of fake CPU devices, so any mesh can be
 planned on a laptop.
 
 - With `--model`, the whole train step (`eqx_longctx.plan_train_step`): parameters, gradients,
@@ -12,13 +12,19 @@ planned on a laptop.
   `--compile` compiles the trainer's step under that placement on abstract arrays and
   prints XLA's memory analysis beside the prediction; `--json` prints one JSON object
   instead of the table.
-- Without it, one attention call (`eqx_longctx.explain`): every strategy's memory,
+- With `--model` and `--generate`, inference (`eqx_longctx.plan.plan_generate`): the KV
+  cache of `--seq` tokens per row, the parameters, and the peaks of the prefill and of a
+  decode step, per device; `--compile` compiles the real prefill and decode step on
+  abstract arrays beside them.
+- Without `--model`, one attention call (`eqx_longctx.explain`): every strategy's memory,
   communication, balance and time, and the one `"auto"` picks; `--check` compiles each.
 
     python -m eqx_longctx.plan --model llama --preset llama3.1-8b --seq 1048576 --batch 4 \\
         --mesh fsdp=4,context=16 --train --memory-budget-gib 95
     python -m eqx_longctx.plan --model llama --preset tiny --seq 8192 --batch 2 \\
         --mesh fsdp=2,context=4 --train --remat full --compile --json
+    python -m eqx_longctx.plan --model llama --preset llama3.1-8b --generate --seq 1048576 \\
+        --mesh context=64 --cache-dtype bfloat16 --json
     python -m eqx_longctx.plan --mesh data=2,context=4 --strategy auto --load-balance zigzag \\
         --batch 2 --seq 32768 --heads 32 --kv-heads 8 --head-dim 128
     python -m eqx_longctx.plan --mesh ulysses=2,context=4 --strategy usp --seq 65536 --check
@@ -84,7 +90,8 @@ def main(argv=None) -> None:
     p.add_argument("--strategy", default="auto", choices=STRATEGY_ORDER + ("auto",))
     p.add_argument("--load-balance", default="zigzag", choices=("none", "zigzag", "striped"))
     p.add_argument("--batch", "--batch-size", type=int, default=1, help="global batch rows")
-    p.add_argument("--seq", "--seq-len", type=int, default=32768, help="sequence length")
+    p.add_argument("--seq", "--seq-len", type=int, default=None,
+                   help="sequence length (default 32768); --generate: cache tokens")  # fmt: skip
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     p.add_argument("--head-dim", type=int, default=128)
@@ -112,8 +119,20 @@ def main(argv=None) -> None:
                       "(repeatable; as the trainer's --override)")  # fmt: skip
     step.add_argument("--compile", action="store_true", help="compile the step and compare")
     step.add_argument("--json", action="store_true", help="print one JSON object")
+    gen = p.add_argument_group("inference (with --model and --generate)")
+    gen.add_argument("--generate", action="store_true", help="plan the KV cache, prefill, decode")
+    gen.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default --seq)")
+    gen.add_argument("--cache-dtype", default=None, choices=("float32", "bfloat16"),
+                     help="default: the compute dtype")  # fmt: skip
     args = p.parse_args(argv)
     try:
+        if args.generate:
+            _run_generate(args)
+            return
+        if args.prompt_len is not None or args.cache_dtype is not None:
+            raise ValueError("--prompt-len and --cache-dtype plan inference: add --generate.")
+        if args.seq is None:
+            args.seq = 32768
         if args.model is not None:
             _run_step(args)
         else:
@@ -220,6 +239,17 @@ def step_settings(args) -> Any:
         mesh=args.mesh, fsdp_axes=args.fsdp_axes, strategy=args.strategy,
         load_balance=args.load_balance, run_dir="unused", progress=False,
     )  # fmt: skip
+
+
+def _run_generate(args) -> None:
+    from .._family import model_family
+    from ._generate_cli import check_generate_flags, run_generate
+
+    check_generate_flags(args)
+    model_family(args.model)  # an unknown family is reported as such, before its settings
+    settings = step_settings(args)  # the trainer's checks of model, preset, mesh, batch
+    cpu_devices(settings.devices)
+    run_generate(args, trainer_run(settings))
 
 
 def _run_step(args) -> None:

@@ -10,12 +10,16 @@ the model, optimizer state and batch of `Placement.abstract_model`, `abstract_op
 and `abstract_batch`. `compiled_bytes` reads XLA's memory analysis of a compiled program.
 """
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from .._family import ModelFamily
+from .._partition import param_pspecs
 from .._sharding import ShardingSpec
 from ..attention import attention
 
@@ -171,3 +175,87 @@ def compile_train_step(run: TrainerRun):
     shardings = placement.step_shardings(optimizer, model)
     batch = placement.abstract_batch(t.batch_size, t.seq_len)
     return lower_train_step(optimizer, model, opt_state, batch, shardings=shardings).compile()
+
+
+# ---- inference ---------------------------------------------------------------------------
+
+
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _placed(tree: Any, pspecs: Any, spec: ShardingSpec | None) -> Any:
+    """`tree` with each abstract array carrying its `PartitionSpec` (from `pspecs`, a tree
+    of them in the order of `tree`'s arrays) as a sharding under `spec`."""
+    if spec is None:
+        return tree
+    arrays, rest = eqx.partition(tree, _is_abstract)
+    leaves, treedef = jax.tree.flatten(arrays)
+    ps = jax.tree.leaves(pspecs, is_leaf=lambda p: isinstance(p, PartitionSpec))
+    placed = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec.sharding(p))
+        for x, p in zip(leaves, ps, strict=True)
+    ]
+    return eqx.combine(jax.tree.unflatten(treedef, placed), rest)
+
+
+def _lower(fn: Callable, model: Any, cache: Any, *args: Any):
+    """Lower `fn(model, cache, *args)` for abstract arrays, the cache donated (as `prefill`
+    and `decode_step` donate it)."""
+    (m, c, a), static = eqx.partition((model, cache, args), _is_abstract)
+
+    def run(m, c, a):
+        model, cache, args = eqx.combine((m, c, a), static)
+        return fn(model, cache, *args)
+
+    return jax.jit(run, donate_argnums=1).lower(m, c, a)
+
+
+def compile_generate(model: Any, *, batch: int, seq: int, prompt_len: int | None = None,
+                     cache_dtype: Any = None) -> tuple[Any, Any]:  # fmt: skip
+    """Compile (never run) the prefill and the decode step of `eqx_longctx.prefill` and
+    `decode_step` for an abstract model and cache.
+
+    **Arguments:**
+
+    - `model`: the model, e.g. its `eqx.filter_eval_shape` (its arrays are laid out as
+      `eqx_longctx.param_pspecs` says under `model.spec`).
+    - `batch`, `seq`: rows and the cache's `max_len`; `prompt_len`: the prompt (default
+      `seq`); `cache_dtype`: as `init_cache`'s `dtype`.
+
+    **Returns:** `(prefill, decode)`, two `jax.stages.Compiled` programs.
+    """
+    from ..inference._cache import layout_multiple
+    from ..inference._run import (
+        _block_impl,
+        _logits_pspec,
+        _prefill_core,
+        _run,
+        cache_pspecs,
+        decode_core,
+        init_cache,
+    )  # fmt: skip
+
+    spec = model.spec
+    model = _placed(model, param_pspecs(model, spec), spec)
+    cache = eqx.filter_eval_shape(init_cache, model, batch, seq, dtype=cache_dtype)
+    if spec is not None:
+        cache = _placed(cache, cache_pspecs(cache), spec)
+    m = layout_multiple(spec)
+    padded = -(-(seq if prompt_len is None else prompt_len) // m) * m
+
+    def arg(shape, pspec):
+        sharding = None if spec is None else spec.sharding(pspec)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+
+    tokens = arg((batch, padded), None if spec is None else spec.token_pspec())
+    rows = arg((batch,), None if spec is None else PartitionSpec(spec.batch_entry()))
+    impl = _block_impl(model, None)
+
+    def prefill(model, cache, tokens, positions, lengths, last):  # as `_prefill_jit`
+        out = None if spec is None else (_logits_pspec(spec), cache_pspecs(cache))
+        return _run(model, _prefill_core, out, cache, tokens, positions, lengths, last, impl)
+
+    first = _lower(prefill, model, cache, tokens, tokens, rows, rows).compile()
+    step = _lower(lambda model, cache, t: decode_core(model, cache, t, impl), model, cache, rows)
+    return first, step.compile()

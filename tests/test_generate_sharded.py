@@ -27,7 +27,7 @@ def one_device_tokens():
     return np.asarray(el.generate(model, PROMPTS, max_new_tokens=3))
 
 
-@pytest.mark.xfail(
+DONATED_KEY = pytest.mark.xfail(
     strict=True,
     raises=RuntimeError,
     reason="_generate.py: _step_jit donates every argument but the model "
@@ -35,14 +35,7 @@ def one_device_tokens():
     "every step, so under a spec (key replicated on 8 devices, donation usable) the second "
     "step raises 'Array has been deleted'",
 )
-def test_generate_under_a_context_spec():
-    spec = el.ShardingSpec(jax.make_mesh((8,), ("context",)), "ring", "zigzag")
-    model = Llama(CONFIG, key=jax.random.key(0), spec=spec)
-    tokens = el.generate(model, PROMPTS, max_new_tokens=3)
-    np.testing.assert_array_equal(tokens, one_device_tokens())
-
-
-@pytest.mark.xfail(
+VMAP_SHARDING = pytest.mark.xfail(
     strict=True,
     raises=ValueError,
     reason="_sampling.py:_sample: jax.vmap(jax.random.categorical)(keys, scaled) maps the "
@@ -50,8 +43,17 @@ def test_generate_under_a_context_spec():
     "dimension of inputs passed to vmap should be sharded the same'); generate always "
     "passes a key, so even greedy generation fails under a spec with a batch axis",
 )
-def test_generate_under_a_data_and_context_spec():
-    spec = el.ShardingSpec(jax.make_mesh((2, 4), ("data", "context")), "ring", "zigzag")
+
+
+@pytest.mark.parametrize(
+    "shape, names",
+    [
+        pytest.param((8,), ("context",), marks=DONATED_KEY, id="context8"),
+        pytest.param((2, 4), ("data", "context"), marks=VMAP_SHARDING, id="data2-context4"),
+    ],
+)
+def test_generate_under_a_spec(shape, names):
+    spec = el.ShardingSpec(jax.make_mesh(shape, names), "ring", "zigzag")
     model = Llama(CONFIG, key=jax.random.key(0), spec=spec)
     tokens = el.generate(model, PROMPTS, max_new_tokens=3)
     np.testing.assert_array_equal(tokens, one_device_tokens())

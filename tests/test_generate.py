@@ -5,10 +5,10 @@ Tiny random models built here (no transformers): a GQA Llama with a sliding laye
 layer (window 8, shorter than the prompts), and a DeepSeek with MLA and MoE. Every spec runs
 prompts of 13 tokens (not a multiple of any shard count) in a ragged batch (13 and 9).
 
-`generate` under a sharding spec and `generate(return_logits=True)` fail on main (library
-bugs, see the strict xfails below), so the spec tables drive the public lower-level API
-(`init_cache`, `prefill`, `decode_step`) through a greedy loop written here, and compare it
-with the one-device `generate`.
+The strategy grid runs `generate(return_logits=True)` under each spec (half the grid on Auto
+`Mesh(...)` meshes, half on Explicit `jax.make_mesh` ones); the placements and the Pallas
+path also drive the public lower-level API (`init_cache`, `prefill`, `decode_step`) through
+a greedy loop written here. Both are compared with the one-device `generate`.
 """
 
 import equinox as eqx
@@ -139,60 +139,28 @@ CASES = [("llama", *g) for g in GRID] + [("deepseek", *g) for g in DIAGONAL]
 
 @pytest.mark.parametrize("family,strategy,layout,mesh", CASES)
 def test_every_strategy_and_layout_equals_one_device(family, strategy, layout, mesh):
+    # Auto (Mesh(...)) and Explicit (jax.make_mesh) axes alternate over the grid.
+    axes = ("auto", "explicit")[CASES.index((family, strategy, layout, mesh)) % 2]
     if mesh == "2x4":
-        spec = spec_on(*DATA_CONTEXT, strategy, layout)
+        spec = spec_on(*DATA_CONTEXT, strategy, layout, axes=axes)
     else:
-        spec = spec_on(*DATA_ULYSSES_CONTEXT, strategy, layout, ulysses_axis="ulysses")
-    tokens, logits = greedy_loop(build(family, spec))
-    check_same(tokens, logits, family, f"{family} {strategy}/{layout} on {mesh}")
+        spec = spec_on(*DATA_ULYSSES_CONTEXT, strategy, layout, axes=axes, ulysses_axis="ulysses")
+    kw = dict(lengths=LENGTHS, max_new_tokens=NEW, max_len=MAX_LEN, return_logits=True)
+    tokens, logits = el.generate(build(family, spec), PROMPTS, **kw)
+    what = f"{family} {strategy}/{layout} on {mesh} ({axes})"
+    check_same(np.asarray(tokens), np.asarray(logits), family, what)
 
 
-# Library bug 1 (eqx_longctx/inference/_generate.py): `_step_jit` is `filter_jit(donate=
-# "warn-except-first")`, so it donates every array argument but the model, among them the
-# PRNG key and the sampling settings that `generate` passes again at the next step, and the
-# logits it keeps for `return_logits`. On one device the key and settings happen not to be
-# reusable by XLA and survive (the logits do not); under a spec they are reused, and step 1
-# reads a deleted array ("Array has been deleted with shape=uint32[2]" on a (context 4)
-# mesh, "float32[]" on an Auto (data, context) mesh). Passing copies of them fixes it.
-DONATED = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="library bug: generate's _step_jit donates the key, settings and logits it reuses",
-)
-# Library bug 2 (eqx_longctx/inference/_sampling.py, `_sample`): on an Explicit mesh with a
-# batch axis (jax.make_mesh), the logits are split over 'data' and the per-row keys from
-# `jax.random.split` are not, so `jax.vmap(jax.random.categorical)(keys, scaled)` raises
-# "Mapped away dimension of inputs passed to vmap should be sharded the same" at step 0
-# (greedy too: generate always draws). Remains with bug 1 fixed.
-UNSHARDED_KEYS = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="library bug: _sample vmaps unsharded keys against batch-sharded logits",
-)
-
-
-@pytest.mark.parametrize(
-    "axes", [pytest.param("explicit", marks=UNSHARDED_KEYS), pytest.param("auto", marks=DONATED)]
-)
-def test_generate_under_a_spec_equals_one_device(axes):
-    spec = spec_on(*DATA_CONTEXT, "ring", "zigzag", axes=axes)
-    tokens = el.generate(build("llama", spec), PROMPTS, lengths=LENGTHS, max_new_tokens=NEW,
-                         max_len=MAX_LEN)  # fmt: skip
-    np.testing.assert_array_equal(np.asarray(tokens), reference("llama")[0])
-
-
-@DONATED
 def test_sampling_with_a_fixed_key_is_the_same_under_a_spec():
     kw = dict(lengths=LENGTHS, max_new_tokens=NEW, max_len=MAX_LEN, temperature=1.0, top_k=5,
               key=jax.random.key(7))  # fmt: skip
     one = np.asarray(el.generate(build("llama"), PROMPTS, **kw))
     other = np.asarray(el.generate(build("llama"), PROMPTS, **{**kw, "key": jax.random.key(8)}))
     assert not np.array_equal(one, other)  # the key matters
-    spec = spec_on((4,), ("context",), "ring", "striped")
+    spec = spec_on(*DATA_CONTEXT, "ring", "striped")
     np.testing.assert_array_equal(np.asarray(el.generate(build("llama", spec), PROMPTS, **kw)), one)
 
 
-@DONATED
 def test_generate_returns_the_logits_it_chose_from():
     model = build("llama")
     tokens, logits = el.generate(model, PROMPTS, lengths=LENGTHS, max_new_tokens=NEW,
@@ -285,20 +253,18 @@ def test_pallas_decoding_equals_the_xla_path(family):
     assert rel_err(got_logits, logits[:, :new]) <= TOL
 
 
-# ---- tensor, fsdp and expert axes; Auto meshes ------------------------------------------------
+# ---- tensor, fsdp and expert axes ------------------------------------------------
 
 PLACEMENTS = [
     ("llama", ((4, 2), ("context", "tensor")), dict(tensor_axis="tensor"), "explicit"),
     ("deepseek", ((4, 2), ("context", "tensor")), dict(tensor_axis="tensor"), "explicit"),
     ("llama", ((2, 4), ("fsdp", "context")), dict(fsdp_axis="fsdp"), "explicit"),
     ("deepseek", ((2, 4), ("expert", "context")), dict(expert_axis="expert"), "explicit"),
-    ("llama", DATA_CONTEXT, {}, "auto"),
-    ("deepseek", DATA_ULYSSES_CONTEXT, dict(ulysses_axis="ulysses", strategy="usp"), "auto"),
 ]
 
 
 @pytest.mark.parametrize("family,mesh,roles,axes", PLACEMENTS)
-def test_tensor_fsdp_expert_and_auto_meshes_equal_one_device(family, mesh, roles, axes):
+def test_tensor_fsdp_and_expert_axes_equal_one_device(family, mesh, roles, axes):
     roles = dict(roles)
     strategy = roles.pop("strategy", "ring")
     spec = spec_on(*mesh, strategy, "zigzag", axes=axes, **roles)

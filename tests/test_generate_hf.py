@@ -202,7 +202,6 @@ def test_decode_logits_equal_full_forward(runs, prompts, family, sharded):
 @pytest.mark.parametrize(
     "family,sharded",
     [(f, False) for f in FAMILIES]
-    + [(f, True) for f in ("llama3-gqa", "deepseek-v3-noaux")],  # usp and ring
 )  # fmt: skip
 def test_generate_emits_the_greedy_steps(runs, prompts, family, sharded):
     """`generate`'s greedy tokens are the argmax chain of `prefill` and `decode_step`."""

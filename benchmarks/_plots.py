@@ -242,3 +242,54 @@ def kernels(rows: list[dict], title: str, directory) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return [_save(fig, directory, "kernels")]
+
+
+def generate(results: dict, directory) -> list[Path]:
+    """Generation: time per token and to the first token against transformers (one
+    device), the decode step's per-device bytes on 8 devices, and the MLA cache (the keys
+    of `results` that are present: `time`, `decode`, `mla`, as generate.py fills them)."""
+    draw = {"time": _gen_time, "decode": _gen_decode, "mla": _gen_mla}
+    panels = [k for k in draw if k in results]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
+    for ax, key in zip(axes[0], panels, strict=True):
+        draw[key](ax, results[key])
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle("Generation (float32 on CPU; V3 sizes abstract)")
+    return [_save(fig, directory, "generate")]
+
+
+def _lines(ax, rows: list[dict], x: str, series, scale: float, xlabel: str) -> None:
+    """One line per `(key, label, style)` of `series`, `r[key] * scale` against `r[x]`."""
+    xs = [r[x] for r in rows]
+    for key, label, style in series:
+        ax.plot(xs, [r[key] * scale for r in rows], style, label=label)
+    _seq_axis(ax, xs)
+    ax.set_xlabel(xlabel)
+
+
+def _gen_time(ax, rows: list[dict]) -> None:
+    _lines(ax, rows, "seq", (
+        ("ours_token", "ours, per token", "C2-o"),
+        ("hf_token", "transformers, per token", "C7-o"),
+        ("ours_first", "ours, first token", "C2--s"),
+        ("hf_first", "transformers, first token", "C7--s"),
+    ), 1e3, "prompt length (tokens)")  # fmt: skip
+    ax.set(yscale="log", ylabel="ms (median)", title="one device: greedy generation")
+
+
+def _gen_decode(ax, rows: list[dict]) -> None:
+    _lines(ax, rows, "cache", (
+        ("cache_dev", "cache / 8", "k:o"),
+        ("aliased", "donated (updated in place)", "C2-o"),
+        ("temp", "temporaries", "C1--s"),
+        ("moved", "collective bytes received", "C3-^"),
+    ), 1 / MIB, "cache length (tokens)")  # fmt: skip
+    ax.set(yscale="log", ylabel="MiB per device", title="decode step on 8 devices (ring)")
+
+
+def _gen_mla(ax, mla: dict) -> None:
+    _bars(ax, ["values per token per layer"], {
+        "MLA latent + RoPE key": [mla["latent"]], "per-head K/V": [mla["per_head"]],
+    }, colors=["C4", "C7"])  # fmt: skip
+    ax.set(yscale="log", title="DeepSeek-V3 cache: latent vs per-head K/V")

@@ -17,11 +17,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _plots  # noqa: E402
 
+NEEDS = {"generate": ("torch", "transformers")}  # modules a script imports beyond the library
 SCRIPTS = {  # script: (toy arguments, the PNGs its --plot must write)
     "attention_local": (["--seqs", "128", "256", "--repeats", "1"], ["attention_local"]),
     "context_parallel": (
         ["--sections", "b", "c", "--comm-seqs", "1024", "--balance-seq", "4096"],
         ["context_parallel_comm", "context_parallel_balance"],
+    ),
+    "generate": (
+        "--prompts 64 --new-tokens 5 --repeats 1 --cache-lens 1024 2048 --b-layers 1".split(),
+        ["generate"],
     ),
     "fsdp": (
         "--dim 32 --layers 1 --hidden 64 --heads 2 --vocab 128 --seq 32 --repeats 1 "
@@ -40,6 +45,8 @@ def _check_png(path: Path) -> None:
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_plots(script: str, tmp_path: Path) -> None:
     args, names = SCRIPTS[script]
+    for module in NEEDS.get(script, ()):
+        pytest.importorskip(module)
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, f"benchmarks/{script}.py", *args, "--plot", str(tmp_path)],

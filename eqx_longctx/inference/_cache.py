@@ -18,6 +18,7 @@ Geometry. With `N` sequence shards, each device holds `per` slots of every layer
 Empty slots have position `-1`; the decoding attention never sees them.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -94,8 +95,11 @@ class KVCache(eqx.Module):
         total = 0
         for leaf in jax.tree.leaves(self):
             shards = getattr(leaf, "addressable_shards", None)
+            sharding = getattr(leaf, "sharding", None)
             if shards:
                 total += max(s.data.nbytes for s in shards)
+            elif sharding is not None:
+                total += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
             else:
                 total += leaf.size * leaf.dtype.itemsize
         return total

@@ -97,10 +97,9 @@ def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KV
         )
         positions = jnp.full((batch, slots), -1, jnp.int32)
         stacks.append(StackCache(entries, positions, ring, window, attn.cache_split_heads))
-    zero = jnp.zeros((), jnp.int32)
-    cache = KVCache(
-        tuple(stacks), jnp.zeros((batch,), jnp.int32), zero, zero, max_len, model.config, spec
-    )
+    step, offset = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)  # two buffers (donated)
+    lengths = jnp.zeros((batch,), jnp.int32)
+    cache = KVCache(tuple(stacks), lengths, step, offset, max_len, model.config, spec)
     if spec is None:
         return cache
     shardings = jax.tree.map(spec.sharding, cache_pspecs(cache), is_leaf=_is_pspec)

@@ -1,11 +1,10 @@
-"""Inference bugs found while benchmarking generation (issue 18), each pinned by a test that
-fails today (`xfail(strict=True)`): when a fix lands, the test passes and the strict xfail
-turns it red, so the marker comes off with the fix."""
+"""Regression tests of two inference bugs found while benchmarking generation (issue 18):
+`generate` donated the logits it keeps for `return_logits`, and `KVCache.nbytes_per_device`
+summed whole arrays for an abstract cache instead of one device's shard."""
 
 import equinox as eqx
 import jax
 import numpy as np
-import pytest
 
 import eqx_longctx as el
 from models.llama import Llama, LlamaConfig
@@ -16,13 +15,6 @@ CONFIG = LlamaConfig.from_preset(
 )  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="generate(return_logits=True) keeps each step's logits, but _step_jit donates "
-    "them (donate='warn-except-first' in inference/_generate.py), so stacking them raises "
-    "'Array has been deleted'",
-)
 def test_generate_return_logits_on_one_device():
     model = Llama(CONFIG, key=jax.random.key(0))
     prompt = np.arange(8, dtype=np.int32)[None] % CONFIG.vocab_size
@@ -32,12 +24,6 @@ def test_generate_return_logits_on_one_device():
     assert np.array_equal(np.asarray(tokens[:, 0]), np.asarray(first).argmax(-1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="KVCache.nbytes_per_device promises bytes 'computed from their shardings' for "
-    "abstract arrays but sums whole arrays (inference/_cache.py: leaf.size * itemsize)",
-)
 def test_abstract_cache_bytes_per_device():
     spec = el.ShardingSpec(jax.make_mesh((8,), ("context",)), strategy="ring")
     model = el.init_sharded(lambda: Llama(CONFIG, key=jax.random.key(0), spec=spec))

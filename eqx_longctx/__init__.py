@@ -1,5 +1,8 @@
 """eqx_longctx: Equinox transformers for very long sequences in JAX."""
 
+import sys as _sys
+import types as _pytypes
+
 from ._family import AttentionShape as AttentionShape
 from ._family import ModelFamily as ModelFamily
 from ._family import MoEShape as MoEShape
@@ -35,3 +38,17 @@ from .plan import StepPlan as StepPlan
 from .plan import plan_train_step as plan_train_step
 
 __version__ = "0.1.0"
+
+
+class _Package(_pytypes.ModuleType):
+    """This package's module type: `eqx_longctx.generate` stays the function even when the
+    command-line module of the same name (`python -m eqx_longctx.generate`) is imported,
+    which would otherwise set the package attribute to that module."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "generate" and isinstance(value, _pytypes.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package

@@ -2,8 +2,8 @@
 `eqx_longctx.inference._cli`).
 
 This file exists only to be run with `-m`. The package attribute `eqx_longctx.generate` is
-the function `eqx_longctx.inference.generate`: nothing may `import eqx_longctx.generate`
-as a module (the import would replace that attribute with this module).
+the function `eqx_longctx.inference.generate`, and stays so when this module is imported
+(the package's module type refuses to let the import replace it).
 """
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ a model restored by another path; every bad flag one line on stderr, exit status
 
 import ast
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -186,6 +187,16 @@ def test_generate_is_the_function_and_the_module_runs():
     assert callable(eqx_longctx.generate) and not isinstance(eqx_longctx.generate, type(os))
     result = _run("eqx_longctx.generate", "--help", timeout=120)
     assert result.returncode == 0 and "--prompt-ids" in result.stdout, result.stderr[-2000:]
+
+
+def test_importing_the_generate_module_keeps_the_function():
+    """What a docs tool or `resolve_dotted("eqx_longctx.generate")` does in-process."""
+    module = importlib.import_module("eqx_longctx.generate")
+    assert module is not eqx_longctx.inference.generate
+    assert eqx_longctx.generate is eqx_longctx.inference.generate
+    from eqx_longctx import generate
+
+    assert generate is eqx_longctx.inference.generate
 
 
 def test_nothing_imports_the_generate_module():

@@ -246,7 +246,7 @@ def section_c(args) -> dict:
     config = DeepSeekConfig.from_preset("deepseek-v3")
     model = eqx.filter_eval_shape(DeepSeek, config, key=jax.random.key(0))
     cache = eqx.filter_eval_shape(el.init_cache, model, 1, 4096)
-    latent = {e.shape[-2] * e.shape[-1] for s in cache.stacks for e in s.entries}
+    latent = {e.shape[2] * e.shape[-1] for s in cache.stacks for e in s.entries}
     assert len(latent) == 1, latent
     (per_token,) = latent
     per_head = config.n_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim

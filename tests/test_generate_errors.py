@@ -49,13 +49,14 @@ def test_gqa_cache_holds_kv_heads_and_a_sliding_layer_about_its_window():
     for max_len in (32, 64):
         by_window = stacks_by_window(el.init_cache(model, 2, max_len))
         k, v = by_window[None].entries  # the full layer: K and V of the 2 KV heads, never 4
-        assert k.shape == v.shape == (1, 2, max_len, LLAMA.n_kv_heads, LLAMA.head_dim)
+        # heads-major: [layers, batch, kv_heads, slots, head_dim]
+        assert k.shape == v.shape == (1, 2, LLAMA.n_kv_heads, max_len, LLAMA.head_dim)
         ring = by_window[WINDOW]  # the sliding layer: a ring of W slots whatever max_len is
-        assert ring.ring is not None and ring.entries[0].shape[2] <= WINDOW + 128
-        assert ring.entries[0].shape[2] == WINDOW and ring.entries[0].shape[3] == 2
+        assert ring.ring is not None and ring.entries[0].shape[3] <= WINDOW + 128
+        assert ring.entries[0].shape[3] == WINDOW and ring.entries[0].shape[2] == 2
     spec = spec_on((8,), ("context",))
     ring = stacks_by_window(el.init_cache(build("llama", spec), 2, 64))[WINDOW].entries[0]
-    assert ring.shape[2] == 8 and device0_bytes(ring) * 8 == ring.nbytes  # 1 slot per device
+    assert ring.shape[3] == 8 and device0_bytes(ring) * 8 == ring.nbytes  # 1 slot per device
 
 
 def test_mla_cache_is_latent_and_rope_only():
@@ -63,7 +64,7 @@ def test_mla_cache_is_latent_and_rope_only():
     cache = el.init_cache(build("deepseek"), 2, MAX_LEN)
     for stack in cache.stacks:
         (latent,) = stack.entries  # one array: no per-head K/V
-        assert latent.shape[1:] == (2, MAX_LEN, 1, width), latent.shape
+        assert latent.shape[1:] == (2, 1, MAX_LEN, width), latent.shape
 
 
 def test_tensor_axis_splits_kv_heads_but_not_the_mla_latent():
@@ -72,11 +73,12 @@ def test_tensor_axis_splits_kv_heads_but_not_the_mla_latent():
     for stack in llama.stacks:
         for arr in stack.entries:  # 2 KV heads over tensor 2, slots over context 4
             shard = arr.addressable_shards[0].data
-            assert shard.shape[3] == LLAMA.n_kv_heads // 2 and device0_bytes(arr) * 8 == arr.nbytes
+            assert shard.shape[2] == LLAMA.n_kv_heads // 2 and device0_bytes(arr) * 8 == arr.nbytes
     deepseek = el.init_cache(build("deepseek", spec, sharded=True), 2, 64)
     for stack in deepseek.stacks:
         (latent,) = stack.entries  # whole on every tensor device: 1/4 (context) only
-        assert latent.addressable_shards[0].data.shape[3:] == latent.shape[3:]
+        shard = latent.addressable_shards[0].data.shape
+        assert (shard[2], shard[4]) == (latent.shape[2], latent.shape[4])
         assert device0_bytes(latent) * 4 == latent.nbytes
 
 

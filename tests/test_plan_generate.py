@@ -105,7 +105,7 @@ def test_mla_caches_the_latent_not_per_head_keys_and_values():
     plan = plan_generate("deepseek", config, None, batch=1, seq=1024)
     width = config.kv_lora_rank + config.qk_rope_head_dim
     assert len(plan.stacks) == 2  # the dense and the MoE layers
-    assert all(s.entries == ((s.n_layers, 1, 1024, 1, width),) for s in plan.stacks)
+    assert all(s.entries == ((s.n_layers, 1, 1, 1024, width),) for s in plan.stacks)
 
 
 GEN = ["--model", "llama", "--preset", "tiny", "--generate", "--batch", "2", "--seq", "2048"]

@@ -10,7 +10,8 @@ Pallas TPU kernels in `eqx_longctx/kernels/`, or a third one) never touches a st
   once in the implementation's native layout (`qt.split_q`, `qt.split_rows`, `qt.merge_q`,
   `qt.merge_rows`, `qt.rows`, `qt.zeros_dq()`, `qt.dq(acc)` convert to and from it);
 - `attend(qt, k, v, kv_positions, kv_segment_ids) -> (out, lse)`: native layout, float32 lse
-  (`-inf` for rows that see no key of the block);
+  (`-inf` for rows that see no key of the block); `attend_heads_major` is the same with K/V
+  `[batch, kv_heads, kv_seq, dim]` (how decoding reads the KV cache);
 - `attend_backward(qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq) ->
   (dq, dk, dv)`: `lse` is the row's logsumexp over *all* keys it sees and `delta =
   rowsum(dout * out) - dlse`, so `dk`, `dv` (float32, `[batch, kv_seq, kv_heads, dim]`) are
@@ -66,6 +67,16 @@ class AbstractBlockImpl(eqx.Module):
     @abc.abstractmethod
     def attend_backward(self, qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq):
         """**Returns:** `(dq, dk, dv)`: the accumulator and this block's float32 dK, dV."""
+
+    def attend_heads_major(self, qt, k, v, kv_positions, kv_segment_ids):
+        """`attend` with K/V heads-major, `[batch, kv_heads, kv_seq, dim]` (the KV cache's
+        layout). The default swaps them and calls `attend`; an implementation that reads
+        heads-major K/V natively overrides it (both of ours do).
+
+        **Returns:** `(out, lse)` as `attend`.
+        """
+        swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+        return self.attend(qt, swap(k), swap(v), kv_positions, kv_segment_ids)
 
 
 def pairs_are_empty(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):

@@ -15,6 +15,12 @@ kernel that tiles 128 query rows sees `group` rows instead of one. Latent attent
 absorbed) is the case of one K/V head whose values are the first `value_dim` features of
 its keys.
 
+The cache is heads-major, `[layers, batch, kv_heads, slots, dim]` (a `LayerCache` hands a
+layer a stack's arrays and its index), the layout the Pallas kernels and the XLA path's
+products read without a transpose (`AbstractBlockImpl.attend_heads_major`). Each device
+reads its slots a chunk of about `CHUNK_BYTES` at a time (chunks that no query can see
+skipped): only a chunk is ever sliced out, never a layer's whole slice.
+
 Slots carry their token positions (`-1`: empty), so the order of slots does not matter:
 the causal and window rules are evaluated on positions, and empty slots get a position no
 query can see.
@@ -24,7 +30,7 @@ like a sequence over the sequence axes, so that every layer outside the attentio
 under the spec's usual activation sharding, each device computing its own copy.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +38,30 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from .._sharding import ShardingSpec
-from ._block import AbstractBlockImpl, BlockOptions, merge_partials
+from ._block import AbstractBlockImpl, BlockOptions, merge_partials, pairs_are_empty
 
 _UNSEEN = 2**30  # the position of an empty slot: later than any query, so never visible
+CHUNK_BYTES = 2 * 2**20  # bytes of one cached array a device reads at a time (a multiple
+# of 128 slots): L2-sized on a CPU, a few key blocks of a TPU kernel
+
+
+class LayerCache(NamedTuple):
+    """One layer's view of a layer stack's cache: the stack's `entries`, each `[layers, batch,
+    kv_heads, slots, dim]` (heads-major), and the `layer` index (an int32 scalar, traced in a
+    scan). Decoding reads it chunk by chunk, so the layer's slice is never copied out whole."""
+
+    entries: tuple
+    layer: Any
+
+    def arrays(self) -> tuple:
+        """This layer's entries, `[batch, kv_heads, slots, dim]` each (a copy)."""
+        return tuple(x[self.layer] for x in self.entries)
+
+
+def _as_view(cache) -> LayerCache:
+    if isinstance(cache, LayerCache):
+        return cache
+    return LayerCache(tuple(x[None] for x in cache), jnp.zeros((), jnp.int32))
 
 
 def _split(kv: tuple, value_dim: int | None):
@@ -54,21 +81,63 @@ def _self_partial(q_rows, k_new, v_new, scale):
     return out, s * scale
 
 
+def _chunk_slots(entries, slots: int) -> int:
+    """Slots per chunk: about `CHUNK_BYTES` of the widest cached array, a multiple of 128."""
+    _, b, h, _, d = max((x.shape for x in entries), key=lambda shape: shape[-1])
+    per_slot = b * h * d * entries[0].dtype.itemsize
+    return min(slots, max(128, CHUNK_BYTES // per_slot // 128 * 128))
+
+
+def _attend_slots(impl: AbstractBlockImpl, options, value_dim, rows, rows_pos, view, kv_pos):
+    """`(out, lse)` of the query rows over this device's slots, in rows layout, a chunk of
+    slots at a time (the last chunk is moved back to end at the last slot; the slots it
+    repeats are hidden)."""
+    entries, layer = view
+    _, b, h, slots, _ = entries[0].shape
+    size = _chunk_slots(entries, slots)
+    chunks = -(-slots // size)
+    k_dim = entries[0].shape[-1]
+    like = jax.ShapeDtypeStruct((b, size, h, k_dim), entries[0].dtype)
+    qt: Any = impl.tile_queries(rows, rows_pos, None, like, options)
+    dv = entries[-1].shape[-1] if len(entries) == 2 else value_dim
+
+    def chunk(i, carry):
+        start = jnp.minimum(i * size, slots - size)
+        pos = lax.dynamic_slice_in_dim(kv_pos, start, size, 1)
+        pos = jnp.where(start + jnp.arange(size) >= i * size, pos, _UNSEEN)
+
+        def attend(carry):
+            at = (layer, 0, 0, start, 0)
+            kv = tuple(lax.dynamic_slice(x, at, (1, b, h, size, x.shape[-1]))[0] for x in entries)
+            k, v = _split(kv, value_dim)
+            out, lse = impl.attend_heads_major(qt, k, v, pos, None)  # pyright: ignore[reportGeneralTypeIssues]
+            acc, acc_lse = carry
+            return merge_partials(acc, acc_lse, qt.merge_q(out), qt.merge_rows(lse))
+
+        empty = pairs_are_empty(options, rows_pos, pos, None, None)
+        return lax.cond(empty, lambda c: c, attend, carry)
+
+    init = (
+        jnp.zeros((*rows.shape[:-1], dv), jnp.float32),
+        jnp.full(rows.shape[:-1], -jnp.inf, jnp.float32),
+    )
+    if chunks == 1:
+        return chunk(0, init)
+    return lax.fori_loop(0, chunks, chunk, init)
+
+
 def _local(
-    impl: AbstractBlockImpl, options: BlockOptions, value_dim, axes, q, new, cache, cache_pos, q_pos
+    impl: AbstractBlockImpl, options: BlockOptions, value_dim, axes, q, new, view, cache_pos, q_pos
 ):
     """One device's decode attention (inside `shard_map`, or the whole of it on one device)."""
     b, _, h, dk = q.shape
-    k_cache, v_cache = _split(cache, value_dim)
     k_new, v_new = _split(tuple(x[:, 0] for x in new), value_dim)
-    kvh = k_cache.shape[2]
+    kvh = view.entries[0].shape[2]
     g = h // kvh
     rows = q[:, 0].reshape(b, kvh, g, dk).transpose(0, 2, 1, 3)  # [b, g, kvh, dk]
     rows_pos = jnp.broadcast_to(q_pos[:, :1], (b, g)).astype(jnp.int32)
     kv_pos = jnp.where(cache_pos >= 0, cache_pos, _UNSEEN).astype(jnp.int32)
-    qt: Any = impl.tile_queries(rows, rows_pos, None, k_cache, options)
-    out, lse = impl.attend(qt, k_cache, v_cache, kv_pos, None)  # pyright: ignore[reportGeneralTypeIssues]
-    out, lse = qt.merge_q(out).astype(jnp.float32), qt.merge_rows(lse)
+    out, lse = _attend_slots(impl, options, value_dim, rows, rows_pos, view, kv_pos)
     if axes is not None:  # every device's partial, merged in the same order everywhere
         outs = lax.all_gather(jnp.concatenate([out, lse[..., None]], -1), axes, axis=0)
         out, lse = outs[0, ..., :-1], outs[0, ..., -1]
@@ -101,8 +170,10 @@ def decode_attention(
       rows (`n` = the spec's sequence shards, 1 without a spec).
     - `new`: the new token's cache entry, `(k, v)` each `[batch, n, kv_heads, dim]`, or
       `(kv,)` for a latent whose first `value_dim` features are the values.
-    - `cache`: the cache's entry for this layer, the same structure with `[batch, slots,
-      kv_heads, dim]` arrays, slots split over the spec's sequence axes.
+    - `cache`: the cache's entry for this layer: a `LayerCache` (the stack's heads-major
+      arrays `[layers, batch, kv_heads, slots, dim]` and this layer's index), or a tuple of
+      the same structure as `new` with `[batch, kv_heads, slots, dim]` arrays; slots split
+      over the spec's sequence axes.
     - `cache_positions`: `[batch, slots]` token position of each slot, `-1` for empty.
     - `positions`: `[batch, n]` the new token's position (equal along `n`).
     - `spec`: the sharding spec, or `None` for one device.
@@ -116,31 +187,34 @@ def decode_attention(
     **Returns:** `[batch, n, q_heads, v_dim]` in `q`'s dtype (equal along `n`).
     """
     options = BlockOptions.make(True, window, scale, q.shape[-1])
+    view = _as_view(cache)
     if spec is None:
-        return _local(impl, options, value_dim, None, q, new, cache, cache_positions, positions)
+        return _local(impl, options, value_dim, None, q, new, view, cache_positions, positions)
     batch, seq, tensor = spec.batch_entry(), spec.sequence_axes, spec.tensor_axis
     kv_heads = tensor if split_heads else None
     q_spec = PartitionSpec(batch, seq, tensor, None)
     kv_spec = PartitionSpec(batch, seq, kv_heads, None)
+    stacked = PartitionSpec(None, batch, kv_heads, seq, None)
     tokens = spec.token_pspec()
     axes = seq[0] if len(seq) == 1 else seq
 
-    def local(q, new, cache, cache_pos, q_pos):
-        return _local(impl, options, value_dim, axes, q, new, cache, cache_pos, q_pos)
+    def local(q, new, view, cache_pos, q_pos):
+        return _local(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos)
 
-    kv_specs = tuple(kv_spec for _ in cache)
+    view_spec = LayerCache(tuple(stacked for _ in view.entries), PartitionSpec())
     mapped = jax.shard_map(
         local,
         mesh=spec.compute_mesh(),
-        in_specs=(q_spec, kv_specs, kv_specs, tokens, tokens),
+        in_specs=(q_spec, tuple(kv_spec for _ in new), view_spec, tokens, tokens),
         out_specs=q_spec,
         check_vma=False,
     )
     place = spec.place
+    view = LayerCache(tuple(place(x, stacked) for x in view.entries), view.layer)
     return mapped(
         place(q, q_spec),
         tuple(place(x, kv_spec) for x in new),
-        tuple(place(x, kv_spec) for x in cache),
+        view,
         place(cache_positions, tokens),
         place(positions, tokens),
     )

@@ -49,6 +49,14 @@ class XlaBlockImpl(AbstractBlockImpl):
         kb, vb = blocks.split_kv(k), blocks.split_kv(v)
         return _flash_fwd_impl(config, qt.qb, kb, vb, *blocks.masks)
 
+    def attend_heads_major(self, qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
+        like = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1], k.shape[3]), k.dtype)
+        blocks, config = qt.hop(like, kv_positions, kv_segment_ids)
+        if _is_direct(blocks, qt.qb, self.tiling):
+            return _attend_direct(config, qt, blocks, k, v, kv_positions, kv_segment_ids)
+        swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+        return self.attend(qt, swap(k), swap(v), kv_positions, kv_segment_ids)
+
     def attend_backward(
         self, qt: QueryTiles, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq
     ):
@@ -58,6 +66,53 @@ class XlaBlockImpl(AbstractBlockImpl):
             config, qt.qb, kb, vb, *blocks.masks, dout.astype(qt.qb.dtype), lse, delta, dq
         )
         return dq, blocks.merge_kv(dkb), blocks.merge_kv(dvb)
+
+
+# Queries with at most this many rows (per head) in one block attend a whole K/V block in
+# one product, in the layout K/V are stored in: a decode step's query heads of one K/V head.
+_DIRECT_ROWS = 16
+
+
+def _is_direct(blocks, qb, tiling: Tiling) -> bool:
+    """Whether `attend` takes the direct path: one query block of a few rows, one head tile,
+    and all scores within one tile's bytes (no loop over key blocks, no block-major copy of
+    K/V, which for a decode step over a long cache cost more than the attention)."""
+    scores = blocks.b * blocks.hk * blocks.g * blocks.sq * blocks.sk * 4
+    return (
+        blocks.nq == 1 and blocks.sq <= _DIRECT_ROWS and qb.shape[0] == 1
+        and scores <= tiling.tile_bytes
+    )  # fmt: skip
+
+
+def _attend_direct(config: _Config, qt: QueryTiles, blocks, k, v, kv_pos, kv_seg):
+    """`attend` of a few query rows over the whole of heads-major `k`, `v` (`[b, k, t, d]`
+    as given): one masked product, results in the native block-major layout."""
+    q = qt.qb[0, 0]  # [b, k, g, s, d]
+    b, sk = k.shape[0], k.shape[2]
+    q_pos, _, q_seg, _ = blocks.masks
+    if kv_pos is None:
+        kv_pos = jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (b, sk))
+    if config.use_segments and kv_seg is None:
+        kv_seg = jnp.zeros((b, sk), jnp.int32)
+    q_seg = q_seg[0] if config.use_segments else None  # pyright: ignore[reportOptionalSubscript]
+    mask = _block_mask(config, q_pos[0], kv_pos, q_seg, kv_seg)
+    s = _scores(config, q, k, mask)
+    m = s.max(-1)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp(s - m_safe[..., None])
+    pv = lax.cond(jnp.all(jnp.isfinite(v)), _pv, _pv_nonfinite, p.astype(v.dtype), v, mask)
+    out, lse = _finish(m, p.sum(-1), pv, qt.qb.dtype)
+    return out[None, None], lse[None, None]
+
+
+def _finish(m, row_sum, acc, dtype):
+    """`(out, lse)` from the running max, row sum and unnormalised output of a softmax."""
+    # `row_sum == 0` (not `> 0`): a NaN row sum must give a NaN row, not an empty one.
+    empty = row_sum == 0
+    denom = jnp.where(empty, 1.0, row_sum)
+    out = jnp.where(empty[..., None], 0.0, acc / denom[..., None])
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(denom))
+    return out.astype(dtype), lse
 
 
 def _block_mask(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
@@ -141,12 +196,7 @@ def _flash_fwd_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
             jnp.zeros((b, hk, g, bq, dv), jnp.float32),
         )
         m, row_sum, acc = lax.fori_loop(0, nk, kv_step, init)
-        # `row_sum == 0` (not `> 0`): a NaN row sum must give a NaN row, not an empty one.
-        empty = row_sum == 0
-        denom = jnp.where(empty, 1.0, row_sum)
-        out = jnp.where(empty[..., None], 0.0, acc / denom[..., None])
-        lse = jnp.where(empty, -jnp.inf, m + jnp.log(denom))
-        return out.astype(qb.dtype), lse
+        return _finish(m, row_sum, acc, qb.dtype)
 
     # Per key block: whether every value is finite (then the plain product runs).
     v_finite = jnp.all(jnp.isfinite(vb), axis=tuple(range(1, vb.ndim)))

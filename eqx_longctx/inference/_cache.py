@@ -51,7 +51,7 @@ class StackCache(eqx.Module):
     """The cache of one `LayerStack`: its layers' entries and the slots' token positions.
 
     - `entries`: per cached array of the attention layer (K and V, or MLA's latent),
-      `[layers, batch, slots, heads, dim]`.
+      heads-major `[layers, batch, heads, slots, dim]` (what decoding reads in place).
     - `positions`: `[batch, slots]` int32 token position of each slot; `-1` when empty.
     - `ring`: the ring-buffer length (a sliding layer's slots), or `None` for a full cache.
     - `window`: the layers' sliding window, or `None`.
@@ -127,7 +127,7 @@ def store_fn(
     spec: ShardingSpec | None, stack: StackCache, per: int, positions, lengths
 ) -> Callable:
     """`store(entry) -> stored`: one layer's prefill entry (`[batch, P, heads, dim]` arrays
-    in layout order) as that layer's cache slots (`[batch, slots, heads, dim]`), cast to
+    in layout order) as that layer's cache slots (`[batch, heads, slots, dim]`), cast to
     the cache's dtype."""
     dtypes = tuple(x.dtype for x in stack.entries)
 
@@ -138,7 +138,7 @@ def store_fn(
             if stack.ring is None:  # where the layout put them, in the first P/N slots
                 pad = [(0, 0)] * x.ndim
                 pad[1] = (0, per - x.shape[1])
-                out.append(jnp.pad(x, pad))
+                out.append(jnp.swapaxes(jnp.pad(x, pad), 1, 2))
                 continue
             slots = _ring_slots(positions, lengths, stack.ring)
             rows = jnp.arange(x.shape[0])[:, None]
@@ -146,7 +146,7 @@ def store_fn(
             ring = ring.at[rows, slots].set(x, mode="drop")
             if spec is not None and spec.context_parallel_size > 1:
                 ring = lax.psum_scatter(ring, _seq_axes(spec), scatter_dimension=1, tiled=True)
-            out.append(ring)
+            out.append(jnp.swapaxes(ring, 1, 2))
         return tuple(out)
 
     return _stack_map(spec, stack, local, positions, lengths)
@@ -158,9 +158,11 @@ def _stack_map(spec, stack: StackCache, local: Callable, positions, lengths) -> 
         return lambda entry: local(entry, positions, lengths)
     heads = spec.tensor_axis if stack.split_heads else None
     entry_spec = PartitionSpec(spec.batch_entry(), spec.sequence_axes, heads, None)
+    stored = PartitionSpec(spec.batch_entry(), heads, spec.sequence_axes, None)
     tokens = spec.token_pspec()
     specs = tuple(entry_spec for _ in stack.entries)
-    mapped = _shard_map(spec, local, (specs, tokens, PartitionSpec(spec.batch_entry())), specs)
+    outs = tuple(stored for _ in stack.entries)
+    mapped = _shard_map(spec, local, (specs, tokens, PartitionSpec(spec.batch_entry())), outs)
 
     def fn(entry):
         entry = tuple(spec.place(x, entry_spec) for x in entry)
@@ -209,9 +211,10 @@ def write_token(spec: ShardingSpec | None, stack: StackCache, new: tuple, positi
         mine = me == owner
         out = []
         for x, y in zip(entries, new, strict=True):
-            start = (0, 0, slot, 0, 0)
-            old = lax.dynamic_slice(x, start, (*x.shape[:2], 1, *x.shape[3:]))
-            y = jnp.where(mine, y[:, :, :1].astype(x.dtype), old)
+            start = (0, 0, 0, slot, 0)
+            old = lax.dynamic_slice(x, start, (*x.shape[:3], 1, x.shape[4]))
+            y = jnp.swapaxes(y[:, :, :1], 2, 3)  # [layers, batch, heads, 1, dim]
+            y = jnp.where(mine, y.astype(x.dtype), old)
             out.append(lax.dynamic_update_slice(x, y, start))
         old = lax.dynamic_slice(cache_pos, (0, slot), (cache_pos.shape[0], 1))
         pos = jnp.where(mine, positions[:, None].astype(cache_pos.dtype), old)
@@ -221,12 +224,13 @@ def write_token(spec: ShardingSpec | None, stack: StackCache, new: tuple, positi
         entries, cache_pos = local(stack.entries, new, stack.positions, positions)
     else:
         heads = spec.tensor_axis if stack.split_heads else None
-        entry = PartitionSpec(None, spec.batch_entry(), spec.sequence_axes, heads, None)
+        entry = PartitionSpec(None, spec.batch_entry(), heads, spec.sequence_axes, None)
+        new_spec = PartitionSpec(None, spec.batch_entry(), spec.sequence_axes, heads, None)
         entries = tuple(entry for _ in new)
+        news = tuple(new_spec for _ in new)
         tokens = spec.token_pspec()
-        in_specs = (entries, entries, tokens, PartitionSpec(spec.batch_entry()))
+        in_specs = (entries, news, tokens, PartitionSpec(spec.batch_entry()))
         mapped = _shard_map(spec, local, in_specs, (entries, tokens))
-        new_spec = entry
         new = tuple(spec.place(y, new_spec) for y in new)
         entries, cache_pos = mapped(stack.entries, new, stack.positions, positions)
     return StackCache(entries, cache_pos, stack.ring, stack.window, stack.split_heads)

@@ -93,7 +93,7 @@ def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KV
             ring = -(-window // n) * n
         slots = per * n if ring is None else ring
         entries = tuple(
-            jnp.zeros((stack.n_layers, batch, slots, h, d), dtype) for h, d in attn.cache_shapes()
+            jnp.zeros((stack.n_layers, batch, h, slots, d), dtype) for h, d in attn.cache_shapes()
         )
         positions = jnp.full((batch, slots), -1, jnp.int32)
         stacks.append(StackCache(entries, positions, ring, window, attn.cache_split_heads))
@@ -117,7 +117,7 @@ def cache_pspecs(cache: KVCache) -> Any:
     leaves = []
     for s in cache.stacks:  # the leaves in KVCache's field order
         heads = spec.tensor_axis if s.split_heads else None
-        entry = PartitionSpec(None, spec.batch_entry(), spec.sequence_axes, heads, None)
+        entry = PartitionSpec(None, spec.batch_entry(), heads, spec.sequence_axes, None)
         leaves += [entry] * len(s.entries) + [spec.token_pspec()]
     leaves += [PartitionSpec(spec.batch_entry()), PartitionSpec(), PartitionSpec()]
     return jax.tree.structure(cache).unflatten(leaves)

@@ -136,6 +136,13 @@ class PallasBlockImpl(AbstractBlockImpl):
             kv_segment_ids,
         )  # fmt: skip
 
+    def attend_heads_major(self, qt: _Queries, k, v, kv_positions, kv_segment_ids):
+        """`attend` with K/V already in the kernels' heads-major layout (`[batch, kv_heads,
+        kv_seq, dim]`, the KV cache's): no transpose."""
+        return flash_forward_heads_major(
+            qt.cfg, qt.qh, k, v, qt.positions, kv_positions, qt.segment_ids, kv_segment_ids
+        )
+
     def attend_backward(
         self, qt: _Queries, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq
     ):

@@ -21,6 +21,7 @@ from .._checks import check_spec
 from .._partition import gather_for_compute
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
+from ..attention._decode import LayerCache
 from ._norm import RMSNorm
 
 REMAT_POLICIES = ("none", "full", "dots", "offload")
@@ -256,16 +257,20 @@ class LayerStack(eqx.Module):
         return lax.scan(body, x, eqx.filter(self.layers, eqx.is_array))
 
     def decode(self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl):
-        """One new token per row through every layer, each reading its slice of `cache`
-        (arrays stacked over the layers) and `cache_positions`.
+        """One new token per row through every layer, each reading its layer of `cache`
+        (arrays stacked over the layers, handed to the layer as a `LayerCache` view, so the
+        layer's slice is read in place rather than copied out) and `cache_positions`.
 
         **Returns:** `(x, new)`: the residual stream and the new token's cache entries,
         stacked over the layers (the caller writes them into the cache).
         """
+        cache = tuple(cache)
 
         def body(h, xs):
-            layer_params, layer_cache = xs
+            layer_params, index = xs
             layer = self._compute_layer(layer_params)
-            return layer.decode(h, positions, layer_cache, cache_positions, impl=impl)  # pyright: ignore[reportAttributeAccessIssue]
+            view = LayerCache(cache, index)
+            return layer.decode(h, positions, view, cache_positions, impl=impl)  # pyright: ignore[reportAttributeAccessIssue]
 
-        return lax.scan(body, x, (eqx.filter(self.layers, eqx.is_array), cache))
+        layers = jnp.arange(self.n_layers, dtype=jnp.int32)
+        return lax.scan(body, x, (eqx.filter(self.layers, eqx.is_array), layers))

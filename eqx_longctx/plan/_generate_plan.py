@@ -235,7 +235,7 @@ def cache_geometry(
             ring = -(-window // n) * n
         slots = per if ring is None else ring // n
         split = nt if attn.cache_split_heads else 1
-        entries = tuple((stack.n_layers, b, slots, h // split, d) for h, d in attn.cache_shapes())
+        entries = tuple((stack.n_layers, b, h // split, slots, d) for h, d in attn.cache_shapes())
         nbytes = sum(math.prod(e) for e in entries) * jnp.dtype(dtype).itemsize
         nbytes += b * slots * _I32  # the slots' positions
         out.append(StackCacheShape(paths[id(stack)], stack.n_layers, window, ring, slots,

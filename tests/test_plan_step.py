@@ -85,6 +85,24 @@ def test_prediction_is_within_tolerance_of_compiled(case):
     assert abs(ratio - 1) <= TOLERANCE, (case, ratio, predicted.breakdown(), compiled)
 
 
+def test_grad_accum_is_planned_per_micro_batch():
+    """`--grad-accum 4`: the prediction against the compiled accumulating step, and the
+    activations of a micro-batch (a quarter of the whole batch's)."""
+    run = trainer_run(_settings(mesh="data=2,context=4", seq_len=4096, batch_size=8,
+                                grad_accum=4, remat="none"))  # fmt: skip
+    spec = run.placement.spec
+    kw = dict(batch=8, seq=4096, remats=("none",), strategies=("ring",))
+    accumulated = plan_train_step(run.family, run.config, spec, grad_accum=4, **kw)
+    whole = plan_train_step(run.family, run.config, spec, **kw)
+    row = accumulated.row("ring", "none")
+    assert row.activations * 4 == pytest.approx(whole.row("ring", "none").activations, rel=1e-3)
+    compiled = compiled_bytes(compile_train_step(run))
+    ratio = row.device / compiled.device
+    assert abs(ratio - 1) <= TOLERANCE, (ratio, row.breakdown(), compiled)
+    with pytest.raises(ValueError, match="batch=8 rows must split into grad_accum=3"):
+        plan_train_step(run.family, run.config, spec, grad_accum=3, **kw)
+
+
 def test_offload_moves_the_layer_inputs_to_host_memory():
     config = el.model_family("llama").config.from_preset("tiny", max_seq_len=8192)
     plan = plan_train_step("llama", config, _spec("context=8", "ring"), batch=1, seq=8192)

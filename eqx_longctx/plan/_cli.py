@@ -90,6 +90,10 @@ def main(argv=None) -> None:
     p.add_argument("--strategy", default="auto", choices=STRATEGY_ORDER + ("auto",))
     p.add_argument("--load-balance", default="zigzag", choices=("none", "zigzag", "striped"))
     p.add_argument("--batch", "--batch-size", type=int, default=1, help="global batch rows")
+    p.add_argument(
+        "--grad-accum", type=int, default=1, metavar="K",
+        help="with --train: the batch runs as K micro-batches (the trainer's --grad-accum)",
+    )  # fmt: skip
     p.add_argument("--seq", "--seq-len", type=int, default=None,
                    help="sequence length (default 32768); --generate: cache tokens")  # fmt: skip
     p.add_argument("--heads", type=int, default=32)
@@ -238,6 +242,7 @@ def step_settings(args) -> Any:
         seq_len=args.seq, batch_size=args.batch, devices=math.prod(parse_mesh(args.mesh).values()),
         mesh=args.mesh, fsdp_axes=args.fsdp_axes, strategy=args.strategy,
         load_balance=args.load_balance, run_dir="unused", progress=False,
+        grad_accum=args.grad_accum,
     )  # fmt: skip
 
 
@@ -278,7 +283,7 @@ def _run_step(args) -> None:
     remats = REMATS if args.remat is None else (args.remat,)
     result = plan_train_step(
         run.family, run.config, spec, batch=args.batch, seq=args.seq, remats=remats,
-        memory_budget_bytes=budget, **extra,
+        memory_budget_bytes=budget, grad_accum=args.grad_accum, **extra,
     )  # fmt: skip
     result.problem["preset"] = args.preset
     row = result.chosen

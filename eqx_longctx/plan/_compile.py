@@ -174,7 +174,10 @@ def compile_train_step(run: TrainerRun):
     opt_state = placement.abstract_opt_state(optimizer, model)
     shardings = placement.step_shardings(optimizer, model)
     batch = placement.abstract_batch(t.batch_size, t.seq_len)
-    return lower_train_step(optimizer, model, opt_state, batch, shardings=shardings).compile()
+    lowered = lower_train_step(
+        optimizer, model, opt_state, batch, shardings=shardings, grad_accum=t.grad_accum
+    )
+    return lowered.compile()
 
 
 # ---- inference ---------------------------------------------------------------------------

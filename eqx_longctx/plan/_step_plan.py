@@ -155,6 +155,7 @@ def plan_train_step(
     memory_budget_bytes: int | float | None = None,
     flops_per_s: float = DEFAULT_FLOPS_PER_S,
     bytes_per_s: float = DEFAULT_BYTES_PER_S,
+    grad_accum: int = 1,
 ) -> StepPlan:
     """Predict the per-device memory of a train step; choose a strategy and remat policy.
 
@@ -173,12 +174,16 @@ def plan_train_step(
     - `memory_budget_bytes`: per-device budget in bytes, `> 0`; `None` picks the fastest
       row.
     - `flops_per_s`, `bytes_per_s`: roofline constants for the time estimate.
+    - `grad_accum`: `K` micro-batches per step (`eqx_longctx.train.make_train_step`): the
+      activations, attention, logits and layer work are one micro-batch's (`batch / K`
+      rows), plus a float32 gradient accumulator; the batch and the time are the step's.
 
     **Returns:** a `StepPlan`; when nothing fits the budget its `chosen` is `None` and its
     `reason` names what would fit.
 
     **Raises:** `ValueError` for an unknown `family` name, an unknown name in `strategies` or
-    `remats`, or an empty one; when `batch` does not split over the spec's batch axes or
+    `remats`, or an empty one; for a `grad_accum` that is not an int `>= 1` or does not
+    divide `batch`; when `batch` (or a micro-batch) does not split over the batch axes or
     `seq` over its sequence shards (`2N` chunks under `"zigzag"`); when the heads do not
     divide over the `tensor_axis` (multi-head latent attention's too); when a weight
     dimension does not split over its mesh axes (as `eqx_longctx.param_pspecs`); or when a
@@ -195,7 +200,17 @@ def plan_train_step(
         fix = " Or leave strategies=None to plan every strategy this mesh can run."
         strategies = check_names(strategies, where, "strategies", "strategy", STRATEGY_ORDER, fix)
     budget = check_memory_budget(memory_budget_bytes, where)
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise ValueError(f"{where}: grad_accum must be an int >= 1; got {grad_accum!r}.")
+    if batch % grad_accum:
+        raise ValueError(
+            f"{where}: batch={batch} rows must split into grad_accum={grad_accum} "
+            f"micro-batches; use a batch that is a multiple of {grad_accum}."
+        )
     spec.check_batch(batch)
+    spec.check_batch(batch // grad_accum, what=f"a micro-batch of batch={batch} / {grad_accum}")
+    full_local = batch // spec.batch_parallel_size
+    batch //= grad_accum  # what one micro-batch holds at a time
     n_seq = spec.context_parallel_size
     need = 2 * n_seq if spec.load_balance == "zigzag" else n_seq
     if seq % need:
@@ -209,7 +224,10 @@ def plan_train_step(
     model = eqx.filter_eval_shape(fam.model, config, key=jax.random.key(0), spec=spec)
     params = param_bytes_per_device(model, spec)
     opt_state = 2 * params  # AdamW's first and second moments, laid out as the parameters
-    batch_bytes = _BATCH_FIELDS * b_local * s_local * 4
+    grads = params
+    if grad_accum > 1:  # and the float32 sum of the micro-batches' gradients
+        grads += params * _F32 // jnp.dtype(config.param_dtype).itemsize
+    batch_bytes = _BATCH_FIELDS * full_local * s_local * 4
     ne = spec.axis_size(spec.expert_axis)
     per_stack = stack_activations(fam, config, batch=b_local, seq=s_local, tensor=nt, expert=ne)
     dtype = jnp.dtype(config.compute_dtype)
@@ -261,13 +279,13 @@ def plan_train_step(
                 rebuild = int(s.recompute * factor) if remat != "none" else 0
                 weights = gathered[s.path] * (1 if remat == "none" else 2)
                 work = max(work, rebuild + weights + attn_temp)
-            time = _time(active * b_local * s_local, cost, remat, flops_per_s)
+            time = grad_accum * _time(active * b_local * s_local, cost, remat, flops_per_s)
             rows.append(
                 StepMemory(
                     strategy,
                     remat,
                     params,
-                    params,
+                    grads,
                     opt_state,
                     batch_bytes,
                     acts,
@@ -281,7 +299,8 @@ def plan_train_step(
     budget = None if budget is None else int(budget)
     chosen, reason = _choose(rows, budget)
     problem = dict(
-        model=fam.name, seq=seq, batch=batch, mesh=dict(spec.mesh.shape),
+        model=fam.name, seq=seq, batch=batch * grad_accum, grad_accum=grad_accum,
+        mesh=dict(spec.mesh.shape),
         fsdp_axes=list(spec.fsdp_axis), tensor_axis=spec.tensor_axis,
         expert_axis=spec.expert_axis, load_balance=spec.load_balance,
         param_dtype=str(jnp.dtype(config.param_dtype)), compute_dtype=str(dtype),

@@ -17,18 +17,20 @@ from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import check_checkpoint_dir as check_checkpoint_dir
 from ._config import TrainConfig as TrainConfig
 from ._config import build_model_config as build_model_config
+from ._eval import check_batch as check_batch
+from ._eval import evaluate as evaluate
 from ._loop import Trainer as Trainer
 from ._metrics import MetricsLog as MetricsLog
 from ._metrics import TrainResult as TrainResult
 from ._metrics import plot_metrics as plot_metrics
 from ._parallel import Placement as Placement
-from ._step import check_batch as check_batch
 from ._step import decay_mask as decay_mask
-from ._step import evaluate as evaluate
 from ._step import loss_fn as loss_fn
+from ._step import loss_sum as loss_sum
 from ._step import make_optimizer as make_optimizer
 from ._step import make_schedule as make_schedule
 from ._step import make_train_step as make_train_step
+from ._step import micro_batches as micro_batches
 
 __all__ = [
     "Checkpointer",
@@ -43,8 +45,10 @@ __all__ = [
     "decay_mask",
     "evaluate",
     "loss_fn",
+    "loss_sum",
     "make_optimizer",
     "make_schedule",
     "make_train_step",
+    "micro_batches",
     "plot_metrics",
 ]

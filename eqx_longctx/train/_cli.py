@@ -72,7 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a field of the model's config, e.g. n_layers=2 (repeatable)",
     )
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per row")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per step")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per optimizer step")
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=d.grad_accum,
+        metavar="K",
+        help="run each step's rows as K micro-batches, gradients summed before one update",
+    )
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument(
@@ -317,6 +324,7 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             model_overrides=dict(args.override),
             seq_len=args.seq_len,
             batch_size=args.batch_size,
+            grad_accum=args.grad_accum,
             steps=args.steps,
             lr=args.lr,
             warmup_steps=args.warmup_steps,

@@ -84,7 +84,10 @@ class TrainConfig:
       and `"deepseek"`, or any family registered as a plugin: see `eqx_longctx.ModelFamily`).
     - `preset`: key of that family's presets (`eqx_longctx.model_family(model).presets`).
     - `model_overrides`: fields of the family's config to replace, e.g. `{"n_layers": 2}`.
-    - `seq_len`, `batch_size`: tokens per row, rows per step.
+    - `seq_len`, `batch_size`: tokens per row, rows per optimizer step.
+    - `grad_accum`: the step's rows run as this many micro-batches one after another, their
+      gradients summed in float32 before one optimizer update (`make_train_step`): the
+      same update with one micro-batch's activations. It must divide `batch_size`.
     - `steps`: total optimizer steps (the cosine schedule spans them).
     - `lr`, `warmup_steps`, `weight_decay`, `clip_norm`: see `make_optimizer`; `lr` finite
       and positive, `warmup_steps` below `steps` (`None`: `min(20, steps // 10)`).
@@ -118,6 +121,7 @@ class TrainConfig:
     model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seq_len: int = 256
     batch_size: int = 8
+    grad_accum: int = 1
     steps: int = 200
     lr: float = 3e-3
     warmup_steps: int | None = None
@@ -172,6 +176,7 @@ _LIBRARY_ONLY = ("keep_checkpoints", "val_fraction")
 _INTS = {
     "seq_len": (1, "tokens per row"),
     "batch_size": (1, "rows per step"),
+    "grad_accum": (1, "micro-batches per optimizer step"),
     "steps": (None, "optimizer steps"),  # ranges: check_optimizer_settings
     "warmup_steps": (None, "steps of learning-rate warmup"),
     "checkpoint_every": (1, "steps between checkpoints"),
@@ -223,7 +228,8 @@ def check_train_config(config: "TrainConfig") -> None:
       string or bool field that is not one, or `model_overrides` not a mapping with string
       keys.
     - `ValueError` for an integer below its minimum (`seq_len`, `batch_size`, the strides,
-      `keep_checkpoints`, `devices`, `max_bytes`, the evaluation sizes: 1; `seed`: 0), a
+      `keep_checkpoints`, `devices`, `max_bytes`, the evaluation sizes, `grad_accum`: 1;
+      `seed`: 0), a `batch_size` that `grad_accum` does not divide, a
       `seed >= 2**32`, `val_fraction` not strictly between 0 and 1, a `model`, `strategy`,
       `load_balance`, `on_nonfinite` or `remat` not among the choices, an optimizer setting
       out of range (`lr` finite and > 0, `steps >= 1`, `warmup_steps >= 0`,
@@ -322,6 +328,13 @@ def check_train_config(config: "TrainConfig") -> None:
     if config.devices > 1 or config.mesh is not None:
         shape = mesh_shape(config.mesh, config.devices)
     fsdp_axes_of(config.fsdp_axes, shape, config.mesh or default_mesh(config.devices))
+    k = config.grad_accum
+    if config.batch_size % k:
+        raise ValueError(
+            f"--batch-size (rows per optimizer step) must split into --grad-accum "
+            f"micro-batches; got --batch-size {config.batch_size} and --grad-accum {k}. Pass "
+            f"a --batch-size that is a multiple of {k} (e.g. {-(-config.batch_size // k) * k})."
+        )
     if config.resume and config.overwrite:
         raise ValueError(
             "--resume continues the checkpoints in --run-dir while --overwrite deletes them; "

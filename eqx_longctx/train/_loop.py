@@ -31,11 +31,12 @@ import numpy as np
 from .._family import model_family
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
 from ._config import TrainConfig, build_model_config
+from ._eval import check_batch, evaluate
 from ._metrics import MetricsLog, TrainResult, describe_loss, plot_metrics
 from ._parallel import Placement
 from ._processes import agree, is_primary, sync
 from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
-from ._step import check_batch, evaluate, make_optimizer, make_train_step
+from ._step import make_optimizer, make_train_step
 
 BatchHook = Callable[[int, Any], Any]
 
@@ -64,7 +65,7 @@ def _cached_train_step(config: TrainConfig, model_config, parallel: Placement, m
     settings, model config, sharding spec), so fresh Trainers reuse the compiled step."""
     warmup = config.warmup_steps or 0  # TrainConfig resolved None
     settings = (config.lr, warmup, config.steps, config.weight_decay, config.clip_norm)
-    key = (settings, model_config, parallel.spec)
+    key = (settings, model_config, parallel.spec, config.grad_accum)
     if key not in _STEP_CACHE:
         optimizer = make_optimizer(*settings)
         shardings = None
@@ -73,7 +74,9 @@ def _cached_train_step(config: TrainConfig, model_config, parallel: Placement, m
                 parallel.param_shardings(model),
                 parallel.opt_state_shardings(optimizer, model),
             )
-        step = make_train_step(optimizer, shardings=shardings, donate=True)
+        step = make_train_step(
+            optimizer, shardings=shardings, donate=True, grad_accum=config.grad_accum
+        )
         while len(_STEP_CACHE) >= 8:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
         _STEP_CACHE[key] = (optimizer, step)
@@ -140,8 +143,9 @@ class Trainer:
             vocab_size=self.model_config.vocab_size,
         )
         self.parallel.check_run(
-            config.batch_size, config.seq_len, self.model_config, family=self.family
-        )
+            config.batch_size, config.seq_len, self.model_config, family=self.family,
+            grad_accum=config.grad_accum,
+        )  # fmt: skip
         # The layout of every weight: a dimension the mesh does not divide fails here.
         self._abstract_model = self.parallel.abstract_model(self._make_model)
         self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig

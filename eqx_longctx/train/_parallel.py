@@ -91,7 +91,9 @@ class Placement:
 
     # ---- checks ------------------------------------------------------------------------
 
-    def check_run(self, batch_size: int, seq_len: int, model_config, family=None) -> None:
+    def check_run(
+        self, batch_size: int, seq_len: int, model_config, family=None, grad_accum: int = 1
+    ) -> None:
         """Check that a run's batches, the model's heads and its experts split over this
         mesh, before anything is built or traced.
 
@@ -103,6 +105,8 @@ class Placement:
         **Arguments:**
 
         - `batch_size`, `seq_len`: `--batch-size`, `--seq-len`.
+        - `grad_accum`: `--grad-accum`; each micro-batch of `batch_size / grad_accum` rows
+          must split over the batch axes.
         - `model_config`: the model's config.
         - `family`: its `eqx_longctx.ModelFamily` (or that family's name), which gives the
           attention heads (`attention_shape`) and the routed experts (`moe_shape`);
@@ -110,12 +114,12 @@ class Placement:
           is.
 
         **Raises:** `ValueError` (nothing on one device) when `family` is `None` and no
-        family has `model_config`'s class; when `batch_size` does not split
-        over the batch axes or `seq_len` over the spec's layout; the mesh has an `expert`
-        axis but the model has no routed experts, or their number is not divisible by it; or
-        the heads (MLA's too: they split over `tensor` like GQA's) do not split over the
-        `tensor` axis, or under `"ulysses"` / `"usp"` (also when `"auto"` picks one) over
-        the all-to-all axis.
+        family has `model_config`'s class; when `batch_size` (a micro-batch of it with
+        `grad_accum`) does not split over the batch axes or `seq_len` over the spec's
+        layout; the mesh has an `expert` axis but the model has no routed experts, or their
+        number is not divisible by it; or the heads (MLA's too: they split over `tensor`
+        like GQA's) do not split over the `tensor` axis, or under `"ulysses"` / `"usp"`
+        (also when `"auto"` picks one) over the all-to-all axis.
         """
         if self.spec is None:
             return
@@ -125,7 +129,12 @@ class Placement:
 
         family = _family(family, model_config)
         spec, mesh = self.spec, dict(self.mesh.shape)
-        spec.check_batch(batch_size, what=f"--batch-size {batch_size}")
+        if grad_accum > 1:
+            micro = batch_size // grad_accum
+            what = f"--batch-size {batch_size} / --grad-accum {grad_accum} = {micro} rows"
+            spec.check_batch(micro, what=f"a micro-batch ({what})")
+        else:
+            spec.check_batch(batch_size, what=f"--batch-size {batch_size}")
         try:
             check_sequence_length(spec, seq_len)
         except ValueError as e:

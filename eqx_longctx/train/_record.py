@@ -11,8 +11,8 @@ Every `TrainConfig` field falls in one of three groups:
   of every step after warmup, including ones already taken). Resuming with another value
   would not continue the same run, so `--resume` refuses it.
 - `RESHARDABLE_FLAGS` say where and how the same arithmetic runs (`devices`, `mesh`,
-  `fsdp_axes`, `strategy`, `load_balance`, `remat`: a checkpoint restores into the
-  shardings of the current mesh): changing them on resume gives the same
+  `fsdp_axes`, `strategy`, `load_balance`, `remat`, `grad_accum`: a checkpoint restores
+  into the shardings of the current mesh): changing them on resume gives the same
   mathematics, equal up to floating-point summation order (bitwise-exact resume holds for
   unchanged values only).
 - `FREE_FLAGS` are bookkeeping and policy (strides, evaluation sizes, checkpoints kept,
@@ -42,7 +42,9 @@ RUN_FLAGS = (
     "val_fraction",
     "seed",
 )
-RESHARDABLE_FLAGS = ("devices", "mesh", "fsdp_axes", "strategy", "load_balance", "remat")
+RESHARDABLE_FLAGS = (
+    "devices", "mesh", "fsdp_axes", "strategy", "load_balance", "remat", "grad_accum",
+)  # fmt: skip
 FREE_FLAGS = (
     "checkpoint_every",
     "eval_every",

@@ -3,15 +3,13 @@
 Everything here is a pure function of its arguments; the loop in `_loop.py` owns all state.
 """
 
-import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
@@ -184,6 +182,20 @@ def loss_fn(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
     **Raises:** as the model's call (e.g. `eqx_longctx.nn.AbstractDecoder.__call__`) for
     inputs it rejects.
     """
+    total, num_tokens = loss_sum(model, batch)
+    return total / jnp.maximum(num_tokens, 1.0), num_tokens
+
+
+def loss_sum(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """The summed masked token cross-entropy in nats and the token count (`loss_fn` is
+    their ratio): sums add over micro-batches, means do not.
+
+    **Arguments:** as [`loss_fn`][].
+
+    **Returns:** `(sum over tokens with loss_mask > 0, their count)`.
+
+    **Raises:** as [`loss_fn`][].
+    """
     logits = model(batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels
     spec = getattr(model, "spec", None)
@@ -193,8 +205,51 @@ def loss_fn(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
         cross_entropy = spec.auto_axes(cross_entropy, spec.token_pspec())
     ce = cross_entropy(logits.astype(jnp.float32), batch.targets)
     mask = batch.loss_mask.astype(jnp.float32)
-    num_tokens = jnp.sum(mask)
-    return jnp.sum(ce * mask) / jnp.maximum(num_tokens, 1.0), num_tokens
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def micro_batches(batch, grad_accum: int):
+    """`batch` (`[rows, ...]` arrays) as `grad_accum` micro-batches stacked on a new leading
+    axis: micro-batch `k` holds rows `k, k + K, k + 2K, ...`, so that each device's rows
+    (a contiguous block when the rows are split over the batch axes) hold an equal share of
+    every micro-batch and splitting moves no data.
+
+    **Arguments:**
+
+    - `batch`: a `Batch` (any pytree of arrays with the rows first).
+    - `grad_accum`: `K`, which must divide the rows.
+
+    **Returns:** the same pytree of `[K, rows / K, ...]` arrays.
+    """
+
+    def split(x):
+        x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def _accumulated_grads(params, static, batch, grad_accum: int, constrain):
+    """`((loss, num_tokens), grads)` of the whole batch from `grad_accum` micro-batches run
+    one after another in a `lax.scan`: float32 sums of the losses' sums, token counts and
+    gradients, divided by the whole batch's token count once at the end (so the result is
+    the one-batch mean, whatever tokens each micro-batch holds)."""
+
+    def sum_of_params(p, micro):
+        return loss_sum(eqx.combine(p, static), micro)
+
+    def body(carry, micro):
+        grads, total, count = carry
+        (s, n), g = jax.value_and_grad(sum_of_params, has_aux=True)(params, micro)
+        grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        return (constrain(grads), total + s, count + n), None
+
+    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads, total, count), _ = jax.lax.scan(body, init, micro_batches(batch, grad_accum))
+    denom = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
+    return (total / denom, count), grads
 
 
 def _learning_rate(opt_state) -> Float[Array, ""]:
@@ -230,6 +285,7 @@ def make_train_step(
     tokenizer: Any = _BYTES,
     shardings: tuple[Any, Any] | None = None,
     donate: bool = False,
+    grad_accum: int = 1,
 ) -> TrainStep:
     """Build the jitted `train_step(model, opt_state, batch) -> (model, opt_state, metrics)`.
 
@@ -249,12 +305,25 @@ def make_train_step(
       device reduces and updates only its shard). `None`: XLA chooses.
     - `donate`: reuse the buffers of the model and optimizer state passed in for the ones
       returned (their memory is not held twice; the inputs must not be used afterwards).
+    - `grad_accum`: `K`, the batch's rows are run as `K` micro-batches one after another
+      (a `lax.scan`; see [`micro_batches`][]), their loss sums, token counts and gradients
+      summed in float32, and the optimizer applied once: the same update as the whole
+      batch at once (up to summation order), holding one micro-batch's activations. `K`
+      must divide the batch's rows (and each micro-batch split over the batch axes).
 
     **Returns:** the step function. `metrics` holds scalars `loss` (nats per token),
     `bits_per_token`, `grad_norm` (before clipping), `lr` (used for this update), `tokens`
     (loss-bearing tokens), `finite`, and for a byte tokenizer `bpb` (bits per byte of
     text) and `bytes`.
+
+    **Raises:** `ValueError` when `grad_accum` is not an int `>= 1`; the step raises it
+    when `grad_accum` does not divide a batch's rows.
     """
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise ValueError(
+            f"grad_accum (--grad-accum) must be an int >= 1 (micro-batches per optimizer "
+            f"step); got {grad_accum!r}. Pass e.g. grad_accum=1 (no accumulation)."
+        )
     byte_ids = byte_ids_of(tokenizer)
     param_sh, opt_sh = (None, None) if shardings is None else shardings
 
@@ -269,7 +338,20 @@ def make_train_step(
         def loss_of_params(p):
             return loss_fn(eqx.combine(p, static), batch)
 
-        (loss, num_tokens), grads = jax.value_and_grad(loss_of_params, has_aux=True)(params)
+        if grad_accum == 1:
+            value_and_grad = jax.value_and_grad(loss_of_params, has_aux=True)
+            (loss, num_tokens), grads = value_and_grad(params)
+        else:
+            rows = batch.tokens.shape[0]
+            if rows % grad_accum:
+                raise ValueError(
+                    f"a batch of {rows} rows does not split into grad_accum={grad_accum} "
+                    f"micro-batches; pass a batch size that is a multiple of {grad_accum} "
+                    "(--batch-size is the rows per optimizer step)."
+                )
+            (loss, num_tokens), grads = _accumulated_grads(
+                params, static, batch, grad_accum, lambda t: constrain(t, param_sh)
+            )
         grads = constrain(grads, param_sh)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -302,6 +384,7 @@ def lower_train_step(
     *,
     tokenizer: Any = _BYTES,
     shardings: tuple[Any, Any] | None = None,
+    grad_accum: int = 1,
 ) -> jax.stages.Lowered:
     """Lower (trace, never run) the step [`make_train_step`][] builds, for abstract inputs:
     what one step of a run compiles to, without allocating its model.
@@ -311,8 +394,8 @@ def lower_train_step(
 
     **Arguments:**
 
-    - `optimizer`, `tokenizer`, `shardings`: as for [`make_train_step`][] (a run's
-      `shardings` are `Placement.step_shardings`).
+    - `optimizer`, `tokenizer`, `shardings`, `grad_accum`: as for [`make_train_step`][]
+      (a run's `shardings` are `Placement.step_shardings`).
     - `model`: the model with `jax.ShapeDtypeStruct` arrays carrying their shardings
       (`Placement.abstract_model`), or with real arrays.
     - `opt_state`: its optimizer state, likewise (`Placement.abstract_opt_state`).
@@ -321,7 +404,8 @@ def lower_train_step(
     **Returns:** the `jax.stages.Lowered` step; `.compile().memory_analysis()` gives its
     bytes per device.
     """
-    step = make_train_step(optimizer, tokenizer=tokenizer, shardings=shardings)
+    step = make_train_step(optimizer, tokenizer=tokenizer, shardings=shardings,
+                           grad_accum=grad_accum)  # fmt: skip
     arrays, static = eqx.partition(model, _is_array_or_shape)
 
     def run(arrays, opt_state, batch):
@@ -334,106 +418,3 @@ def lower_train_step(
 
 def _is_array_or_shape(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
-
-
-@eqx.filter_jit
-def _eval_sums(model, batch, byte_ids) -> tuple[Float[Array, ""], ...]:
-    loss, num_tokens = loss_fn(model, batch)
-    units = _units(loss, num_tokens, batch, byte_ids)
-    return loss * num_tokens, num_tokens, units.get("bytes", jnp.zeros((), jnp.float32))
-
-
-def evaluate(
-    model,
-    dataset,
-    batch_size: int,
-    *,
-    max_batches: int | None = None,
-    put: Callable[[Any], Any] | None = None,
-    tokenizer: Any = _BYTES,
-) -> dict[str, float]:
-    """Token-weighted cross-entropy of `model` over a dataset's evaluation batches.
-
-    **Arguments:**
-
-    - `model`: the model to score.
-    - `dataset`: has `eval_batches(batch_size)` yielding `Batch`es (e.g. the validation
-      split from `eqx_longctx.data.load_datasets`).
-    - `batch_size`: rows per batch.
-    - `max_batches`: score only this many batches (`None`: the whole split), evenly
-      spaced over the split when the dataset has `num_rows` (so a partial evaluation
-      estimates the full one), else the first ones.
-    - `put`: places each batch on devices (e.g. shards it); default leaves it as is.
-    - `tokenizer`: as for [`make_train_step`][].
-
-    **Returns:** `{"loss": nats per token, "bits_per_token", "tokens": count}`, and for a
-    byte tokenizer `"bpb"` (bits per byte of text) and `"bytes"`.
-
-    **Raises:** `ValueError` when the batches scored hold no loss-bearing token (an empty
-    split, or `max_batches=0`), and as `dataset.eval_batches` / `dataset.get` (e.g.
-    `GrainEvalBatches.eval_batches` for a `batch_size` other than its own).
-    """
-    byte_ids = byte_ids_of(tokenizer)
-    num_rows = getattr(dataset, "num_rows", None)
-    picks: list[int] | None = None
-    if max_batches is not None and isinstance(num_rows, int):
-        num_batches = -(-num_rows // batch_size)
-        spaced = np.linspace(0, num_batches - 1, min(max_batches, num_batches))
-        picks = sorted(set(np.round(spaced).astype(int).tolist()))
-    if picks is not None and callable(getattr(dataset, "get", None)):
-        batches: Iterable = (dataset.get(i) for i in picks)  # random access: read only those
-    elif picks is not None:
-        keep = set(picks)
-        batches = (b for i, b in enumerate(dataset.eval_batches(batch_size)) if i in keep)
-    else:
-        batches = itertools.islice(dataset.eval_batches(batch_size), max_batches)
-    total, count, num_bytes = 0.0, 0.0, 0.0
-    for batch in batches:
-        if put is not None:
-            batch = put(batch)
-        loss_sum, num_tokens, batch_bytes = _eval_sums(model, batch, byte_ids)
-        total += float(loss_sum)
-        count += float(num_tokens)
-        num_bytes += float(batch_bytes)
-    if count == 0:
-        raise ValueError(
-            "evaluate needs at least one loss-bearing token; the dataset yielded none "
-            f"(batch_size={batch_size}, max_batches={max_batches}). Use a larger validation "
-            "split (more data or a larger val_fraction) or a smaller batch size."
-        )
-    loss = total / count
-    out = {"loss": loss, "bits_per_token": loss / _LN2, "tokens": count}
-    if byte_ids is not None:
-        out.update(bpb=total / _LN2 / max(num_bytes, 1.0), bytes=num_bytes)
-    return out
-
-
-def check_batch(batch, vocab_size: int) -> None:
-    """Check once, on the host, that every token and target id lies in `[0, vocab_size)`.
-
-    **Arguments:**
-
-    - `batch`: a `Batch` of host arrays, or of global `jax.Array`s (then the shards this
-      process holds are checked: each process checks its own part).
-    - `vocab_size`: the model's vocabulary size.
-
-    **Raises:** `ValueError` naming the range of ids seen when a token or target id lies
-    outside `[0, vocab_size)`.
-    """
-    for name in ("tokens", "targets"):
-        parts = _host_parts(getattr(batch, name))
-        lo, hi = min(int(p.min()) for p in parts), max(int(p.max()) for p in parts)
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(
-                f"every {name} id must lie in [0, vocab_size) = [0, {vocab_size}); got ids in "
-                f"[{lo}, {hi}]. Use a tokenizer whose vocab_size fits the model, or build the "
-                f"model with vocab_size >= {hi + 1}."
-            )
-
-
-def _host_parts(x) -> list[np.ndarray]:
-    """The parts of `x` this process can read: a host array whole, a `jax.Array` as its
-    addressable shards (in a multi-process run the rest lives on other hosts)."""
-    if isinstance(x, jax.Array):
-        return [np.asarray(s.data) for s in x.addressable_shards]
-    return [np.asarray(x)]

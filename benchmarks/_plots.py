@@ -226,6 +226,31 @@ def fsdp(rows: list[dict], directory) -> list[Path]:
     return [_save(fig, directory, "fsdp")]
 
 
+def train_step(rows: list[dict], directory) -> list[Path]:
+    """The trainer's step time split into the device step, data and other host work, and
+    tokens/s, per configuration."""
+    names = [r["name"] for r in rows]
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(rows))
+    device = [r["device"] * 1e3 for r in rows]
+    data = [r["data"] * 1e3 for r in rows]
+    host = [r["host"] * 1e3 for r in rows]
+    ax_t.bar(x, device, color="C2", label="device step")
+    ax_t.bar(x, data, bottom=device, color="C1", label="data (fetch + place)")
+    ax_t.bar(x, host, bottom=[a + b for a, b in zip(device, data, strict=True)], color="C7",
+             label="other host work")  # fmt: skip
+    ax_t.set_xticks(list(x), names)
+    ax_t.set(ylabel="ms per step (median)", title="where a step's time goes")
+    ax_r.bar(x, [r["tokens_per_s"] for r in rows], color="C0")
+    ax_r.set_xticks(list(x), names)
+    ax_r.set(ylabel="tokens / s", title="throughput (the loop's steps)")
+    for ax in (ax_t, ax_r):
+        ax.grid(alpha=0.3, axis="y")
+    ax_t.legend(fontsize=8)
+    fig.suptitle("The trainer's step on 8 fake CPU devices")
+    return [_save(fig, directory, "train_step")]
+
+
 def kernels(rows: list[dict], title: str, directory) -> list[Path]:
     """TFLOP/s of our kernel and splash attention against sequence length (on a TPU)."""
     seqs = [r["seq"] for r in rows]

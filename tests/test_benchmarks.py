@@ -28,6 +28,10 @@ SCRIPTS = {  # script: (toy arguments, the PNGs its --plot must write)
         "--prompts 64 --new-tokens 5 --repeats 1 --cache-lens 1024 2048 --b-layers 1".split(),
         ["generate"],
     ),
+    "train_step": (
+        "--configs main --steps 2 --warmup 1 --repeats 1".split(),
+        ["train_step"],
+    ),
     "fsdp": (
         "--dim 32 --layers 1 --hidden 64 --heads 2 --vocab 128 --seq 32 --repeats 1 "
         "--fsdp 1 2".split(),

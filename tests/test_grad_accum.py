@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 from test_train import SEQ, params_of, small_config
-from test_train_sharded import LLAMA, assert_same_run, build
+from test_train_sharded import LLAMA, assert_same_run, build, run_steps
 
 from eqx_longctx.train import (
     TrainConfig,
@@ -19,8 +19,6 @@ from eqx_longctx.train import (
 )
 from eqx_longctx.train._parallel import Placement
 from eqx_longctx.train._step import lower_train_step
-
-BATCH = 8
 
 
 @pytest.fixture(scope="module")
@@ -38,24 +36,6 @@ def _uneven(batch):
     return batch._replace(loss_mask=mask)
 
 
-def _run(placement: Placement, datasets, grad_accum: int, steps: int = 3):
-    optimizer = make_optimizer(1e-2, 1, 8, weight_decay=0.1, eps=1e-4)
-    model, opt_state = build(placement, LLAMA, optimizer)
-    shardings = None
-    if placement.spec is not None:
-        shardings = (
-            placement.param_shardings(model),
-            placement.opt_state_shardings(optimizer, model),
-        )
-    step = make_train_step(optimizer, shardings=shardings, donate=True, grad_accum=grad_accum)
-    losses = []
-    for i in range(steps):
-        batch = placement.shard_batch(_uneven(datasets[0].batch(i, BATCH)))
-        model, opt_state, metrics = step(model, opt_state, batch)
-        losses.append(float(metrics["loss"]))
-    return losses, model, opt_state
-
-
 @pytest.mark.parametrize(
     ("devices", "mesh", "k"),
     [
@@ -67,7 +47,8 @@ def _run(placement: Placement, datasets, grad_accum: int, steps: int = 3):
 )
 def test_micro_batches_equal_one_batch(datasets, devices, mesh, k):
     placement = Placement(devices, mesh)
-    assert_same_run(_run(placement, datasets, k), _run(placement, datasets, 1))
+    accumulated = run_steps(placement, datasets, 3, grad_accum=k, prepare=_uneven)
+    assert_same_run(accumulated, run_steps(placement, datasets, 3, prepare=_uneven))
 
 
 def test_micro_batches_hold_every_row_once():

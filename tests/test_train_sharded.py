@@ -57,8 +57,12 @@ def build(placement: Placement, config, optimizer):
     return model, placement.init_opt_state(optimizer, model)
 
 
-def run_steps(placement: Placement, datasets, steps: int = 2, config=LLAMA):
-    """`steps` train steps of the small Llama under `placement`: (losses, model, opt_state).
+def run_steps(
+    placement: Placement, datasets, steps: int = 2, config=LLAMA, grad_accum: int = 1,
+    prepare=lambda batch: batch,
+):  # fmt: skip
+    """`steps` train steps of the small Llama under `placement`: (losses, model, opt_state),
+    each batch passed through `prepare` before it is placed.
 
     Adam's epsilon is raised from 1e-8 so that a weight whose gradient is nearly zero does
     not turn summation-order noise into a full-size update."""
@@ -70,10 +74,10 @@ def run_steps(placement: Placement, datasets, steps: int = 2, config=LLAMA):
             placement.param_shardings(model),
             placement.opt_state_shardings(optimizer, model),
         )
-    step = make_train_step(optimizer, shardings=shardings, donate=True)
+    step = make_train_step(optimizer, shardings=shardings, donate=True, grad_accum=grad_accum)
     losses = []
     for i in range(steps):
-        batch = placement.shard_batch(datasets[0].batch(i, BATCH))
+        batch = placement.shard_batch(prepare(datasets[0].batch(i, BATCH)))
         model, opt_state, metrics = step(model, opt_state, batch)
         losses.append(float(metrics["loss"]))
     return losses, model, opt_state

@@ -55,9 +55,14 @@ SETTINGS = dict(
 )
 MESHES = {"ring": "context=8", "usp": "ulysses=2,context=4"}
 RESUME_MESHES = {"usp": "fsdp=2,ulysses=2,context=2"}  # weights split across the processes
-# Summation order differs across the gloo all-reduce: float32 rounding, nothing more.
+# Summation order differs across the gloo all-reduce: float32 rounding, nothing more. The
+# losses agree to 1e-6 at every step. After 4 Adam steps a parameter whose gradient is near
+# zero can differ by more: Adam divides the gradient by its running RMS, and rounding noise
+# divided by a tiny RMS is not tiny. Measured: at most 1.3e-5 on one of 8192 weights of the
+# ring case (under the tests' LLVM -O0 backend; 0 over 1e-5 at -O2). A wrong shard, batch
+# or reduction moves the losses and thousands of weights by orders of magnitude more.
 LOSS_RTOL = 1e-6
-PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5
+PARAM_RTOL, PARAM_ATOL = 1e-5, 3e-5
 
 
 def flags(settings: dict) -> list[str]:

@@ -103,6 +103,30 @@ def test_grad_accum_is_planned_per_micro_batch():
         plan_train_step(run.family, run.config, spec, grad_accum=3, **kw)
 
 
+@pytest.mark.parametrize("loss_chunk", [None, 0])
+def test_the_loss_is_planned_in_chunks_or_whole(loss_chunk):
+    """A 64K vocabulary split over a tensor axis, 2048 tokens per device: the whole logits
+    (`--loss-chunk 0`: every device's tokens over its half of the vocabulary) dominate the
+    step; the chunked loss holds 1024 of those tokens at a time. Both predictions against
+    the compiled step."""
+    run = trainer_run(
+        _settings(mesh="tensor=2,context=4", remat="full", loss_chunk=loss_chunk,
+                  model_overrides={"vocab_size": 65536})
+    )  # fmt: skip
+    spec = run.placement.spec
+    kw = dict(batch=1, seq=8192, remats=("full",), strategies=("ring",), loss_chunk=loss_chunk)
+    row = plan_train_step(run.family, run.config, spec, **kw).row("ring", "full")
+    tokens, half = 8192 // 4, 65536 // 2
+    if loss_chunk == 0:
+        assert row.logits == int(2.5 * tokens * half * 4)
+    else:
+        chunk = (128 * 2**20) // (4 * half)
+        assert chunk < tokens and row.logits == int(2.5 * chunk * half * 4)
+    compiled = compiled_bytes(compile_train_step(run))
+    ratio = row.device / compiled.device
+    assert abs(ratio - 1) <= TOLERANCE, (ratio, row.breakdown(), compiled)
+
+
 def test_offload_moves_the_layer_inputs_to_host_memory():
     config = el.model_family("llama").config.from_preset("tiny", max_seq_len=8192)
     plan = plan_train_step("llama", config, _spec("context=8", "ring"), batch=1, seq=8192)

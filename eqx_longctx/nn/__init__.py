@@ -21,6 +21,8 @@ from ._decoder import AbstractDecoder as AbstractDecoder
 from ._inputs import check_shapes as check_shapes
 from ._inputs import check_token_ids as check_token_ids
 from ._inputs import prepare_inputs as prepare_inputs
+from ._loss import LOSS_CHUNK_BYTES as LOSS_CHUNK_BYTES
+from ._loss import chunked_cross_entropy as chunked_cross_entropy
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._mlp import SwiGLU as SwiGLU
 from ._moe import GROUPED_MATMULS as GROUPED_MATMULS
@@ -36,6 +38,8 @@ from ._transformer import DecoderBlock as DecoderBlock
 from ._transformer import LayerStack as LayerStack
 
 __all__ = [
+    "LOSS_CHUNK_BYTES",
+    "chunked_cross_entropy",
     "check_shapes",
     "check_token_ids",
     "prepare_inputs",

@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from .._partition import param_pspecs
@@ -62,13 +63,29 @@ class AbstractDecoder(eqx.Module):
     def head(self, x: Hidden) -> Logits:
         """The final norm and output head: `[batch, seq, embed]` last hidden states (what
         `run_layers` returns) to `[batch, seq, vocab]` float32 logits."""
+        x = self.norm(x.astype(self.config.compute_dtype))
+        return jnp.einsum("bse,ev->bsv", x, self.head_weight(), preferred_element_type=jnp.float32)
+
+    def head_weight(self) -> Float[Array, "embed vocab"]:
+        """**Returns:** the output head `[embed, vocab]` in the compute dtype and its compute
+        layout (gathered over fsdp, the vocabulary split as the rules table says): `lm_head`,
+        or the transposed token embedding of a tied model. With [`hidden_states`][] it is
+        what `eqx_longctx.nn.chunked_cross_entropy` takes."""
         dtype = jnp.dtype(self.config.compute_dtype)
-        x = self.norm(x.astype(dtype))
         if self.lm_head is None:
-            weight, pattern = self._gathered("embed"), "bse,ve->bsv"
-        else:
-            weight, pattern = self._gathered("lm_head"), "bse,ev->bsv"
-        return jnp.einsum(pattern, x, weight.astype(dtype), preferred_element_type=jnp.float32)
+            return self._gathered("embed").astype(dtype).T
+        return self._gathered("lm_head").astype(dtype)
+
+    def head_pspec(self) -> PartitionSpec | None:
+        """**Returns:** the partition spec of [`head_weight`][] under the spec (its second
+        entry: the mesh axes the vocabulary is split over), or `None` without a spec."""
+        if self.spec is None:
+            return None
+        pspecs = param_pspecs(self, gathered=True)
+        if self.lm_head is None:
+            vocab, embed = tuple(pspecs.embed)
+            return PartitionSpec(embed, vocab)
+        return PartitionSpec(*pspecs.lm_head)
 
     @property
     def _config_name(self) -> str:
@@ -166,6 +183,27 @@ class AbstractDecoder(eqx.Module):
         sequence longer than `max_seq_len`, or a batch or sequence that does not split over
         the spec's mesh.
         """
+        return self._run(type(self)._embed_and_forward, tokens, positions, segment_ids)
+
+    def hidden_states(
+        self,
+        tokens: object,
+        positions: object = None,
+        segment_ids: object = None,
+    ) -> Hidden:
+        """The final hidden states: what `__call__` computes before the output head (after
+        the final norm), for losses that never hold the whole logits
+        (`eqx_longctx.nn.chunked_cross_entropy` with [`head_weight`][]).
+
+        **Arguments:** as `__call__`.
+
+        **Returns:** `[batch, seq, embed]` hidden states in the compute dtype.
+
+        **Raises:** as `__call__`.
+        """
+        return self._run(type(self)._embed_and_hidden, tokens, positions, segment_ids)
+
+    def _run(self, fn, tokens, positions, segment_ids):
         tokens, positions, segment_ids = prepare_inputs(
             tokens,
             positions,
@@ -176,20 +214,27 @@ class AbstractDecoder(eqx.Module):
             config_name=self._config_name,
         )
         if self.spec is None:
-            return self._embed_and_forward(tokens, positions, segment_ids)
+            return fn(self, tokens, positions, segment_ids)
         # The lookup runs inside auto_axes too: a gather of replicated embeddings by tokens
         # sharded over an Explicit mesh needs no output-sharding annotation there.
-        run = self.spec.auto_axes(type(self)._embed_and_forward, self.spec.activation_pspec())
+        run = self.spec.auto_axes(fn, self.spec.activation_pspec())
         return run(self, tokens, positions, segment_ids)
 
     def _embed_and_forward(self, tokens, positions, segment_ids):
         return self._forward(self.embed_tokens(tokens), positions, segment_ids)
 
+    def _embed_and_hidden(self, tokens, positions, segment_ids):
+        x = self._last_hidden(self.embed_tokens(tokens), positions, segment_ids)
+        return self.norm(x.astype(self.config.compute_dtype))
+
     def _forward(self, x, positions, segment_ids):
+        return self.head(self._last_hidden(x, positions, segment_ids))
+
+    def _last_hidden(self, x, positions, segment_ids):
         dtype = jnp.dtype(self.config.compute_dtype)
         if self.spec is not None:
             x = self.spec.place(x, self.spec.activation_pspec())
             positions = self.spec.place(positions, self.spec.token_pspec())
             if segment_ids is not None:
                 segment_ids = self.spec.place(segment_ids, self.spec.token_pspec())
-        return self.head(self.run_layers(x.astype(dtype), positions, segment_ids))
+        return self.run_layers(x.astype(dtype), positions, segment_ids)

@@ -94,6 +94,11 @@ def main(argv=None) -> None:
         "--grad-accum", type=int, default=1, metavar="K",
         help="with --train: the batch runs as K micro-batches (the trainer's --grad-accum)",
     )  # fmt: skip
+    p.add_argument(
+        "--loss-chunk", type=int, default=None, metavar="TOKENS",
+        help="with --train: tokens per chunk of the loss (the trainer's --loss-chunk; default "
+        "automatic, 0: the whole logits)",
+    )  # fmt: skip
     p.add_argument("--seq", "--seq-len", type=int, default=None,
                    help="sequence length (default 32768); --generate: cache tokens")  # fmt: skip
     p.add_argument("--heads", type=int, default=32)
@@ -242,7 +247,7 @@ def step_settings(args) -> Any:
         seq_len=args.seq, batch_size=args.batch, devices=math.prod(parse_mesh(args.mesh).values()),
         mesh=args.mesh, fsdp_axes=args.fsdp_axes, strategy=args.strategy,
         load_balance=args.load_balance, run_dir="unused", progress=False,
-        grad_accum=args.grad_accum,
+        grad_accum=args.grad_accum, loss_chunk=args.loss_chunk,
     )  # fmt: skip
 
 
@@ -283,7 +288,8 @@ def _run_step(args) -> None:
     remats = REMATS if args.remat is None else (args.remat,)
     result = plan_train_step(
         run.family, run.config, spec, batch=args.batch, seq=args.seq, remats=remats,
-        memory_budget_bytes=budget, grad_accum=args.grad_accum, **extra,
+        memory_budget_bytes=budget, grad_accum=args.grad_accum, loss_chunk=args.loss_chunk,
+        **extra,
     )  # fmt: skip
     result.problem["preset"] = args.preset
     row = result.chosen

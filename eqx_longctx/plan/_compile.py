@@ -175,8 +175,9 @@ def compile_train_step(run: TrainerRun):
     shardings = placement.step_shardings(optimizer, model)
     batch = placement.abstract_batch(t.batch_size, t.seq_len)
     lowered = lower_train_step(
-        optimizer, model, opt_state, batch, shardings=shardings, grad_accum=t.grad_accum
-    )
+        optimizer, model, opt_state, batch, shardings=shardings, grad_accum=t.grad_accum,
+        loss_chunk=t.loss_chunk,
+    )  # fmt: skip
     return lowered.compile()
 
 

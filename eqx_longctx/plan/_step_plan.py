@@ -19,10 +19,11 @@ context-parallel strategy the mesh can run and every remat policy, and picks the
 - **layer backward**: the working set of the layer being differentiated: its attention
   temporaries (the attention cost model, `eqx_longctx.attention._cost`) and, when the layer
   is recomputed (`"full"`, `"dots"`, `"offload"`), the activations it rebuilds;
-- **logits and loss**: float32 logits of the local tokens over the whole vocabulary (the
-  loss runs in the token layout, so a tensor axis does not split them), their softmax and
-  their gradient; with fsdp axes also the output head gathered, and its gradient before
-  the reduce-scatter.
+- **logits and loss**: float32 logits over the device's vocabulary shard (the tensor
+  axis splits the vocabulary), their softmax and their gradient: of one chunk of tokens
+  under the chunked loss (the trainer's default, `loss_chunk=None`), of all the device's
+  tokens with `loss_chunk=0`; with fsdp axes also the output head gathered, and its
+  gradient before the reduce-scatter.
 
 The peak is parameters + gradients + optimizer state + batch + activations + the larger of
 the layer backward and the logits. The parameters and optimizer state passed in are donated
@@ -53,6 +54,7 @@ from ..attention._choose import plan as plan_attention
 from ..attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, STRATEGY_ORDER
 from ..attention._explain import gib
 from ..attention._validate import check_tensor_heads
+from ..nn._loss import check_loss_chunk, loss_chunk_tokens
 from ._activations import REMATS, stack_activations, stacks
 from ._explain import step_table
 
@@ -156,6 +158,7 @@ def plan_train_step(
     flops_per_s: float = DEFAULT_FLOPS_PER_S,
     bytes_per_s: float = DEFAULT_BYTES_PER_S,
     grad_accum: int = 1,
+    loss_chunk: int | None = None,
 ) -> StepPlan:
     """Predict the per-device memory of a train step; choose a strategy and remat policy.
 
@@ -177,6 +180,8 @@ def plan_train_step(
     - `grad_accum`: `K` micro-batches per step (`eqx_longctx.train.make_train_step`): the
       activations, attention, logits and layer work are one micro-batch's (`batch / K`
       rows), plus a float32 gradient accumulator; the batch and the time are the step's.
+    - `loss_chunk`: the trainer's `--loss-chunk` (`eqx_longctx.train.loss_fn`): `None`
+      automatic chunks, `k` tokens per chunk, `0` the whole logits.
 
     **Returns:** a `StepPlan`; when nothing fits the budget its `chosen` is `None` and its
     `reason` names what would fit.
@@ -200,6 +205,7 @@ def plan_train_step(
         fix = " Or leave strategies=None to plan every strategy this mesh can run."
         strategies = check_names(strategies, where, "strategies", "strategy", STRATEGY_ORDER, fix)
     budget = check_memory_budget(memory_budget_bytes, where)
+    check_loss_chunk(loss_chunk)
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(f"{where}: grad_accum must be an int >= 1; got {grad_accum!r}.")
     if batch % grad_accum:
@@ -242,9 +248,7 @@ def plan_train_step(
             for name, c in attn.costs.items()
             if c.feasible and c.runnable and (spec.strategy in ("auto", name))
         )
-    # The loss runs in the token layout, so the logits are gathered over the tensor axis:
-    # each device holds its tokens' logits over the whole vocabulary.
-    logits = int(LOGIT_COPIES * b_local * s_local * config.vocab_size * _F32)
+    logits, head_recompute = _loss_bytes(model, spec, b_local * s_local, loss_chunk)
     gathered = _gathered_layer_bytes(model, spec)
     param_itemsize = jnp.dtype(config.param_dtype).itemsize
     if spec.fsdp_axis:  # the output head gathered over the fsdp axes, its compute-dtype
@@ -279,7 +283,8 @@ def plan_train_step(
                 rebuild = int(s.recompute * factor) if remat != "none" else 0
                 weights = gathered[s.path] * (1 if remat == "none" else 2)
                 work = max(work, rebuild + weights + attn_temp)
-            time = grad_accum * _time(active * b_local * s_local, cost, remat, flops_per_s)
+            param_tokens = (active + head_recompute) * b_local * s_local
+            time = grad_accum * _time(param_tokens, cost, remat, flops_per_s)
             rows.append(
                 StepMemory(
                     strategy,
@@ -323,6 +328,29 @@ def as_family(family: Any, where: str) -> ModelFamily:
         f"{where} needs family=a ModelFamily or the name of one (e.g. 'llama'); got "
         f"{type(family).__name__} {family!r}. Pass eqx_longctx.model_family(name)."
     )
+
+
+def _loss_bytes(model: Any, spec: ShardingSpec, tokens: int, loss_chunk: int | None):
+    """`(bytes, head parameters run again per token)` of the loss on one device.
+
+    The logits of a device's tokens are split over the axes that split the output head's
+    vocabulary (the tensor axis): the whole logits (`loss_chunk=0`) are `tokens x vocab
+    shard`, the chunked loss holds one chunk of `chunk x vocab shard` (all the tokens when
+    one chunk takes them: nothing to recompute). With several chunks its backward runs the
+    head's forward again (2 more FLOPs per head parameter and token, on top of 6).
+    """
+    pspec = model.head_pspec()
+    entry = pspec[1] if pspec is not None and len(pspec) > 1 else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    local = model.config.vocab_size // math.prod(spec.axis_size(a) for a in axes)
+    if loss_chunk == 0:
+        chunk = tokens
+    elif loss_chunk is None:
+        chunk = loss_chunk_tokens(local, tokens)
+    else:
+        chunk = min(loss_chunk, tokens)
+    recompute = 0.0 if chunk >= tokens else model.config.dim * local / 3
+    return int(LOGIT_COPIES * chunk * local * _F32), recompute
 
 
 def _gathered_layer_bytes(model: Any, spec: ShardingSpec) -> dict[str, int]:

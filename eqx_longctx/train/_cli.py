@@ -80,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="run each step's rows as K micro-batches, gradients summed before one update",
     )
+    p.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=d.loss_chunk,
+        metavar="TOKENS",
+        help="tokens per chunk of the loss on each device, its logits recomputed in the "
+        "backward (default: 128 MiB of float32 logits per chunk; 0: the whole logits)",
+    )
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument(
@@ -325,6 +333,7 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             seq_len=args.seq_len,
             batch_size=args.batch_size,
             grad_accum=args.grad_accum,
+            loss_chunk=args.loss_chunk,
             steps=args.steps,
             lr=args.lr,
             warmup_steps=args.warmup_steps,

@@ -88,6 +88,11 @@ class TrainConfig:
     - `grad_accum`: the step's rows run as this many micro-batches one after another, their
       gradients summed in float32 before one optimizer update (`make_train_step`): the
       same update with one micro-batch's activations. It must divide `batch_size`.
+    - `loss_chunk`: tokens per chunk of the loss on each device: the cross-entropy meets the
+      logits a chunk at a time and the backward recomputes them, so the whole `[tokens,
+      vocab]` logits are never held (`eqx_longctx.train.loss_fn`). `None`: automatic
+      (`eqx_longctx.nn.LOSS_CHUNK_BYTES` of float32 logits per chunk); `0`: the whole
+      logits at once.
     - `steps`: total optimizer steps (the cosine schedule spans them).
     - `lr`, `warmup_steps`, `weight_decay`, `clip_norm`: see `make_optimizer`; `lr` finite
       and positive, `warmup_steps` below `steps` (`None`: `min(20, steps // 10)`).
@@ -122,6 +127,7 @@ class TrainConfig:
     seq_len: int = 256
     batch_size: int = 8
     grad_accum: int = 1
+    loss_chunk: int | None = None
     steps: int = 200
     lr: float = 3e-3
     warmup_steps: int | None = None
@@ -177,6 +183,7 @@ _INTS = {
     "seq_len": (1, "tokens per row"),
     "batch_size": (1, "rows per step"),
     "grad_accum": (1, "micro-batches per optimizer step"),
+    "loss_chunk": (0, "tokens per chunk of the loss; 0: the whole logits"),
     "steps": (None, "optimizer steps"),  # ranges: check_optimizer_settings
     "warmup_steps": (None, "steps of learning-rate warmup"),
     "checkpoint_every": (1, "steps between checkpoints"),
@@ -191,8 +198,9 @@ _INTS = {
 }
 _OPTIONAL = (
     "max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "fsdp_axes",
-    "remat",
+    "remat", "loss_chunk",
 )  # fmt: skip
+_EXAMPLES = {"final_eval_batches": 16, "loss_chunk": 1024}  # for fields whose default is None
 # Float fields: (rule, test, example); None: the range is check_optimizer_settings's.
 _FLOATS = {
     "lr": (None, None, "3e-3"),
@@ -242,7 +250,7 @@ def check_train_config(config: "TrainConfig") -> None:
 
     from ._step import check_optimizer_settings
 
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    defaults = {f.name: f.default for f in dataclasses.fields(config)} | _EXAMPLES
     for name, (low, what) in _INTS.items():
         value, flag = getattr(config, name), flag_name(name)
         if value is None and name in _OPTIONAL:

@@ -65,7 +65,7 @@ def _cached_train_step(config: TrainConfig, model_config, parallel: Placement, m
     settings, model config, sharding spec), so fresh Trainers reuse the compiled step."""
     warmup = config.warmup_steps or 0  # TrainConfig resolved None
     settings = (config.lr, warmup, config.steps, config.weight_decay, config.clip_norm)
-    key = (settings, model_config, parallel.spec, config.grad_accum)
+    key = (settings, model_config, parallel.spec, config.grad_accum, config.loss_chunk)
     if key not in _STEP_CACHE:
         optimizer = make_optimizer(*settings)
         shardings = None
@@ -75,8 +75,9 @@ def _cached_train_step(config: TrainConfig, model_config, parallel: Placement, m
                 parallel.opt_state_shardings(optimizer, model),
             )
         step = make_train_step(
-            optimizer, shardings=shardings, donate=_donates(), grad_accum=config.grad_accum
-        )
+            optimizer, shardings=shardings, donate=_donates(), grad_accum=config.grad_accum,
+            loss_chunk=config.loss_chunk,
+        )  # fmt: skip
         while len(_STEP_CACHE) >= 8:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
         _STEP_CACHE[key] = (optimizer, step)

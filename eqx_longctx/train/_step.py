@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 from eqx_longctx.data import ByteTokenizer
+from eqx_longctx.nn import AbstractDecoder, chunked_cross_entropy
+from eqx_longctx.nn._loss import check_loss_chunk
 
 _LN2 = math.log(2.0)
 _BYTES = ByteTokenizer()
@@ -167,26 +169,36 @@ def make_optimizer(
     return optax.inject_hyperparams(build)(learning_rate=schedule)
 
 
-def loss_fn(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
+def loss_fn(
+    model, batch, *, loss_chunk: int | None = None
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """Masked mean token cross-entropy in nats.
 
     **Arguments:**
 
-    - `model`: called as `model(tokens, positions, segment_ids) -> logits [batch, seq, vocab]`;
-      a model with a `spec` (a `ShardingSpec`) has its loss computed under that spec.
+    - `model`: an `eqx_longctx.nn.AbstractDecoder` (any model family), or any model called
+      as `model(tokens, positions, segment_ids) -> logits [batch, seq, vocab]`; a model
+      with a `spec` (a `ShardingSpec`) has its loss computed under that spec.
     - `batch`: a `Batch` with `tokens`, `targets`, `positions`, `segment_ids`, `loss_mask`.
+    - `loss_chunk`: how a decoder's loss meets its logits. `None` (default): a chunk of
+      tokens at a time, `eqx_longctx.nn.LOSS_CHUNK_BYTES` of float32 logits per device,
+      recomputed in the backward (`eqx_longctx.nn.chunked_cross_entropy`); `k >= 1`: `k`
+      tokens per chunk on each device; `0`: the whole logits from the model's call (what
+      a model that is not a decoder always gets).
 
     **Returns:** `(loss, num_tokens)`: the mean over tokens with `loss_mask > 0`, and their
     count (the loss is 0 when the count is 0).
 
     **Raises:** as the model's call (e.g. `eqx_longctx.nn.AbstractDecoder.__call__`) for
-    inputs it rejects.
+    inputs it rejects; `ValueError` for a `loss_chunk` that is not `None` or an int `>= 0`.
     """
-    total, num_tokens = loss_sum(model, batch)
+    total, num_tokens = loss_sum(model, batch, loss_chunk=loss_chunk)
     return total / jnp.maximum(num_tokens, 1.0), num_tokens
 
 
-def loss_sum(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
+def loss_sum(
+    model, batch, *, loss_chunk: int | None = None
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """The summed masked token cross-entropy in nats and the token count (`loss_fn` is
     their ratio): sums add over micro-batches, means do not.
 
@@ -196,6 +208,16 @@ def loss_sum(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
 
     **Raises:** as [`loss_fn`][].
     """
+    check_loss_chunk(loss_chunk)
+    mask = batch.loss_mask.astype(jnp.float32)
+    if loss_chunk != 0 and isinstance(model, AbstractDecoder):
+        hidden = model.hidden_states(
+            batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids
+        )
+        return chunked_cross_entropy(
+            hidden, model.head_weight(), batch.targets, mask, spec=model.spec,
+            weight_pspec=model.head_pspec(), chunk_tokens=loss_chunk,
+        )  # fmt: skip
     logits = model(batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels
     spec = getattr(model, "spec", None)
@@ -204,7 +226,6 @@ def loss_sum(model, batch) -> tuple[Float[Array, ""], Float[Array, ""]]:
         # logits) asks for an output sharding (JAX 0.12); with Auto axes XLA picks it.
         cross_entropy = spec.auto_axes(cross_entropy, spec.token_pspec())
     ce = cross_entropy(logits.astype(jnp.float32), batch.targets)
-    mask = batch.loss_mask.astype(jnp.float32)
     return jnp.sum(ce * mask), jnp.sum(mask)
 
 
@@ -229,14 +250,14 @@ def micro_batches(batch, grad_accum: int):
     return jax.tree.map(split, batch)
 
 
-def _accumulated_grads(params, static, batch, grad_accum: int, constrain):
+def _accumulated_grads(params, static, batch, grad_accum: int, constrain, loss_chunk):
     """`((loss, num_tokens), grads)` of the whole batch from `grad_accum` micro-batches run
     one after another in a `lax.scan`: float32 sums of the losses' sums, token counts and
     gradients, divided by the whole batch's token count once at the end (so the result is
     the one-batch mean, whatever tokens each micro-batch holds)."""
 
     def sum_of_params(p, micro):
-        return loss_sum(eqx.combine(p, static), micro)
+        return loss_sum(eqx.combine(p, static), micro, loss_chunk=loss_chunk)
 
     def body(carry, micro):
         grads, total, count = carry
@@ -286,6 +307,7 @@ def make_train_step(
     shardings: tuple[Any, Any] | None = None,
     donate: bool = False,
     grad_accum: int = 1,
+    loss_chunk: int | None = None,
 ) -> TrainStep:
     """Build the jitted `train_step(model, opt_state, batch) -> (model, opt_state, metrics)`.
 
@@ -310,15 +332,20 @@ def make_train_step(
       summed in float32, and the optimizer applied once: the same update as the whole
       batch at once (up to summation order), holding one micro-batch's activations. `K`
       must divide the batch's rows (and each micro-batch split over the batch axes).
+    - `loss_chunk`: how the loss meets the logits (see [`loss_fn`][]): `None` (default) a
+      chunk of tokens at a time, recomputed in the backward, so the step never holds the
+      whole logits; `k` tokens per chunk; `0` the whole logits.
 
     **Returns:** the step function. `metrics` holds scalars `loss` (nats per token),
     `bits_per_token`, `grad_norm` (before clipping), `lr` (used for this update), `tokens`
     (loss-bearing tokens), `finite`, and for a byte tokenizer `bpb` (bits per byte of
     text) and `bytes`.
 
-    **Raises:** `ValueError` when `grad_accum` is not an int `>= 1`; the step raises it
-    when `grad_accum` does not divide a batch's rows.
+    **Raises:** `ValueError` when `grad_accum` is not an int `>= 1` or `loss_chunk` not
+    `None` or an int `>= 0`; the step raises it when `grad_accum` does not divide a
+    batch's rows.
     """
+    check_loss_chunk(loss_chunk)
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(
             f"grad_accum (--grad-accum) must be an int >= 1 (micro-batches per optimizer "
@@ -336,7 +363,7 @@ def make_train_step(
         params, static = eqx.partition(model, eqx.is_inexact_array)
 
         def loss_of_params(p):
-            return loss_fn(eqx.combine(p, static), batch)
+            return loss_fn(eqx.combine(p, static), batch, loss_chunk=loss_chunk)
 
         if grad_accum == 1:
             value_and_grad = jax.value_and_grad(loss_of_params, has_aux=True)
@@ -350,7 +377,7 @@ def make_train_step(
                     "(--batch-size is the rows per optimizer step)."
                 )
             (loss, num_tokens), grads = _accumulated_grads(
-                params, static, batch, grad_accum, lambda t: constrain(t, param_sh)
+                params, static, batch, grad_accum, lambda t: constrain(t, param_sh), loss_chunk
             )
         grads = constrain(grads, param_sh)
         grad_norm = optax.tree.norm(grads)
@@ -385,6 +412,7 @@ def lower_train_step(
     tokenizer: Any = _BYTES,
     shardings: tuple[Any, Any] | None = None,
     grad_accum: int = 1,
+    loss_chunk: int | None = None,
 ) -> jax.stages.Lowered:
     """Lower (trace, never run) the step [`make_train_step`][] builds, for abstract inputs:
     what one step of a run compiles to, without allocating its model.
@@ -394,7 +422,8 @@ def lower_train_step(
 
     **Arguments:**
 
-    - `optimizer`, `tokenizer`, `shardings`, `grad_accum`: as for [`make_train_step`][]
+    - `optimizer`, `tokenizer`, `shardings`, `grad_accum`, `loss_chunk`: as for
+      [`make_train_step`][]
       (a run's `shardings` are `Placement.step_shardings`).
     - `model`: the model with `jax.ShapeDtypeStruct` arrays carrying their shardings
       (`Placement.abstract_model`), or with real arrays.
@@ -405,7 +434,7 @@ def lower_train_step(
     bytes per device.
     """
     step = make_train_step(optimizer, tokenizer=tokenizer, shardings=shardings,
-                           grad_accum=grad_accum)  # fmt: skip
+                           grad_accum=grad_accum, loss_chunk=loss_chunk)  # fmt: skip
     arrays, static = eqx.partition(model, _is_array_or_shape)
 
     def run(arrays, opt_state, batch):

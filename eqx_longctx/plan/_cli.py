@@ -95,6 +95,11 @@ def main(argv=None) -> None:
         help="with --train: the batch runs as K micro-batches (the trainer's --grad-accum)",
     )  # fmt: skip
     p.add_argument(
+        "--host-offload", default=None, metavar="WHAT",
+        help="with --train: opt_state and/or params in host memory between steps (the "
+        "trainer's --host-offload)",
+    )  # fmt: skip
+    p.add_argument(
         "--loss-chunk", type=int, default=None, metavar="TOKENS",
         help="with --train: tokens per chunk of the loss (the trainer's --loss-chunk; default "
         "automatic, 0: the whole logits)",
@@ -247,7 +252,7 @@ def step_settings(args) -> Any:
         seq_len=args.seq, batch_size=args.batch, devices=math.prod(parse_mesh(args.mesh).values()),
         mesh=args.mesh, fsdp_axes=args.fsdp_axes, strategy=args.strategy,
         load_balance=args.load_balance, run_dir="unused", progress=False,
-        grad_accum=args.grad_accum, loss_chunk=args.loss_chunk,
+        grad_accum=args.grad_accum, loss_chunk=args.loss_chunk, host_offload=args.host_offload,
     )  # fmt: skip
 
 
@@ -264,6 +269,7 @@ def _run_generate(args) -> None:
 
 def _run_step(args) -> None:
     from .._family import model_family
+    from ..train._config import host_offload_of
     from ._explain import step_record
     from ._step_plan import plan_train_step
 
@@ -289,7 +295,7 @@ def _run_step(args) -> None:
     result = plan_train_step(
         run.family, run.config, spec, batch=args.batch, seq=args.seq, remats=remats,
         memory_budget_bytes=budget, grad_accum=args.grad_accum, loss_chunk=args.loss_chunk,
-        **extra,
+        host_offload=host_offload_of(settings.host_offload), **extra,
     )  # fmt: skip
     result.problem["preset"] = args.preset
     row = result.chosen

@@ -162,6 +162,7 @@ def compile_train_step(run: TrainerRun):
 
     **Returns:** the `jax.stages.Compiled` step.
     """
+    from ..train._config import host_offload_of
     from ..train._step import lower_train_step, make_optimizer
 
     t, placement = run.train, run.placement
@@ -176,7 +177,7 @@ def compile_train_step(run: TrainerRun):
     batch = placement.abstract_batch(t.batch_size, t.seq_len)
     lowered = lower_train_step(
         optimizer, model, opt_state, batch, shardings=shardings, grad_accum=t.grad_accum,
-        loss_chunk=t.loss_chunk,
+        loss_chunk=t.loss_chunk, host_offload=host_offload_of(t.host_offload),
     )  # fmt: skip
     return lowered.compile()
 

@@ -36,8 +36,8 @@ def step_table(plan: Any) -> str:
     for row in rows:
         lines.append("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
     lines.append(
-        "device = params + grads + opt state + batch + activations + max(layer bwd, logits); "
-        "host = offloaded activations"
+        "device = params + grads + opt state + batch + activations + max(layer bwd, logits) "
+        "(opt state only at the update when offloaded); host = offloaded activations and state"
     )
     budget = pr["memory_budget_bytes"]
     where = f"budget {gib(budget)}" if budget is not None else "no budget"

@@ -90,14 +90,19 @@ class StepMemory(NamedTuple):
     layer_backward: int  # working set of the layer being differentiated
     attention: int  # attention temporaries (part of layer_backward)
     logits: int  # logits, softmax and their gradient
-    host: int  # offloaded activations, in host memory
+    host: int  # in host memory: offloaded activations, and state offloaded between steps
     time_s: float  # rough step time, to rank the choices (see `_time`)
+    offloaded_opt_state: int = 0  # the optimizer state's bytes kept in host memory
 
     @property
     def device(self) -> int:
-        """Predicted peak bytes on each device."""
-        fixed = self.params + self.grads + self.opt_state + self.batch + self.activations
-        return fixed + max(self.layer_backward, self.logits)
+        """Predicted peak bytes on each device: the larger of the forward and backward
+        (the optimizer state there unless it is offloaded) and the update (parameters,
+        gradients, optimizer state and batch)."""
+        on_device = self.opt_state - self.offloaded_opt_state
+        fixed = self.params + self.grads + on_device + self.batch + self.activations
+        update = self.params + self.grads + self.opt_state + self.batch
+        return max(fixed + max(self.layer_backward, self.logits), update)
 
     def breakdown(self) -> dict:
         """The rows of the breakdown, name -> bytes per device (host memory separate)."""
@@ -159,6 +164,7 @@ def plan_train_step(
     bytes_per_s: float = DEFAULT_BYTES_PER_S,
     grad_accum: int = 1,
     loss_chunk: int | None = None,
+    host_offload: tuple[str, ...] = (),
 ) -> StepPlan:
     """Predict the per-device memory of a train step; choose a strategy and remat policy.
 
@@ -182,6 +188,11 @@ def plan_train_step(
       rows), plus a float32 gradient accumulator; the batch and the time are the step's.
     - `loss_chunk`: the trainer's `--loss-chunk` (`eqx_longctx.train.loss_fn`): `None`
       automatic chunks, `k` tokens per chunk, `0` the whole logits.
+    - `host_offload`: the trainer's `--host-offload` (`eqx_longctx.train.make_train_step`):
+      `"opt_state"` keeps AdamW's moments in host memory, on the device only for the
+      update (after the backward has freed the activations); `"params"` keeps the
+      parameters there between steps (the step brings them whole, so the device peak is
+      unchanged). Both count in the host column.
 
     **Returns:** a `StepPlan`; when nothing fits the budget its `chosen` is `None` and its
     `reason` names what would fit.
@@ -206,6 +217,9 @@ def plan_train_step(
         strategies = check_names(strategies, where, "strategies", "strategy", STRATEGY_ORDER, fix)
     budget = check_memory_budget(memory_budget_bytes, where)
     check_loss_chunk(loss_chunk)
+    from ..train._offload import check_host_offload  # the trainer's rule (not at import)
+
+    check_host_offload(host_offload)
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(f"{where}: grad_accum must be an int >= 1; got {grad_accum!r}.")
     if batch % grad_accum:
@@ -248,6 +262,8 @@ def plan_train_step(
             for name, c in attn.costs.items()
             if c.feasible and c.runnable and (spec.strategy in ("auto", name))
         )
+    offloaded = opt_state if "opt_state" in host_offload else 0
+    state_on_host = offloaded + (params if "params" in host_offload else 0)
     logits, head_recompute = _loss_bytes(model, spec, b_local * s_local, loss_chunk)
     gathered = _gathered_layer_bytes(model, spec)
     param_itemsize = jnp.dtype(config.param_dtype).itemsize
@@ -297,8 +313,9 @@ def plan_train_step(
                     work,
                     attn_temp,
                     logits,
-                    host,
+                    host + state_on_host,
                     time,
+                    offloaded_opt_state=offloaded,
                 )  # fmt: skip
             )
     budget = None if budget is None else int(budget)
@@ -311,6 +328,7 @@ def plan_train_step(
         param_dtype=str(jnp.dtype(config.param_dtype)), compute_dtype=str(dtype),
         n_layers=config.n_layers, local_batch=b_local, local_seq=s_local,
         memory_budget_bytes=budget, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
+        loss_chunk=loss_chunk, host_offload=list(host_offload),
     )  # fmt: skip
     return StepPlan(problem, tuple(rows), chosen, reason)
 

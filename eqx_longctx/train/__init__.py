@@ -23,6 +23,9 @@ from ._loop import Trainer as Trainer
 from ._metrics import MetricsLog as MetricsLog
 from ._metrics import TrainResult as TrainResult
 from ._metrics import plot_metrics as plot_metrics
+from ._offload import HOST_OFFLOADS as HOST_OFFLOADS
+from ._offload import to_device as to_device
+from ._offload import to_host as to_host
 from ._parallel import Placement as Placement
 from ._step import decay_mask as decay_mask
 from ._step import loss_fn as loss_fn
@@ -33,6 +36,7 @@ from ._step import make_train_step as make_train_step
 from ._step import micro_batches as micro_batches
 
 __all__ = [
+    "HOST_OFFLOADS",
     "Checkpointer",
     "Placement",
     "MetricsLog",
@@ -51,4 +55,6 @@ __all__ = [
     "make_train_step",
     "micro_batches",
     "plot_metrics",
+    "to_device",
+    "to_host",
 ]

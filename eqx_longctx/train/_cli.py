@@ -147,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default=d.on_nonfinite)
     p.add_argument(
+        "--host-offload",
+        default=None,
+        metavar="WHAT",
+        help="keep opt_state (AdamW's moments) and/or params in host memory between steps, "
+        "streamed to the device inside each step, e.g. opt_state or opt_state,params",
+    )
+    p.add_argument(
         "--remat",
         choices=REMAT_POLICIES,
         default=None,
@@ -357,6 +364,7 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             seed=args.seed,
             on_nonfinite=args.on_nonfinite,
             remat=args.remat,
+            host_offload=args.host_offload,
             progress=not args.no_progress and primary,
         )
         if runtime is not None:  # a default run dir is stamped with the time: take process 0's

@@ -118,6 +118,10 @@ class TrainConfig:
     - `on_nonfinite`: `"stop"` ends the run at a non-finite loss; `"skip"` drops the update.
     - `remat`: one of `eqx_longctx.nn.REMAT_POLICIES` (`"none"`, `"full"`, `"dots"`, ...;
       see `eqx_longctx.nn.LayerStack`); `None` keeps the preset's.
+    - `host_offload`: what lives in host memory between steps, comma-separated among
+      `eqx_longctx.train.HOST_OFFLOADS` (`"opt_state"`: AdamW's moments; `"params"`: the
+      parameters), streamed to the device inside each step (`make_train_step`); `None`:
+      everything on the device.
     - `progress`: show a tqdm progress bar.
     """
 
@@ -148,6 +152,7 @@ class TrainConfig:
     devices: int = 8
     mesh: str | None = None
     fsdp_axes: str | None = None
+    host_offload: str | None = None
     strategy: str = "ring"
     load_balance: str = "zigzag"
     seed: int = 0
@@ -198,7 +203,7 @@ _INTS = {
 }
 _OPTIONAL = (
     "max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "fsdp_axes",
-    "remat", "loss_chunk",
+    "remat", "loss_chunk", "host_offload",
 )  # fmt: skip
 _EXAMPLES = {"final_eval_batches": 16, "loss_chunk": 1024}  # for fields whose default is None
 # Float fields: (rule, test, example); None: the range is check_optimizer_settings's.
@@ -208,7 +213,7 @@ _FLOATS = {
     "clip_norm": (None, None, "1.0"),
     "val_fraction": ("finite and strictly between 0 and 1", lambda x: 0 < x < 1, "0.05"),
 }
-_STRS = ("model", "preset", "data", "run_dir", "mesh", "fsdp_axes")
+_STRS = ("model", "preset", "data", "run_dir", "mesh", "fsdp_axes", "host_offload")
 _BOOLS = ("resume", "overwrite", "progress")
 _SEED_LIMIT = 2**32
 
@@ -336,6 +341,7 @@ def check_train_config(config: "TrainConfig") -> None:
     if config.devices > 1 or config.mesh is not None:
         shape = mesh_shape(config.mesh, config.devices)
     fsdp_axes_of(config.fsdp_axes, shape, config.mesh or default_mesh(config.devices))
+    host_offload_of(config.host_offload)
     k = config.grad_accum
     if config.batch_size % k:
         raise ValueError(
@@ -408,6 +414,25 @@ def resolve_overrides(
             f"{model}). Valid fields: {sorted(fields)}."
         )
     return {name: _coerce(value, getattr(base, name), name) for name, value in overrides.items()}
+
+
+def host_offload_of(host_offload: str | None) -> tuple[str, ...]:
+    """`--host-offload` text (e.g. `"opt_state,params"`) as the tuple `make_train_step`
+    takes; `None`: `()`.
+
+    **Raises:** `ValueError` for a name not in `HOST_OFFLOADS`, or one named twice.
+    """
+    from ._offload import HOST_OFFLOADS
+
+    if host_offload is None:
+        return ()
+    names = tuple(name.strip() for name in host_offload.split(","))
+    if any(n not in HOST_OFFLOADS for n in names) or len(set(names)) != len(names):
+        raise ValueError(
+            f"--host-offload takes distinct names among {','.join(HOST_OFFLOADS)}, joined by "
+            f"commas; got --host-offload {host_offload!r}. Pass e.g. --host-offload opt_state."
+        )
+    return names
 
 
 def fsdp_axes_of(fsdp_axes: str | None, shape: Mapping[str, int] | None, mesh: str) -> tuple:

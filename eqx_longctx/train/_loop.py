@@ -30,9 +30,10 @@ import numpy as np
 
 from .._family import model_family
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
-from ._config import TrainConfig, build_model_config
+from ._config import TrainConfig, build_model_config, host_offload_of
 from ._eval import check_batch, evaluate
 from ._metrics import MetricsLog, TrainResult, describe_loss, plot_metrics
+from ._offload import to_device, to_host
 from ._parallel import Placement
 from ._processes import agree, is_primary, sync
 from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
@@ -65,7 +66,8 @@ def _cached_train_step(config: TrainConfig, model_config, parallel: Placement, m
     settings, model config, sharding spec), so fresh Trainers reuse the compiled step."""
     warmup = config.warmup_steps or 0  # TrainConfig resolved None
     settings = (config.lr, warmup, config.steps, config.weight_decay, config.clip_norm)
-    key = (settings, model_config, parallel.spec, config.grad_accum, config.loss_chunk)
+    offload = host_offload_of(config.host_offload)
+    key = (settings, model_config, parallel.spec, config.grad_accum, config.loss_chunk, offload)
     if key not in _STEP_CACHE:
         optimizer = make_optimizer(*settings)
         shardings = None
@@ -76,7 +78,7 @@ def _cached_train_step(config: TrainConfig, model_config, parallel: Placement, m
             )
         step = make_train_step(
             optimizer, shardings=shardings, donate=_donates(), grad_accum=config.grad_accum,
-            loss_chunk=config.loss_chunk,
+            loss_chunk=config.loss_chunk, host_offload=offload,
         )  # fmt: skip
         while len(_STEP_CACHE) >= 8:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
@@ -237,6 +239,11 @@ class Trainer:
                 self.metrics.reset()
                 write_flags(self.run_dir, config)
             sync("fresh run recorded")
+        offload = host_offload_of(config.host_offload)
+        if "params" in offload:
+            model = to_host(model)
+        if "opt_state" in offload:
+            opt_state = to_host(opt_state)
         self.model, self.opt_state = model, opt_state
 
     def _resume(self, model, opt_state):
@@ -321,8 +328,11 @@ class Trainer:
         """
         cfg = self.config
         max_batches = cfg.final_eval_batches if final else cfg.eval_batches
+        model = self.model
+        if "params" in host_offload_of(cfg.host_offload):
+            model = to_device(model)  # a copy on the device, for the evaluation only
         val = evaluate(
-            self.model,
+            model,
             self.val_batches,
             cfg.batch_size,
             max_batches=max_batches,

@@ -11,10 +11,10 @@ Every `TrainConfig` field falls in one of three groups:
   of every step after warmup, including ones already taken). Resuming with another value
   would not continue the same run, so `--resume` refuses it.
 - `RESHARDABLE_FLAGS` say where and how the same arithmetic runs (`devices`, `mesh`,
-  `fsdp_axes`, `strategy`, `load_balance`, `remat`, `grad_accum`, `loss_chunk`: a
-  checkpoint restores into the shardings of the current mesh): changing them on resume
-  gives the same mathematics, equal up to floating-point summation order (bitwise-exact
-  resume holds for unchanged values only).
+  `fsdp_axes`, `strategy`, `load_balance`, `remat`, `grad_accum`, `loss_chunk`,
+  `host_offload`: a checkpoint restores into the shardings of the current mesh): changing
+  them on resume gives the same mathematics, equal up to floating-point summation order
+  (bitwise-exact resume holds for unchanged values only).
 - `FREE_FLAGS` are bookkeeping and policy (strides, evaluation sizes, checkpoints kept,
   `on_nonfinite`, which a run stopped by a non-finite loss changes to `skip` to continue)
   and per-invocation switches.
@@ -44,7 +44,7 @@ RUN_FLAGS = (
 )
 RESHARDABLE_FLAGS = (
     "devices", "mesh", "fsdp_axes", "strategy", "load_balance", "remat", "grad_accum",
-    "loss_chunk",
+    "loss_chunk", "host_offload",
 )  # fmt: skip
 FREE_FLAGS = (
     "checkpoint_every",

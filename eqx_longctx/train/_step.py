@@ -18,6 +18,8 @@ from eqx_longctx.data import ByteTokenizer
 from eqx_longctx.nn import AbstractDecoder, chunked_cross_entropy
 from eqx_longctx.nn._loss import check_loss_chunk
 
+from ._offload import check_host_offload, to_device, to_host
+
 _LN2 = math.log(2.0)
 _BYTES = ByteTokenizer()
 
@@ -308,6 +310,7 @@ def make_train_step(
     donate: bool = False,
     grad_accum: int = 1,
     loss_chunk: int | None = None,
+    host_offload: tuple[str, ...] = (),
 ) -> TrainStep:
     """Build the jitted `train_step(model, opt_state, batch) -> (model, opt_state, metrics)`.
 
@@ -335,6 +338,12 @@ def make_train_step(
     - `loss_chunk`: how the loss meets the logits (see [`loss_fn`][]): `None` (default) a
       chunk of tokens at a time, recomputed in the backward, so the step never holds the
       whole logits; `k` tokens per chunk; `0` the whole logits.
+    - `host_offload`: what lives in host memory between steps, among `"opt_state"` (AdamW's
+      moments) and `"params"` (the model's arrays): the step takes and returns them there
+      (`jax.memory.Space.Host`, pinned host memory where the platform has it) and streams
+      them to the device inside the compiled step, so that they take no device memory
+      between steps and XLA may overlap their transfers with compute. The arithmetic is
+      unchanged. The caller places them in host memory first ([`to_host`][]).
 
     **Returns:** the step function. `metrics` holds scalars `loss` (nats per token),
     `bits_per_token`, `grad_norm` (before clipping), `lr` (used for this update), `tokens`
@@ -346,6 +355,8 @@ def make_train_step(
     batch's rows.
     """
     check_loss_chunk(loss_chunk)
+    check_host_offload(host_offload)
+    state_offloaded, params_offloaded = ("opt_state" in host_offload), ("params" in host_offload)
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(
             f"grad_accum (--grad-accum) must be an int >= 1 (micro-batches per optimizer "
@@ -360,6 +371,10 @@ def make_train_step(
     # The batch goes first so that `donate` spares it (a caller may score it again).
     @eqx.filter_jit(donate="all-except-first" if donate else "none")
     def step(batch, model, opt_state):
+        if params_offloaded:
+            model = to_device(model)
+        if state_offloaded:
+            opt_state = to_device(opt_state)
         params, static = eqx.partition(model, eqx.is_inexact_array)
 
         def loss_of_params(p):
@@ -395,6 +410,10 @@ def make_train_step(
             "tokens": num_tokens,
             "finite": finite,
         }
+        if params_offloaded:
+            new_params = to_host(new_params)
+        if state_offloaded:
+            new_opt_state = to_host(new_opt_state)
         return eqx.combine(new_params, static), new_opt_state, metrics
 
     def train_step(model, opt_state, batch):
@@ -413,6 +432,7 @@ def lower_train_step(
     shardings: tuple[Any, Any] | None = None,
     grad_accum: int = 1,
     loss_chunk: int | None = None,
+    host_offload: tuple[str, ...] = (),
 ) -> jax.stages.Lowered:
     """Lower (trace, never run) the step [`make_train_step`][] builds, for abstract inputs:
     what one step of a run compiles to, without allocating its model.
@@ -422,8 +442,8 @@ def lower_train_step(
 
     **Arguments:**
 
-    - `optimizer`, `tokenizer`, `shardings`, `grad_accum`, `loss_chunk`: as for
-      [`make_train_step`][]
+    - `optimizer`, `tokenizer`, `shardings`, `grad_accum`, `loss_chunk`, `host_offload`:
+      as for [`make_train_step`][]
       (a run's `shardings` are `Placement.step_shardings`).
     - `model`: the model with `jax.ShapeDtypeStruct` arrays carrying their shardings
       (`Placement.abstract_model`), or with real arrays.
@@ -434,7 +454,8 @@ def lower_train_step(
     bytes per device.
     """
     step = make_train_step(optimizer, tokenizer=tokenizer, shardings=shardings,
-                           grad_accum=grad_accum, loss_chunk=loss_chunk)  # fmt: skip
+                           grad_accum=grad_accum, loss_chunk=loss_chunk,
+                           host_offload=host_offload)  # fmt: skip
     arrays, static = eqx.partition(model, _is_array_or_shape)
 
     def run(arrays, opt_state, batch):

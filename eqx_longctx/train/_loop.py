@@ -106,8 +106,9 @@ class Trainer:
     that checkpoint is already at `config.steps`, `nothing_to_do` holds a message saying so
     (else `None`) and [`run`][] trains nothing.
 
-    From construction to [`close`][], a single-process Trainer built in the main thread
-    holds the SIGTERM handler (see [`run`][]); `close` restores the one it replaced.
+    A single-process Trainer built in the main thread holds the SIGTERM handler from its
+    construction until [`run`][] returns (see there), or [`close`][]; then the one it
+    replaced is back.
 
     **Arguments:**
 
@@ -340,10 +341,11 @@ class Trainer:
     def run(self, stop_at: int | None = None) -> TrainResult:
         """Train from the current step to `config.steps` (or to `stop_at`, like a kill).
 
-        A SIGTERM since the Trainer was built (the notice of a Cloud TPU preemption or
-        maintenance event; with several processes, JAX's preemption notice to any of them)
-        ends the run at the next step boundary all processes agree on: each saves a
-        checkpoint there and the result's status is `"preempted"`.
+        A SIGTERM since the Trainer was built or the last `run` returned (the notice of a
+        Cloud TPU preemption or maintenance event; with several processes, JAX's
+        preemption notice to any of them) ends the run at the next step boundary all
+        processes agree on: each saves a checkpoint there and the result's status is
+        `"preempted"`.
 
         **Arguments:**
 
@@ -360,6 +362,7 @@ class Trainer:
 
         cfg = self.config
         if self.nothing_to_do is not None:
+            self.preemption.close()
             return self._result("nothing_to_do", 0.0)
         end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
         tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -376,6 +379,8 @@ class Trainer:
         say = (bar.write if cfg.progress else print) if self.primary else _quiet
         status = "completed" if stop_at is None or stop_at >= cfg.steps else "interrupted"
         smooth, checked, last = None, False, None
+        if self.preemption.closed:  # an earlier run() returned
+            self.preemption = PreemptionNotice()
         try:
             while self.step < end:
                 t0 = time.perf_counter()
@@ -439,6 +444,7 @@ class Trainer:
                     status = "preempted"
                     break
         finally:
+            self.preemption.close()  # a SIGTERM now has its usual effect again
             bar.close()
             self.checkpointer.wait()
         # Metrics are replicated results of the jitted step, so every process holds the

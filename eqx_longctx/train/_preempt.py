@@ -53,6 +53,7 @@ class PreemptionNotice:
     def __init__(self, signum: int = signal.SIGTERM):
         self.signum = signum
         self.received = False
+        self.closed = False
         self._jax = preemption_service_running()
         self._open = False
         if not self._jax and _process_count() == 1 and _in_main_thread():
@@ -63,9 +64,10 @@ class PreemptionNotice:
 
     @property
     def watching(self) -> bool:
-        """Whether a notice can reach this process (`False` off the main thread of a
-        single-process run, or with several processes and JAX's preemption service off)."""
-        return self._jax or self._open
+        """Whether a notice can reach this process (`False` once closed, off the main
+        thread of a single-process run, or with several processes and JAX's preemption
+        service off)."""
+        return not self.closed and (self._jax or self._open)
 
     def requested(self) -> bool:
         """**Returns:** whether every process stops at this step boundary. Call it once
@@ -80,6 +82,7 @@ class PreemptionNotice:
 
     def close(self) -> None:
         """Stop watching; the last open notice restores the handler ours replaced."""
+        self.closed = True
         if not self._open:
             return
         self._open = False

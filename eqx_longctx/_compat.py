@@ -38,6 +38,16 @@ def distributed_client():
     return distributed.global_state.client
 
 
+def preemption_service_running() -> bool:
+    """**Returns:** whether `jax.distributed` runs its preemption service (on by default,
+    `jax_enable_preemption_service`), which catches SIGTERM and lets
+    `jax.experimental.multihost_utils.reached_preemption_sync_point` agree on a step."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    return state.client is not None and state.preemption_sync_manager is not None
+
+
 def running_in_cloud_tpu_vm() -> bool:
     """**Returns:** whether this host has TPU chips (JAX's Cloud TPU detection)."""
     import jax  # noqa: F401  (runs the Cloud TPU detection)

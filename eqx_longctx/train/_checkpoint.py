@@ -40,6 +40,15 @@ def _is_step_dir(path: pathlib.Path) -> bool:
     return path.is_dir() and path.name.isdigit()
 
 
+class _Manager(ocp.CheckpointManager):
+    """orbax's manager without its own look at JAX's preemption sync point: the loop owns
+    it (`_preempt.py`), and orbax's calls, numbered by checkpoint step, would move the
+    counter that the loop's calls number from 1 in each process."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 def check_checkpoint_dir(directory: str | pathlib.Path) -> pathlib.Path:
     """Check that `directory` is absent, empty, or holds only orbax checkpoints.
 
@@ -121,7 +130,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._manager = _Manager(self.directory, options=options)
 
     def steps(self) -> list[int]:
         """**Returns:** the saved steps, oldest first."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from .._family import ENTRY_POINT_GROUP, family_names
 from ._config import TrainConfig
 from ._distributed import PEER_TIMEOUT
-from ._exit import PROG, error_line, exit_now
+from ._exit import EXIT_PREEMPTED, PROG, error_line, exit_now, preempted_line
 from ._processes import INIT_TIMEOUT
 
 
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a model of any installed family (--model) on a text corpus (default: "
         "the tiny Llama on the Python standard library). Writes metrics.jsonl, loss.png and "
         "orbax checkpoints to --run-dir.",
+        epilog="exit status: 0 completed (or nothing left to resume), 1 stopped at a "
+        "non-finite loss, 2 invalid flags or nothing to resume from, 3 another process of "
+        f"the run was lost, {EXIT_PREEMPTED} preempted by SIGTERM (every process saved a "
+        "checkpoint at the same step: rerun with --resume), 130 Ctrl-C",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -273,9 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     nothing); 1 when it stopped at a non-finite loss (or, in a multi-process run, on an
     unexpected error); 2 on invalid flags, when no checkpoint can be resumed from, or when
     the processes cannot all join within `--init-timeout`; 3 when another process of the
-    run died, hung or failed (see `--peer-timeout`); 130 on Ctrl-C (background checkpoint
-    writes are finished first). A multi-process run that fails does not wait for its
-    peers: it tells them why (they exit with 3) and ends at once.
+    run died, hung or failed (see `--peer-timeout`); 75 (`EXIT_PREEMPTED`) on SIGTERM, on
+    every process, after saving a checkpoint at a step boundary they all agreed on (process
+    0 prints `eqx-longctx-train: preempted: saved step N to DIR; resume with --resume`);
+    130 on Ctrl-C (background checkpoint writes are finished first). A multi-process run
+    that fails does not wait for its peers: it tells them why (they exit with 3) and ends
+    at once.
     """
     try:
         args = build_parser().parse_args(argv)
@@ -306,9 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as e:  # tell the peers, then leave without waiting for them
         traceback.print_exc()
         failure["message"], code = f"{type(e).__name__}: {e}", 1
-    if code == 0:
+    if code in (0, EXIT_PREEMPTED):  # every process ends so: no peer is lost
         runtime.finish()
-        return 0
+        return code
     runtime.fail(failure.get("message", f"it stopped with exit status {code}"))
     exit_now(code)
     return code  # not reached
@@ -401,6 +408,10 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             trainer.close()
     except ValueError as e:
         return fail(e, 2)
+    if result.status == "preempted":
+        if primary:
+            print(preempted_line(result.step, result.checkpoint_dir), file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     if primary:
         print(result.summary(), flush=True)
     if result.status == "completed":

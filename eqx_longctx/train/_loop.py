@@ -15,6 +15,9 @@ In a multi-process run (`jax.distributed` initialized) every process runs the sa
 its share of the global arrays; process 0 alone prints, shows the progress bar and writes
 `flags.json`, `metrics.jsonl` and the plot, while checkpoints are written by all (see
 `_checkpoint.py`).
+
+SIGTERM (a preemption) stops the run at the next step boundary every process agrees on,
+with a checkpoint saved there (see `_preempt.py`); resuming from it is exact like any other.
 """
 
 import dataclasses
@@ -35,6 +38,7 @@ from ._eval import check_batch, evaluate
 from ._metrics import MetricsLog, TrainResult, describe_loss, plot_metrics
 from ._offload import to_device, to_host
 from ._parallel import Placement
+from ._preempt import PreemptionNotice
 from ._processes import agree, is_primary, sync
 from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
 from ._step import make_optimizer, make_train_step
@@ -104,6 +108,10 @@ class Trainer:
     stderr and moved aside) after checking that the flags continue the recorded run; when
     that checkpoint is already at `config.steps`, `nothing_to_do` holds a message saying so
     (else `None`) and [`run`][] trains nothing.
+
+    A single-process Trainer built in the main thread holds the SIGTERM handler from its
+    construction until [`run`][] returns (see there), or [`close`][]; then the one it
+    replaced is back.
 
     **Arguments:**
 
@@ -201,6 +209,7 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.plot_path = self.run_dir / "loss.png"
         self.checkpointer = Checkpointer(checkpoint_dir, max_to_keep=config.keep_checkpoints)
+        self.preemption = PreemptionNotice()  # a SIGTERM from here on stops run() in time
         try:
             self._init_state()
         except BaseException:
@@ -343,6 +352,12 @@ class Trainer:
     def run(self, stop_at: int | None = None) -> TrainResult:
         """Train from the current step to `config.steps` (or to `stop_at`, like a kill).
 
+        A SIGTERM since the Trainer was built or the last `run` returned (the notice of a
+        Cloud TPU preemption or maintenance event; with several processes, JAX's
+        preemption notice to any of them) ends the run at the next step boundary all
+        processes agree on: each saves a checkpoint there and the result's status is
+        `"preempted"`.
+
         **Arguments:**
 
         - `stop_at`: end after this step without a final evaluation or checkpoint.
@@ -358,6 +373,7 @@ class Trainer:
 
         cfg = self.config
         if self.nothing_to_do is not None:
+            self.preemption.close()
             return self._result("nothing_to_do", 0.0)
         end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
         tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -374,6 +390,8 @@ class Trainer:
         say = (bar.write if cfg.progress else print) if self.primary else _quiet
         status = "completed" if stop_at is None or stop_at >= cfg.steps else "interrupted"
         smooth, checked, last = None, False, None
+        if self.preemption.closed:  # an earlier run() returned
+            self.preemption = PreemptionNotice()
         try:
             while self.step < end:
                 t0 = time.perf_counter()
@@ -424,14 +442,20 @@ class Trainer:
                             {"split": "val", "step": self.step, **self.last_val, "wall_time": wall}
                         )
                     say(f"step {self.step}: val loss {describe_loss(self.last_val)}")
-                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                # Asked at every boundary, on every process: the processes agree here.
+                preempted = self.preemption.requested() and self.step < cfg.steps
+                if preempted or self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.checkpointer.save(
                         self.step,
                         self.model,
                         self.opt_state,
                         self._meta(time.perf_counter() - start),
                     )
+                if preempted:
+                    status = "preempted"
+                    break
         finally:
+            self.preemption.close()  # a SIGTERM now has its usual effect again
             bar.close()
             self.checkpointer.wait()
         # Metrics are replicated results of the jitted step, so every process holds the
@@ -475,6 +499,7 @@ class Trainer:
 
     def close(self) -> None:
         """Finish background saves, release the checkpoint manager, stop the data
-        iterator's prefetch thread."""
+        iterator's prefetch thread, and restore the SIGTERM handler the Trainer replaced."""
+        self.preemption.close()
         self.checkpointer.close()
         self.batches.close()

@@ -132,8 +132,9 @@ class TrainResult:
     """What a run ended with.
 
     - `status`: `"completed"`, `"nonfinite"` (stopped by `on_nonfinite="stop"`),
-      `"interrupted"` (stopped early by `run(stop_at=...)`) or `"nothing_to_do"` (resumed at
-      or past `config.steps`: nothing trained, see `Trainer.nothing_to_do`).
+      `"interrupted"` (stopped early by `run(stop_at=...)`), `"preempted"` (stopped by
+      SIGTERM at a step boundary, with a checkpoint saved at `step`) or `"nothing_to_do"`
+      (resumed at or past `config.steps`: nothing trained, see `Trainer.nothing_to_do`).
     - `step`: completed steps (a step that stopped the run does not count);
       `skipped_steps`: updates dropped as non-finite by `on_nonfinite="skip"`.
     - `wall_time`: seconds, including earlier segments of a resumed run.

@@ -19,6 +19,7 @@ import numpy as np
 from ._packing import (
     Batch,
     PackedDataset,
+    Tokenizer,
     _check_seq_len,
     _fill,
     _plan,
@@ -60,7 +61,7 @@ class PackDocuments(_Rows):
 
     - `docs`: a Grain `MapDataset` of documents (`str` or `bytes`), or a sequence of them.
     - `seq_len`: tokens per row, at least 2.
-    - `tokenizer`: default `ByteTokenizer()`.
+    - `tokenizer`: default `ByteTokenizer()`; or a checkpoint's `HFTokenizer`.
 
     **Raises:** `ValueError` when `seq_len < 2`, `docs` is empty, or a document is `None`
     (as a Grain filter leaves a dropped one).
@@ -70,7 +71,7 @@ class PackDocuments(_Rows):
         self,
         docs: "grain.MapDataset | Sequence[str | bytes]",
         seq_len: int,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
     ):
         _check_seq_len(seq_len)
         if not isinstance(docs, grain.MapDataset):

@@ -16,7 +16,11 @@ import jax
 import numpy as np
 from jaxtyping import Float, Int
 
+from ._hf_tokenizer import HFTokenizer
 from ._tokenizer import ByteTokenizer
+
+Tokenizer = ByteTokenizer | HFTokenizer
+"""The tokenizers packing takes: `ByteTokenizer`, or a checkpoint's `HFTokenizer`."""
 
 
 class Batch(NamedTuple):
@@ -125,25 +129,27 @@ def _stream(ids: np.ndarray, tokenizer) -> np.ndarray:
     return np.append(ids, tokenizer.eos_id).astype(np.int32)
 
 
-def _pack(docs: Sequence[np.ndarray], seq_len: int, tokenizer: ByteTokenizer):
+def _pack(docs: Sequence[np.ndarray], seq_len: int, tokenizer: Tokenizer):
     """Rows of `tokens`, `positions`, `segment_ids`, each `[num_rows, seq_len]`."""
     plan = _plan([len(ids) + 1 for ids in docs], seq_len)
     streams = [_stream(ids, tokenizer) for ids in docs]
     return _fill(plan, range(plan.num_rows), streams.__getitem__, tokenizer)
 
 
-def _encode_all(docs: Sequence[str | bytes], tokenizer: ByteTokenizer | None):
+def _encode_all(docs: Sequence[str | bytes], tokenizer: Tokenizer | None):
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     if len(docs) == 0:
         raise ValueError(
             "Packing needs at least one document; got an empty list. "
             "Check the corpus (load_corpus) or the split that produced it."
         )
+    if isinstance(tokenizer, HFTokenizer) and all(isinstance(d, str) for d in docs):
+        return tokenizer.encode_batch(docs), tokenizer
     return [tokenizer.encode(d) for d in docs], tokenizer
 
 
 def pack_documents(
-    docs: Sequence[str | bytes], seq_len: int, tokenizer: ByteTokenizer | None = None
+    docs: Sequence[str | bytes], seq_len: int, tokenizer: Tokenizer | None = None
 ) -> Batch:
     """Pack documents, in order, into rows of `seq_len` tokens (see the module docstring).
 
@@ -151,7 +157,7 @@ def pack_documents(
 
     - `docs`: the documents, as text or bytes.
     - `seq_len`: tokens per row, at least 2.
-    - `tokenizer`: default `ByteTokenizer()`.
+    - `tokenizer`: default `ByteTokenizer()`; or a checkpoint's `HFTokenizer`.
 
     **Returns:**
 
@@ -186,7 +192,7 @@ class PackedDataset:
         cls,
         docs: Sequence[str | bytes],
         seq_len: int,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
         *,
         seed: int = 0,
     ) -> "PackedDataset":

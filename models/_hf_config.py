@@ -251,6 +251,12 @@ def check_same_weights(model_cls: type, stored, config, overrides, what: str, fi
     before, after = shapes(stored), shapes(config)
     if before == after:
         return
+    # Name the overrides that change weights on their own (else all: together they do).
+    culprits = {
+        k: v
+        for k, v in overrides.items()
+        if shapes(dataclasses.replace(stored, **{k: v})) != before
+    } or dict(overrides)
     diffs = [
         f"{name} {before.get(name, 'absent')} -> {after.get(name, 'absent')}"
         for name in sorted(set(before) | set(after))
@@ -258,7 +264,7 @@ def check_same_weights(model_cls: type, stored, config, overrides, what: str, fi
     ]
     more = f" and {len(diffs) - 6} more" if len(diffs) > 6 else ""
     raise ValueError(
-        f"{what}: override(s) {dict(overrides)} would change the weights {file} describes "
+        f"{what}: override(s) {culprits} would change the weights {file} describes "
         f"({'; '.join(diffs[:6])}{more}); an override may change how the weights are used "
         "(e.g. rope_theta, rope_scaling, max_seq_len, remat, dtypes), not their shapes. Drop "
         "the override(s) that change the architecture, or train a model of that shape from "

@@ -60,9 +60,10 @@ def write_corpus(folder, docs: int = 12, words: int = 60, seed: int = 0):
 
 def write_tokenizer(directory, texts, vocab_size: int = TOKENIZER_VOCAB):
     """A byte-level BPE `tokenizer.json` trained on `texts`, specials at ids 0, 1, 2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
 
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -279,11 +280,12 @@ def _without_tokenizer(src, tmp_path):
 def _word_level(src, tmp_path):
     """The checkpoint with a word-level tokenizer that knows three words and has no
     unknown token in its vocabulary: it cannot encode the corpus."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
 
     path = _copy(src, tmp_path / "word_level")
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "the": 3, "model": 4}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
     return path

@@ -99,7 +99,7 @@ class HFTokenizer:
     - `bos_id`, `eos_id`, `pad_id`: the special ids the packer uses (documents open with
       BOS and close with EOS; padding is never a loss-bearing target); `None` where the
       tokenizer is only used to encode prompts and decode. Usually from the checkpoint's
-      `config.json`: see [`from_checkpoint`][].
+      `config.json`: see `HFTokenizer.from_checkpoint`.
 
     **Attributes:** `vocab_size` (ids the tokenizer can produce, added tokens included),
     `token_bytes` (see `token_bytes_of`), `file`.

@@ -22,6 +22,7 @@ from ._packing import (
     Tokenizer,
     _check_seq_len,
     _fill,
+    _pad_id,
     _plan,
     _stream,
     _with_targets,
@@ -85,7 +86,7 @@ class PackDocuments(_Rows):
         encoded = docs.map(self.tokenizer.encode)
         super().__init__(encoded)
         self.num_documents, self.seq_len = len(encoded), seq_len
-        self.pad_id = self.tokenizer.pad_id
+        self.pad_id = _pad_id(self.tokenizer)
         self._plan = _plan([len(self._ids(i)) + 1 for i in range(len(encoded))], seq_len)
         # Neighbouring rows share documents: keep the last few streams.
         self._stream = functools.lru_cache(maxsize=16)(self._read_stream)

@@ -205,9 +205,12 @@ class HFTokenizer:
         specials = [[self.bos_id] * bos, ids, [self.eos_id] * eos]
         return np.concatenate(specials).astype(np.int32)
 
-    def encode_batch(self, texts: Iterable[str]) -> list[Int[np.ndarray, " n"]]:
-        """`[encode(t) for t in texts]`, encoded in parallel by the `tokenizers` library."""
-        texts = list(texts)
+    def encode_batch(self, texts: Iterable[str | bytes]) -> list[Int[np.ndarray, " n"]]:
+        """`[encode(t) for t in texts]`, encoded in parallel by the `tokenizers` library.
+
+        **Raises:** `ValueError` as `encode`.
+        """
+        texts = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t for t in texts]
         try:
             encodings = self._tok.encode_batch(texts, add_special_tokens=False)
         except Exception:  # find the text to name in the message

@@ -143,9 +143,22 @@ def _encode_all(docs: Sequence[str | bytes], tokenizer: Tokenizer | None):
             "Packing needs at least one document; got an empty list. "
             "Check the corpus (load_corpus) or the split that produced it."
         )
-    if isinstance(tokenizer, HFTokenizer) and all(isinstance(d, str) for d in docs):
+    _pad_id(tokenizer)  # an HFTokenizer without its special ids cannot pack
+    if isinstance(tokenizer, HFTokenizer):
         return tokenizer.encode_batch(docs), tokenizer
     return [tokenizer.encode(d) for d in docs], tokenizer
+
+
+def _pad_id(tokenizer: Tokenizer) -> int:
+    """The padding id, after checking that the tokenizer has all three special ids."""
+    bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+    if bos is None or eos is None or pad is None:
+        raise ValueError(
+            f"packing needs BOS, EOS and padding ids; {tokenizer!r} has bos_id={bos}, "
+            f"eos_id={eos}, pad_id={pad}. Build it with HFTokenizer.from_checkpoint(DIR), or "
+            "pass the three ids."
+        )
+    return pad
 
 
 def pack_documents(
@@ -163,11 +176,12 @@ def pack_documents(
 
     A `Batch` of numpy arrays of shape `[num_rows, seq_len]` holding every row.
 
-    **Raises:** `ValueError` when `seq_len < 2` or `docs` is empty.
+    **Raises:** `ValueError` when `seq_len < 2`, `docs` is empty, or an `HFTokenizer` lacks
+    a BOS, EOS or padding id or cannot encode a document.
     """
     _check_seq_len(seq_len)
     encoded, tokenizer = _encode_all(docs, tokenizer)
-    return _with_targets(*_pack(encoded, seq_len, tokenizer), tokenizer.pad_id)
+    return _with_targets(*_pack(encoded, seq_len, tokenizer), _pad_id(tokenizer))
 
 
 @final
@@ -198,12 +212,13 @@ class PackedDataset:
     ) -> "PackedDataset":
         """Tokenize and pack `docs` (see `pack_documents`); `seed` fixes the row order.
 
-        **Raises:** `ValueError` when `seq_len < 2` or `docs` is empty.
+            **Raises:** `ValueError` when `seq_len < 2`, `docs` is empty, or an `HFTokenizer` lacks
+        a BOS, EOS or padding id or cannot encode a document.
         """
         _check_seq_len(seq_len)
         encoded, tokenizer = _encode_all(docs, tokenizer)
         rows = _pack(encoded, seq_len, tokenizer)
-        return cls(*rows, pad_id=tokenizer.pad_id, num_documents=len(docs), seed=seed)
+        return cls(*rows, pad_id=_pad_id(tokenizer), num_documents=len(docs), seed=seed)
 
     @property
     def num_rows(self) -> int:

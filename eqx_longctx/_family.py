@@ -82,6 +82,14 @@ class ModelFamily(abc.ABC):
         """
         raise ValueError(f"model family {self.name!r} has no Hugging Face reader (from_hf).")
 
+    def config_from_hf(self, path: Any, **kwargs) -> Any:
+        """Read the config of a Hugging Face checkpoint directory (its `config.json`; no
+        weights), as `from_hf(path, **kwargs)` would build it.
+
+        **Raises:** `ValueError` when the family has no Hugging Face converter.
+        """
+        raise ValueError(f"model family {self.name!r} has no Hugging Face reader (from_hf).")
+
     def to_hf(self, model: Any, path: Any, **kwargs) -> None:
         """Write a model of this family as a Hugging Face checkpoint directory.
 

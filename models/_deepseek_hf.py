@@ -42,8 +42,6 @@ _KEYS = {
     "deepseek_v3": _COMMON + ("rope_interleave", "num_nextn_predict_layers"),
 }
 _MAX_LEN = {"deepseek_v2": 2048, "deepseek_v3": 4096}  # transformers' defaults
-# The `DeepSeekConfig` fields `from_hf` may set, besides `dtype`.
-OVERRIDES = ("remat", "compute_dtype", "max_seq_len", "grouped_matmul", "capacity_factor")
 _YARN_KEYS = (
     "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
     "mscale_all_dim", "attention_factor", "truncate",

@@ -40,6 +40,11 @@ class _ZooFamily(ModelFamily):
         """Read a Hugging Face checkpoint (see the family module's `from_hf`)."""
         return self._mod.from_hf(path, **kwargs)
 
+    def config_from_hf(self, path: Any, **kwargs) -> Any:
+        """Read a Hugging Face checkpoint's config (see the family module's
+        `config_from_hf`)."""
+        return self._mod.config_from_hf(path, **kwargs)
+
     def to_hf(self, model: Any, path: Any, **kwargs) -> None:
         """Write a Hugging Face checkpoint (see the family module's `to_hf`)."""
         self._mod.to_hf(model, path, **kwargs)

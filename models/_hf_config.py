@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 from eqx_longctx.nn import DTYPES, check_bool, check_int, check_real, check_spec
@@ -177,8 +179,9 @@ def rope_from_hf(hf: Mapping[str, Any], file: str) -> tuple[float, str, dict[str
     return theta, rope_type, params
 
 
-def check_from_hf_args(family: str, spec: Any, dtype: Any, overrides: Mapping[str, Any], allowed):
-    """Check the arguments of a family's `from_hf` that do not come from the checkpoint."""
+def check_from_hf_args(family: str, spec: Any, dtype: Any, overrides: Mapping[str, Any], fields):
+    """Check the arguments of a family's `from_hf` that do not come from the checkpoint;
+    `fields` are the names of the family config's fields (what `overrides` may name)."""
     check_spec(spec, f"{family}.from_hf")
     if dtype is not None:
         try:
@@ -190,11 +193,11 @@ def check_from_hf_args(family: str, spec: Any, dtype: Any, overrides: Mapping[st
                 f"{family}.from_hf(dtype=...) must be None (the checkpoint's) or one of "
                 f"{DTYPES}; got {dtype!r}."
             )
-    bad = sorted(set(overrides) - set(allowed))
+    bad = sorted(set(overrides) - set(fields))
     if bad:
         raise ValueError(
-            f"{family}.from_hf can override only {tuple(allowed)}; got {bad}. The architecture "
-            "comes from config.json."
+            f"{family}.from_hf overrides fields of the family's config; got unknown {bad}. "
+            f"Valid fields: {sorted(fields)}."
         )
 
 
@@ -203,24 +206,70 @@ def read_model_config(
     family: str,
     parse: Callable[[dict[str, Any], str], tuple[dict[str, Any], Any]],
     *,
+    model_cls: type,
+    config_cls: type,
     spec: Any,
     dtype: Any,
     overrides: Mapping[str, Any],
-    allowed: Iterable[str],
 ) -> tuple[str, dict[str, Any], Any]:
     """What every family's `from_hf` does first: check its arguments, read `config.json`,
     run the family's `parse(hf, file) -> (checked hf, config)` (its errors name the file),
-    then apply `dtype` and `overrides` (their errors name the field).
+    then apply `dtype` and `overrides` (their errors name the field), refusing overrides
+    that would change a weight of `model_cls` (`check_same_weights`); `config_cls` is the
+    family's config class.
 
     **Returns:** `(checkpoint directory, checked config.json, config)`.
     """
-    check_from_hf_args(family, spec, dtype, overrides, tuple(allowed))
+    fields = [f.name for f in dataclasses.fields(config_cls)]
+    check_from_hf_args(family, spec, dtype, overrides, fields)
     path = checkpoint_dir(path, f"{family}.from_hf")
     file = os.path.join(path, CONFIG_FILE)
     hf = read_config(path)
     with errors_in(file):
         hf, config = parse(hf, file)
-    return path, hf, apply_overrides(config, dtype, overrides)
+    stored = apply_overrides(config, dtype, {})
+    config = apply_overrides(config, dtype, overrides)
+    check_same_weights(model_cls, stored, config, overrides, f"{family}.from_hf", file)
+    return path, hf, config
+
+
+def check_same_weights(model_cls: type, stored, config, overrides, what: str, file: str):
+    """Raise `ValueError` when `config` (the checkpoint's `stored` config with `overrides`)
+    gives `model_cls` weights of other names or shapes than the checkpoint holds: an
+    override may change how the weights are used (RoPE base and scaling, the context
+    length, remat, dtypes), never what they are."""
+
+    def shapes(c) -> dict[str, tuple[int, ...]]:
+        abstract = eqx.filter_eval_shape(model_cls, c, key=jax.random.key(0))
+        leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+        return {
+            jax.tree_util.keystr(p, simple=True, separator="."): x.shape
+            for p, x in leaves
+            if isinstance(x, jax.ShapeDtypeStruct)
+        }
+
+    before, after = shapes(stored), shapes(config)
+    if before == after:
+        return
+    # Name the overrides that change weights on their own (else all: together they do).
+    culprits = {
+        k: v
+        for k, v in overrides.items()
+        if shapes(dataclasses.replace(stored, **{k: v})) != before
+    } or dict(overrides)
+    diffs = [
+        f"{name} {before.get(name, 'absent')} -> {after.get(name, 'absent')}"
+        for name in sorted(set(before) | set(after))
+        if before.get(name) != after.get(name)
+    ]
+    more = f" and {len(diffs) - 6} more" if len(diffs) > 6 else ""
+    raise ValueError(
+        f"{what}: override(s) {culprits} would change the weights {file} describes "
+        f"({'; '.join(diffs[:6])}{more}); an override may change how the weights are used "
+        "(e.g. rope_theta, rope_scaling, max_seq_len, remat, dtypes), not their shapes. Drop "
+        "the override(s) that change the architecture, or train a model of that shape from "
+        "scratch."
+    )
 
 
 def apply_overrides(config, dtype, overrides: Mapping[str, Any]):

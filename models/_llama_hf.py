@@ -37,8 +37,6 @@ _KEYS = {
     "qwen3": _COMMON + _hf_windows.QWEN_KEYS + ("attention_bias",),
 }
 _MAX_LEN = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # defaults
-# The `LlamaConfig` fields `from_hf` may set, besides `dtype`.
-OVERRIDES = ("remat", "compute_dtype", "max_seq_len")
 _Kind = Literal["same", "flat", "linear"]
 # Old conversions saved RoPE frequencies as buffers; they are recomputed from config.json.
 IGNORE = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)

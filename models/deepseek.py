@@ -397,9 +397,11 @@ def from_hf(
       device ever holds the whole model; `None` = one device.
     - `dtype`: parameter dtype; default the checkpoint's (`dtype`/`torch_dtype`, else
       float32).
-    - `**overrides`: `remat`, `compute_dtype` (default `dtype`), `max_seq_len` (default
-      `max_position_embeddings`), `grouped_matmul` or `capacity_factor` of the
-      `DeepSeekConfig`.
+    - `**overrides`: fields of the `DeepSeekConfig` to replace, e.g. `remat`,
+      `compute_dtype` (default `dtype`), `max_seq_len` (default `max_position_embeddings`),
+      `grouped_matmul`, `capacity_factor`, `rope_theta` or `rope_scaling`; an override
+      that would change a weight's shape (`n_layers`, `n_routed_experts`, ...) is a
+      `ValueError`.
 
     **Returns:** the `DeepSeek` model; its `.config` is the equivalent `DeepSeekConfig`.
 
@@ -409,17 +411,31 @@ def from_hf(
     when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
     `dtype` or overrides that are not valid.
     """
+    path, hf, config = _read_config(path, spec, dtype, overrides)
+    table, ignore = _deepseek_hf.hf_table(config), _deepseek_hf.mtp_tensors(hf, config)
+    return _hf.load_model(DeepSeek, config, path, spec=spec, table=table, ignore=ignore)
 
+
+def config_from_hf(
+    path, *, dtype: str | type | np.dtype | None = None, **overrides
+) -> DeepSeekConfig:
+    """The `DeepSeekConfig` that `from_hf(path, dtype=dtype, **overrides)` would build,
+    from `config.json` alone (no weights read).
+
+    **Raises:** as `from_hf` for `config.json`, `dtype` and the overrides.
+    """
+    return _read_config(path, None, dtype, overrides)[2]
+
+
+def _read_config(path, spec, dtype, overrides) -> tuple[str, dict, DeepSeekConfig]:
     def parse(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
         hf, fields = _deepseek_hf.config_from_hf(hf, file)
         return hf, DeepSeekConfig(**fields)
 
-    path, hf, config = _hf_config.read_model_config(
-        path, "models.deepseek", parse,
-        spec=spec, dtype=dtype, overrides=overrides, allowed=_deepseek_hf.OVERRIDES,
+    return _hf_config.read_model_config(
+        path, "models.deepseek", parse, model_cls=DeepSeek, config_cls=DeepSeekConfig,
+        spec=spec, dtype=dtype, overrides=overrides,
     )  # fmt: skip
-    table, ignore = _deepseek_hf.hf_table(config), _deepseek_hf.mtp_tensors(hf, config)
-    return _hf.load_model(DeepSeek, config, path, spec=spec, table=table, ignore=ignore)
 
 
 def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
@@ -453,6 +469,7 @@ __all__ = [
     "DeepSeek",
     "DeepSeekConfig",
     "YarnRopeScaling",
+    "config_from_hf",
     "from_hf",
     "make_block",
     "to_hf",

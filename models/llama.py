@@ -344,8 +344,10 @@ def from_hf(
       ever holds the whole model. `None` = one device.
     - `dtype`: parameter dtype (`"float32"`, `"bfloat16"`, `"float16"`); default the
       checkpoint's (`config.json` `dtype`/`torch_dtype`, else float32).
-    - `**overrides`: `remat`, `compute_dtype` (default `dtype`) or `max_seq_len` (default
-      `max_position_embeddings`) of the `LlamaConfig`.
+    - `**overrides`: fields of the `LlamaConfig` to replace, e.g. `remat`,
+      `compute_dtype` (default `dtype`), `max_seq_len` (default `max_position_embeddings`),
+      `rope_theta` or `rope_scaling` (to extend the context); an override that would change
+      a weight's shape (`n_layers`, `dim`, ...) is a `ValueError`.
 
     **Returns:** the `Llama`; its `.config` is the equivalent `LlamaConfig`.
 
@@ -355,17 +357,30 @@ def from_hf(
     when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
     `dtype` or overrides that are not valid.
     """
+    path, config = _read_config(path, spec, dtype, overrides)
+    table = _llama_hf.hf_table(config)
+    return _hf.load_model(Llama, config, path, spec=spec, table=table, ignore=_llama_hf.IGNORE)
 
+
+def config_from_hf(path, *, dtype: str | type | np.dtype | None = None, **overrides) -> LlamaConfig:
+    """The `LlamaConfig` that `from_hf(path, dtype=dtype, **overrides)` would build, from
+    `config.json` alone (no weights read).
+
+    **Raises:** as `from_hf` for `config.json`, `dtype` and the overrides.
+    """
+    return _read_config(path, None, dtype, overrides)[1]
+
+
+def _read_config(path, spec, dtype, overrides) -> tuple[str, LlamaConfig]:
     def parse(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
         hf, fields = _llama_hf.config_from_hf(hf, file)
         return hf, LlamaConfig(**fields)
 
     path, _, config = _hf_config.read_model_config(
-        path, "models.llama", parse,
-        spec=spec, dtype=dtype, overrides=overrides, allowed=_llama_hf.OVERRIDES,
+        path, "models.llama", parse, model_cls=Llama, config_cls=LlamaConfig,
+        spec=spec, dtype=dtype, overrides=overrides,
     )  # fmt: skip
-    table = _llama_hf.hf_table(config)
-    return _hf.load_model(Llama, config, path, spec=spec, table=table, ignore=_llama_hf.IGNORE)
+    return path, config
 
 
 def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
@@ -395,4 +410,12 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     _hf.save_model(model, table, path, hf_config, max_shard_size, family="models.llama")
 
 
-__all__ = ["PRESETS", "Llama", "Llama3RopeScaling", "LlamaConfig", "from_hf", "to_hf"]
+__all__ = [
+    "PRESETS",
+    "Llama",
+    "Llama3RopeScaling",
+    "LlamaConfig",
+    "config_from_hf",
+    "from_hf",
+    "to_hf",
+]

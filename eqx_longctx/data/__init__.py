@@ -17,7 +17,9 @@ from ._grain import ProcessSlice as ProcessSlice
 from ._grain import process_slice as process_slice
 from ._grain_rows import EpochShuffle as EpochShuffle
 from ._grain_rows import PackDocuments as PackDocuments
+from ._hf_tokenizer import HFTokenizer as HFTokenizer
 from ._packing import Batch as Batch
 from ._packing import PackedDataset as PackedDataset
+from ._packing import Tokenizer as Tokenizer
 from ._packing import pack_documents as pack_documents
 from ._tokenizer import ByteTokenizer as ByteTokenizer

@@ -14,8 +14,7 @@ import numpy as np
 
 from ._hf import PREFIX as HF_PREFIX
 from ._hf import read_hf
-from ._packing import PackedDataset, _check_seq_len
-from ._tokenizer import ByteTokenizer
+from ._packing import PackedDataset, Tokenizer, _check_seq_len
 
 DEFAULT_MAX_BYTES = 8 * 2**20
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
@@ -175,7 +174,7 @@ def load_datasets(
     seed: int = 0,
     val_fraction: float = 0.05,
     max_bytes: int = DEFAULT_MAX_BYTES,
-    tokenizer: ByteTokenizer | None = None,
+    tokenizer: Tokenizer | None = None,
     suffixes: tuple[str, ...] | None = None,
     separator: str | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
@@ -188,7 +187,7 @@ def load_datasets(
     - `seq_len`: tokens per row, at least 2.
     - `seed`: picks the validation documents and the training row order.
     - `val_fraction`: share of documents held out (see `split_documents`).
-    - `tokenizer`: default `ByteTokenizer()`.
+    - `tokenizer`: default `ByteTokenizer()`; or a checkpoint's `HFTokenizer`.
 
     **Returns:**
 

@@ -19,8 +19,10 @@ import numpy as np
 from ._packing import (
     Batch,
     PackedDataset,
+    Tokenizer,
     _check_seq_len,
     _fill,
+    _pad_id,
     _plan,
     _stream,
     _with_targets,
@@ -60,7 +62,7 @@ class PackDocuments(_Rows):
 
     - `docs`: a Grain `MapDataset` of documents (`str` or `bytes`), or a sequence of them.
     - `seq_len`: tokens per row, at least 2.
-    - `tokenizer`: default `ByteTokenizer()`.
+    - `tokenizer`: default `ByteTokenizer()`; or a checkpoint's `HFTokenizer`.
 
     **Raises:** `ValueError` when `seq_len < 2`, `docs` is empty, or a document is `None`
     (as a Grain filter leaves a dropped one).
@@ -70,7 +72,7 @@ class PackDocuments(_Rows):
         self,
         docs: "grain.MapDataset | Sequence[str | bytes]",
         seq_len: int,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
     ):
         _check_seq_len(seq_len)
         if not isinstance(docs, grain.MapDataset):
@@ -84,7 +86,7 @@ class PackDocuments(_Rows):
         encoded = docs.map(self.tokenizer.encode)
         super().__init__(encoded)
         self.num_documents, self.seq_len = len(encoded), seq_len
-        self.pad_id = self.tokenizer.pad_id
+        self.pad_id = _pad_id(self.tokenizer)
         self._plan = _plan([len(self._ids(i)) + 1 for i in range(len(encoded))], seq_len)
         # Neighbouring rows share documents: keep the last few streams.
         self._stream = functools.lru_cache(maxsize=16)(self._read_stream)

@@ -16,7 +16,11 @@ import jax
 import numpy as np
 from jaxtyping import Float, Int
 
+from ._hf_tokenizer import HFTokenizer
 from ._tokenizer import ByteTokenizer
+
+Tokenizer = ByteTokenizer | HFTokenizer
+"""The tokenizers packing takes: `ByteTokenizer`, or a checkpoint's `HFTokenizer`."""
 
 
 class Batch(NamedTuple):
@@ -125,25 +129,40 @@ def _stream(ids: np.ndarray, tokenizer) -> np.ndarray:
     return np.append(ids, tokenizer.eos_id).astype(np.int32)
 
 
-def _pack(docs: Sequence[np.ndarray], seq_len: int, tokenizer: ByteTokenizer):
+def _pack(docs: Sequence[np.ndarray], seq_len: int, tokenizer: Tokenizer):
     """Rows of `tokens`, `positions`, `segment_ids`, each `[num_rows, seq_len]`."""
     plan = _plan([len(ids) + 1 for ids in docs], seq_len)
     streams = [_stream(ids, tokenizer) for ids in docs]
     return _fill(plan, range(plan.num_rows), streams.__getitem__, tokenizer)
 
 
-def _encode_all(docs: Sequence[str | bytes], tokenizer: ByteTokenizer | None):
+def _encode_all(docs: Sequence[str | bytes], tokenizer: Tokenizer | None):
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     if len(docs) == 0:
         raise ValueError(
             "Packing needs at least one document; got an empty list. "
             "Check the corpus (load_corpus) or the split that produced it."
         )
+    _pad_id(tokenizer)  # an HFTokenizer without its special ids cannot pack
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.encode_batch(docs), tokenizer
     return [tokenizer.encode(d) for d in docs], tokenizer
 
 
+def _pad_id(tokenizer: Tokenizer) -> int:
+    """The padding id, after checking that the tokenizer has all three special ids."""
+    bos, eos, pad = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+    if bos is None or eos is None or pad is None:
+        raise ValueError(
+            f"packing needs BOS, EOS and padding ids; {tokenizer!r} has bos_id={bos}, "
+            f"eos_id={eos}, pad_id={pad}. Build it with HFTokenizer.from_checkpoint(DIR), or "
+            "pass the three ids."
+        )
+    return pad
+
+
 def pack_documents(
-    docs: Sequence[str | bytes], seq_len: int, tokenizer: ByteTokenizer | None = None
+    docs: Sequence[str | bytes], seq_len: int, tokenizer: Tokenizer | None = None
 ) -> Batch:
     """Pack documents, in order, into rows of `seq_len` tokens (see the module docstring).
 
@@ -151,17 +170,18 @@ def pack_documents(
 
     - `docs`: the documents, as text or bytes.
     - `seq_len`: tokens per row, at least 2.
-    - `tokenizer`: default `ByteTokenizer()`.
+    - `tokenizer`: default `ByteTokenizer()`; or a checkpoint's `HFTokenizer`.
 
     **Returns:**
 
     A `Batch` of numpy arrays of shape `[num_rows, seq_len]` holding every row.
 
-    **Raises:** `ValueError` when `seq_len < 2` or `docs` is empty.
+    **Raises:** `ValueError` when `seq_len < 2`, `docs` is empty, or an `HFTokenizer` lacks
+    a BOS, EOS or padding id or cannot encode a document.
     """
     _check_seq_len(seq_len)
     encoded, tokenizer = _encode_all(docs, tokenizer)
-    return _with_targets(*_pack(encoded, seq_len, tokenizer), tokenizer.pad_id)
+    return _with_targets(*_pack(encoded, seq_len, tokenizer), _pad_id(tokenizer))
 
 
 @final
@@ -186,18 +206,19 @@ class PackedDataset:
         cls,
         docs: Sequence[str | bytes],
         seq_len: int,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
         *,
         seed: int = 0,
     ) -> "PackedDataset":
         """Tokenize and pack `docs` (see `pack_documents`); `seed` fixes the row order.
 
-        **Raises:** `ValueError` when `seq_len < 2` or `docs` is empty.
+            **Raises:** `ValueError` when `seq_len < 2`, `docs` is empty, or an `HFTokenizer` lacks
+        a BOS, EOS or padding id or cannot encode a document.
         """
         _check_seq_len(seq_len)
         encoded, tokenizer = _encode_all(docs, tokenizer)
         rows = _pack(encoded, seq_len, tokenizer)
-        return cls(*rows, pad_id=tokenizer.pad_id, num_documents=len(docs), seed=seed)
+        return cls(*rows, pad_id=_pad_id(tokenizer), num_documents=len(docs), seed=seed)
 
     @property
     def num_rows(self) -> int:

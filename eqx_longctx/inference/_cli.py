@@ -297,31 +297,20 @@ class _Printer:
         sys.stdout.flush()
 
 
-class _HFTokenizer:
-    """A `tokenizer.json` read by the `tokenizers` package."""
+class _Text:
+    """A tokenizer as the CLI uses it: `encode` a prompt, `decode` a continuation.
 
-    def __init__(self, file: pathlib.Path):
-        import tokenizers
+    A `--hf` checkpoint's tokenizer encodes a prompt with its own template (e.g. a leading
+    BOS); a run's tokenizer (`ByteTokenizer`, or the `HFTokenizer` of a run started with
+    `--init-hf`) opens it with BOS, as every training document was.
+    """
 
-        self._tok = tokenizers.Tokenizer.from_file(str(file))
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text).ids)
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-
-class _ByteText:
-    """The trainer's byte tokenizer, as the CLI uses it: a prompt opens with BOS, as every
-    training document does."""
-
-    def __init__(self):
-        from ..data import ByteTokenizer
-
-        self.tok = ByteTokenizer()
+    def __init__(self, tok, *, template: bool = False):
+        self.tok, self.template = tok, template
 
     def encode(self, text: str) -> list[int]:
+        if self.template:
+            return self.tok.encode_prompt(text)
         return [int(i) for i in self.tok.encode(text, bos=True)]
 
     def decode(self, ids: list[int]) -> str:
@@ -331,6 +320,7 @@ class _ByteText:
 def _load_hf(args: argparse.Namespace):
     """**Returns:** `(model, tokenizer or None, eos ids)` of the `--hf` checkpoint."""
     from .._family import model_family
+    from ..data import HFTokenizer
 
     path = pathlib.Path(args.hf)
     config_file = path / "config.json"
@@ -361,8 +351,8 @@ def _load_hf(args: argparse.Namespace):
     tokenizer = None
     if (path / TOKENIZER_FILE).is_file():
         try:
-            tokenizer = _HFTokenizer(path / TOKENIZER_FILE)
-        except ImportError:
+            tokenizer = _Text(HFTokenizer(path / TOKENIZER_FILE), template=True)
+        except ValueError:  # tokenizers is not installed, or the file is damaged
             tokenizer = None
     eos = hf.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
@@ -381,10 +371,10 @@ def _load_run(args: argparse.Namespace):
 
     from .._family import model_family
     from ..train._checkpoint import CheckpointReader, check_meta_matches, unreadable_reason
-    from ..train._config import TrainConfig, build_model_config, default_run_dir
+    from ..train._config import TrainConfig, default_run_dir
+    from ..train._init_hf import run_model_config
     from ..train._record import read_flags
 
-    text = _ByteText()
     if args.run_dir is None:
         try:
             run_dir = default_run_dir(resume=True)
@@ -396,7 +386,6 @@ def _load_run(args: argparse.Namespace):
             ) from None
     else:
         run_dir = pathlib.Path(args.run_dir)
-    placement = _placement(args, text.tok.vocab_size)
     reader = CheckpointReader(run_dir / "checkpoints")
     try:
         steps = reader.steps()
@@ -424,7 +413,9 @@ def _load_run(args: argparse.Namespace):
             train = TrainConfig(
                 **{k: v for k, v in flags.items() if k in names}, run_dir=str(run_dir)
             )
-            config = build_model_config(train, text.tok.vocab_size)
+            tokenizer, config, _ = run_model_config(train, run_dir)
+            text = _Text(tokenizer)
+            placement = _placement(args, config.vocab_size)
             check_meta_matches(meta, dataclasses.asdict(config), where)
             family = model_family(train.model)
             placement.check_run(1, 2 * _shards(placement), config, family=family)

@@ -19,6 +19,7 @@ from ._config import TrainConfig as TrainConfig
 from ._config import build_model_config as build_model_config
 from ._eval import check_batch as check_batch
 from ._eval import evaluate as evaluate
+from ._export import export_run as export_run
 from ._loop import Trainer as Trainer
 from ._metrics import MetricsLog as MetricsLog
 from ._metrics import TrainResult as TrainResult
@@ -48,6 +49,7 @@ __all__ = [
     "check_checkpoint_dir",
     "decay_mask",
     "evaluate",
+    "export_run",
     "loss_fn",
     "loss_sum",
     "make_optimizer",

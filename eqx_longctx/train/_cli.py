@@ -73,7 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_override,
         default=[],
         metavar="FIELD=VALUE",
-        help="replace a field of the model's config, e.g. n_layers=2 (repeatable)",
+        help="replace a field of the model's config, e.g. n_layers=2 (repeatable); with "
+        "--init-hf only fields that keep every weight's shape, e.g. rope_theta=40000",
+    )
+    p.add_argument(
+        "--init-hf",
+        default=None,
+        metavar="DIR",
+        help="fine-tune from this Hugging Face checkpoint of --model (config.json, "
+        "safetensors, tokenizer.json tokenizes --data); --preset is then unused. On "
+        "--resume it may be left out: the run's checkpoint wins",
     )
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per row")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per optimizer step")
@@ -344,6 +353,7 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             model=args.model,
             preset=args.preset,
             model_overrides=dict(args.override),
+            init_hf=args.init_hf,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
             grad_accum=args.grad_accum,
@@ -385,7 +395,9 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             return 0
         if primary:
             print(
-                f"training {config.model} {config.preset} ({trainer.model.num_params():,} "
+                f"training {config.model} "
+                f"{config.preset if config.init_hf is None else 'from ' + str(config.init_hf)} "
+                f"({trainer.model.num_params():,} "
                 "parameters) for "
                 f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
                 f"{trainer.parallel.describe()}, "

@@ -84,6 +84,11 @@ class TrainConfig:
       and `"deepseek"`, or any family registered as a plugin: see `eqx_longctx.ModelFamily`).
     - `preset`: key of that family's presets (`eqx_longctx.model_family(model).presets`).
     - `model_overrides`: fields of the family's config to replace, e.g. `{"n_layers": 2}`.
+    - `init_hf`: a Hugging Face checkpoint directory of family `model` to fine-tune from
+      (`None`: a fresh model of `preset`). Its `config.json` gives the architecture (`preset`
+      is then unused), its weights the starting point, its `tokenizer.json` the tokens of
+      `data`; `model_overrides` may change only what keeps every weight's shape (e.g.
+      `rope_theta`, `max_seq_len`). See `eqx_longctx.train._init_hf`.
     - `seq_len`, `batch_size`: tokens per row, rows per optimizer step.
     - `grad_accum`: the step's rows run as this many micro-batches one after another, their
       gradients summed in float32 before one optimizer update (`make_train_step`): the
@@ -128,6 +133,7 @@ class TrainConfig:
     model: str = "llama"
     preset: str = "tiny"
     model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    init_hf: str | os.PathLike[str] | None = None
     seq_len: int = 256
     batch_size: int = 8
     grad_accum: int = 1
@@ -161,7 +167,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("run_dir", "data"):  # accept paths, record strings
+        for name in ("run_dir", "data", "init_hf"):  # accept paths, record strings
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
                 object.__setattr__(self, name, os.fspath(value))
@@ -203,7 +209,7 @@ _INTS = {
 }
 _OPTIONAL = (
     "max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "fsdp_axes",
-    "remat", "loss_chunk", "host_offload",
+    "remat", "loss_chunk", "host_offload", "init_hf",
 )  # fmt: skip
 _EXAMPLES = {"final_eval_batches": 16, "loss_chunk": 1024}  # for fields whose default is None
 # Float fields: (rule, test, example); None: the range is check_optimizer_settings's.
@@ -213,7 +219,7 @@ _FLOATS = {
     "clip_norm": (None, None, "1.0"),
     "val_fraction": ("finite and strictly between 0 and 1", lambda x: 0 < x < 1, "0.05"),
 }
-_STRS = ("model", "preset", "data", "run_dir", "mesh", "fsdp_axes", "host_offload")
+_STRS = ("model", "preset", "data", "run_dir", "mesh", "fsdp_axes", "host_offload", "init_hf")
 _BOOLS = ("resume", "overwrite", "progress")
 _SEED_LIMIT = 2**32
 

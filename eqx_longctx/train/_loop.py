@@ -21,6 +21,7 @@ with a checkpoint saved there (see `_preempt.py`); resuming from it is exact lik
 """
 
 import dataclasses
+import hashlib
 import math
 import pathlib
 import sys
@@ -35,6 +36,7 @@ from .._family import model_family
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
 from ._config import TrainConfig, build_model_config, host_offload_of
 from ._eval import check_batch, evaluate
+from ._init_hf import hf_start, keep_source
 from ._metrics import MetricsLog, TrainResult, describe_loss, plot_metrics
 from ._offload import to_device, to_host
 from ._parallel import Placement
@@ -65,13 +67,21 @@ def _as_global(batch, like):
 _STEP_CACHE: dict[tuple, tuple[Any, Any]] = {}
 
 
-def _cached_train_step(config: TrainConfig, model_config, parallel: Placement, model):
+def _cached_train_step(
+    config: TrainConfig, model_config, parallel: Placement, model, tokenizer: Any = None
+):
     """The optimizer and jitted train step of a run: one function object per (optimizer
-    settings, model config, sharding spec), so fresh Trainers reuse the compiled step."""
+    settings, model config, sharding spec, tokenizer's byte counts), so fresh Trainers
+    reuse the compiled step."""
     warmup = config.warmup_steps or 0  # TrainConfig resolved None
     settings = (config.lr, warmup, config.steps, config.weight_decay, config.clip_norm)
     offload = host_offload_of(config.host_offload)
-    key = (settings, model_config, parallel.spec, config.grad_accum, config.loss_chunk, offload)
+    counts = getattr(tokenizer, "token_bytes", None)
+    counts = None if counts is None else hashlib.sha256(counts.tobytes()).hexdigest()
+    key = (
+        settings, model_config, parallel.spec, config.grad_accum, config.loss_chunk, offload,
+        counts,
+    )  # fmt: skip
     if key not in _STEP_CACHE:
         optimizer = make_optimizer(*settings)
         shardings = None
@@ -80,9 +90,10 @@ def _cached_train_step(config: TrainConfig, model_config, parallel: Placement, m
                 parallel.param_shardings(model),
                 parallel.opt_state_shardings(optimizer, model),
             )
+        kwargs = {} if tokenizer is None else {"tokenizer": tokenizer}
         step = make_train_step(
             optimizer, shardings=shardings, donate=_donates(), grad_accum=config.grad_accum,
-            loss_chunk=config.loss_chunk, host_offload=offload,
+            loss_chunk=config.loss_chunk, host_offload=offload, **kwargs,
         )  # fmt: skip
         while len(_STEP_CACHE) >= 8:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
@@ -126,6 +137,10 @@ class Trainer:
       (to inject
       faults in tests, or augment).
 
+    With `config.init_hf` the model, its config and the tokenizer come from a Hugging Face
+    checkpoint (see `eqx_longctx.train._init_hf`); `datasets` must then be encoded with
+    that checkpoint's `HFTokenizer`.
+
     **Raises:** `ValueError` (before any step is trained) for:
 
     - a `preset` or `model_overrides` the family rejects (see [`build_model_config`][]),
@@ -139,8 +154,9 @@ class Trainer:
     - `resume` with no checkpoint, none readable, flags that differ from the recorded
       run's (`flags.json`, or the checkpoint's record; an unreadable `flags.json`), another
       model config, or a data state from another seed, batch size or data;
-    - a corpus that `load_datasets` cannot read or split, or `datasets` packed at another
-      `seq_len`.
+    - a corpus that `load_datasets` cannot read or split (or, with `init_hf`, that the
+      checkpoint's tokenizer cannot encode), or `datasets` packed at another `seq_len`;
+    - an `init_hf` checkpoint that cannot start the run (see `hf_start`).
     """
 
     def __init__(self, config: TrainConfig, *, datasets=None, batch_hook: BatchHook | None = None):
@@ -149,11 +165,17 @@ class Trainer:
         self.config = config
         self.batch_hook = batch_hook
         self.primary = is_primary()
-        self.tokenizer = ByteTokenizer()
+        self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig
         # Every check that needs no data comes first: bad flags fail before the corpus is
         # read and the model built.
         self.family = model_family(config.model)
-        self.model_config = build_model_config(config, self.tokenizer.vocab_size)
+        self.hf_start = hf_start(config, self.run_dir)
+        if self.hf_start is None:
+            self.tokenizer: Any = ByteTokenizer()
+            self.model_config = build_model_config(config, self.tokenizer.vocab_size)
+        else:
+            self.tokenizer = self.hf_start.tokenizer
+            self.model_config = self.hf_start.model_config
         self.parallel = Placement(
             config.devices,
             config.mesh,
@@ -168,7 +190,6 @@ class Trainer:
         )  # fmt: skip
         # The layout of every weight: a dimension the mesh does not divide fails here.
         self._abstract_model = self.parallel.abstract_model(self._make_model)
-        self.run_dir = pathlib.Path(str(config.run_dir))  # resolved by TrainConfig
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ValueError(
                 f"run_dir must be a directory; got run_dir={str(self.run_dir)!r}, which is a "
@@ -184,13 +205,19 @@ class Trainer:
             kwargs: dict[str, Any] = {}
             if config.max_bytes is not None:
                 kwargs["max_bytes"] = config.max_bytes
-            datasets = load_datasets(
-                config.data,
-                seq_len=config.seq_len,
-                seed=config.seed,
-                val_fraction=config.val_fraction,
-                **kwargs,
-            )
+            try:
+                datasets = load_datasets(
+                    config.data,
+                    seq_len=config.seq_len,
+                    seed=config.seed,
+                    val_fraction=config.val_fraction,
+                    tokenizer=self.tokenizer,
+                    **kwargs,
+                )
+            except ValueError as e:
+                if self.hf_start is None:
+                    raise
+                raise ValueError(f"--data {config.data or '(the standard library)'}: {e}") from e
         self.train_data, self.val_data = datasets
         lengths = {d.tokens.shape[1] for d in datasets}
         if lengths != {config.seq_len}:
@@ -232,7 +259,7 @@ class Trainer:
                 "to continue that run, --overwrite to delete it, or a new --run-dir."
             )
         self.optimizer, self.train_step = _cached_train_step(
-            config, self.model_config, parallel, self._abstract_model
+            config, self.model_config, parallel, self._abstract_model, self.tokenizer
         )
         self.step, self.skipped, self.wall_offset = 0, 0, 0.0
         self.nothing_to_do: str | None = None
@@ -241,12 +268,16 @@ class Trainer:
             target = parallel.abstract_opt_state(self.optimizer, abstract)
             model, opt_state = self._resume(abstract, target)
         else:
-            model = parallel.build_model(self._make_model)
+            if self.hf_start is None:
+                model = parallel.build_model(self._make_model)
+            else:
+                model = self.hf_start.load(parallel.spec)
             opt_state = parallel.init_opt_state(self.optimizer, model)
             checkpointer.delete_all()  # empty unless overwrite=True
             if self.primary:
                 self.metrics.reset()
                 write_flags(self.run_dir, config)
+                keep_source(self.run_dir, self.hf_start)
             sync("fresh run recorded")
         offload = host_offload_of(config.host_offload)
         if "params" in offload:

@@ -5,7 +5,10 @@ Every `TrainConfig` field falls in one of three groups:
 
 - `RUN_FLAGS` define the run: the data and its order (`data`, `max_bytes`, `val_fraction`,
   `seed`), the shapes (`seq_len`, `batch_size`), the model (`model`, `preset`,
-  `model_overrides`)
+  `model_overrides`, and `init_hf`, the Hugging Face checkpoint a fine-tuning run started
+  from: recorded as an absolute path; on `--resume` it may be left out, since the weights
+  come from the run's checkpoint and the config and tokenizer from the run's own copy, and
+  if given it must be the recorded one)
   and the optimizer with its schedule (`lr`, `warmup_steps`, `weight_decay`, `clip_norm`,
   `steps`: the cosine decay spans `steps`, so a different value changes the learning rate
   of every step after warmup, including ones already taken). Resuming with another value
@@ -30,6 +33,7 @@ RUN_FLAGS = (
     "model",
     "preset",
     "model_overrides",
+    "init_hf",
     "seq_len",
     "batch_size",
     "steps",
@@ -67,7 +71,7 @@ def run_flags(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
     """The record of a run's flags, normalised so that equal runs give equal records.
 
     Model overrides are parsed against the preset (`"2"` from the CLI equals `2` from
-    Python) and `data` becomes an absolute path. Per-invocation switches (`run_dir`,
+    Python) and `data` and `init_hf` become absolute paths. Per-invocation switches (`run_dir`,
     `resume`, `overwrite`, `progress`) are left out.
 
     **Arguments:**
@@ -84,8 +88,9 @@ def run_flags(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
     record["model_overrides"] = resolve_overrides(
         record["preset"], record.get("model_overrides") or {}, model=record["model"]
     )
-    if record.get("data") is not None:
-        record["data"] = str(pathlib.Path(record["data"]).expanduser().resolve())
+    for name in ("data", "init_hf"):
+        if record.get(name) is not None:
+            record[name] = str(pathlib.Path(record[name]).expanduser().resolve())
     return json.loads(json.dumps(record, default=str))
 
 
@@ -154,7 +159,10 @@ def check_resume_flags(
             f"--resume must continue a run with the flags it was started with, but {where} "
             "records none to compare with. Start a new --run-dir (or --overwrite this one)."
         )
-    diffs = flag_differences(recorded, vars(config))
+    given = vars(config)
+    if config.init_hf is None:  # left out on resume: the run's own copy is used
+        given = {**given, "init_hf": recorded.get("init_hf")}
+    diffs = flag_differences(recorded, given)
     done = step >= config.steps
     if done:
         diffs = [d for d in diffs if not d.startswith("--steps:")]

@@ -10,6 +10,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
@@ -282,21 +283,31 @@ def _learning_rate(opt_state) -> Float[Array, ""]:
     return jnp.asarray(jnp.nan, jnp.float32)
 
 
-def byte_ids_of(tokenizer: Any) -> int | None:
-    """**Returns:** the number of token ids that are one byte each (ids `0..n-1`) when
-    `tokenizer`'s tokens are bytes (it has `byte_ids`, as `ByteTokenizer`), else `None`:
-    bits per byte are reported only then."""
+def byte_ids_of(tokenizer: Any) -> int | np.ndarray | None:
+    """How to count the bytes of text behind the targets, so that bits per byte can be
+    reported: the number of ids that are one byte each (ids `0..n-1`) when `tokenizer`'s
+    tokens are bytes (it has `byte_ids`, as `ByteTokenizer`); the bytes each id stands for
+    when it counts them (`token_bytes`, as `eqx_longctx.data.HFTokenizer`); else `None`
+    (bits per token only)."""
+    table = getattr(tokenizer, "token_bytes", None)
+    if isinstance(table, np.ndarray):
+        return table.astype(np.float32)
     n = getattr(tokenizer, "byte_ids", None)
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def _units(loss, num_tokens, batch, byte_ids: int | None) -> dict[str, Array]:
-    """Bits per token and, for a byte tokenizer, bits per byte of the loss-bearing text:
-    all bits (end-of-document tokens included: a code must mark them too) over the bytes."""
+def _units(loss, num_tokens, batch, byte_ids) -> dict[str, Array]:
+    """Bits per token and, when the bytes can be counted (`byte_ids_of`), bits per byte of
+    the loss-bearing text: all bits (end-of-document tokens included: a code must mark them
+    too) over the bytes."""
     out = {"bits_per_token": loss / _LN2}
     if byte_ids is not None:
         mask = batch.loss_mask.astype(jnp.float32)
-        num_bytes = jnp.sum(mask * (batch.targets < byte_ids))
+        if isinstance(byte_ids, int):
+            per_target = (batch.targets < byte_ids).astype(jnp.float32)
+        else:
+            per_target = jnp.asarray(byte_ids)[batch.targets]
+        num_bytes = jnp.sum(mask * per_target)
         out["bpb"] = loss * num_tokens / _LN2 / jnp.maximum(num_bytes, 1.0)
         out["bytes"] = num_bytes
     return out
@@ -324,7 +335,8 @@ def make_train_step(
     - `optimizer`: e.g. from [`make_optimizer`][]; its state must come from
       `optimizer.init(eqx.filter(model, eqx.is_inexact_array))`.
     - `tokenizer`: what the batches were encoded with (default: `ByteTokenizer`, the data
-      package's); bits per byte are reported only when its tokens are bytes.
+      package's); bits per byte are reported when its tokens are bytes or it counts the
+      bytes each id stands for (`eqx_longctx.data.HFTokenizer`).
     - `shardings`: `(param_shardings, opt_state_shardings)` (see `Placement`): gradients
       and the new parameters and optimizer state are kept in these layouts (ZeRO-3: each
       device reduces and updates only its shard). `None`: XLA chooses.
@@ -347,8 +359,8 @@ def make_train_step(
 
     **Returns:** the step function. `metrics` holds scalars `loss` (nats per token),
     `bits_per_token`, `grad_norm` (before clipping), `lr` (used for this update), `tokens`
-    (loss-bearing tokens), `finite`, and for a byte tokenizer `bpb` (bits per byte of
-    text) and `bytes`.
+    (loss-bearing tokens), `finite`, and where the tokenizer's bytes can be counted `bpb`
+    (bits per byte of text) and `bytes`.
 
     **Raises:** `ValueError` when `grad_accum` is not an int `>= 1` or `loss_chunk` not
     `None` or an int `>= 0`; the step raises it when `grad_accum` does not divide a

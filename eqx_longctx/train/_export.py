@@ -1,0 +1,162 @@
+"""`python -m eqx_longctx.export` / `eqx-longctx-export`: write the newest checkpoint of a
+training run as a Hugging Face checkpoint directory.
+
+The run's family writes the weights and `config.json` (its `to_hf`; the library never
+names a family). A run started with `--init-hf` also gets the tokenizer files of its
+source checkpoint (the run's copy of them) and that checkpoint's special token ids, so
+`transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
+both load the result.
+"""
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import shutil
+import sys
+from collections.abc import Sequence
+
+from ._exit import error_line
+
+PROG = "eqx-longctx-export"
+
+
+def export_run(
+    run_dir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None
+) -> int:
+    """Write a run's checkpoint as a Hugging Face checkpoint directory.
+
+    **Arguments:**
+
+    - `run_dir`: a run of `python -m eqx_longctx.train` (fresh or `--init-hf`).
+    - `out`: the directory to write (`config.json`, `model.safetensors`, and the tokenizer
+      files of an `--init-hf` run); it must not hold another checkpoint's files.
+    - `step`: the checkpoint to write (`None`: the newest readable one; each unreadable
+      newer one is reported on stderr).
+
+    **Returns:** the step written.
+
+    **Raises:** `ValueError` when `run_dir` has no readable checkpoint (or not `step`),
+    records no flags, or its family cannot write Hugging Face checkpoints; and as the
+    family's `to_hf` for `out`.
+    """
+    import jax
+
+    from .._family import model_family
+    from ._checkpoint import CheckpointReader, check_meta_matches, unreadable_reason
+    from ._config import TrainConfig
+    from ._init_hf import SOURCE_COPY, run_model_config
+    from ._parallel import Placement
+    from ._record import read_flags
+
+    run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
+    reader = CheckpointReader(run_dir / "checkpoints")
+    try:
+        steps = reader.steps()
+        if step is not None and step not in steps:
+            raise ValueError(
+                f"--step must be a saved step of {reader.directory}; got --step {step}, saved "
+                f"steps {steps}. Pass one of them, or leave --step out for the newest."
+            )
+        candidates = [step] if step is not None else list(reversed(steps))
+        if not candidates:
+            raise ValueError(
+                f"--run-dir {run_dir} holds no checkpoint ({reader.directory} is empty). "
+                "Train first, or point at a run that saved one."
+            )
+        failures = []
+        for s in candidates:
+            where = str(reader.directory / str(s))
+            try:
+                meta = reader.read_meta(s)
+            except Exception as e:  # orbax and tensorstore raise many types
+                failures.append(f"step {s}: {unreadable_reason(e)}")
+                continue
+            flags = read_flags(run_dir) or meta.get("train_config")
+            if not isinstance(flags, dict):
+                raise ValueError(
+                    f"{where} records no training flags and {run_dir} has no flags.json; "
+                    "export reads runs of python -m eqx_longctx.train only."
+                )
+            names = {f.name for f in dataclasses.fields(TrainConfig)}
+            fields = {k: v for k, v in flags.items() if k in names}
+            # Read on one device, whatever the mesh that trained it.
+            fields.update(run_dir=str(run_dir), devices=1, mesh=None, fsdp_axes=None)
+            train = TrainConfig(**fields)
+            tokenizer, config, start = run_model_config(train, run_dir)
+            check_meta_matches(meta, dataclasses.asdict(config), where)
+            family = model_family(train.model)
+            placement = Placement(1, vocab_size=config.vocab_size)
+            abstract = placement.abstract_model(
+                lambda spec: family.model(config, key=jax.random.key(0), spec=spec)  # noqa: B023
+            )
+            try:
+                model = reader.read_model(abstract, s)
+            except Exception as e:  # orbax and tensorstore raise many types
+                failures.append(f"step {s}: {unreadable_reason(e)}")
+                continue
+            for failure in failures:
+                print(f"checkpoint {failure} cannot be read; using step {s}", file=sys.stderr)
+            family.to_hf(model, out)
+            _add_tokenizer(out, tokenizer, None if start is None else run_dir / SOURCE_COPY)
+            return s
+        raise ValueError(
+            f"--run-dir {run_dir}: no checkpoint in {reader.directory} can be read "
+            f"({'; '.join(failures)})."
+        )
+    finally:
+        reader.close()
+
+
+def _add_tokenizer(out: pathlib.Path, tokenizer, copy: pathlib.Path | None) -> None:
+    """Write the special token ids into `config.json`, and copy an `--init-hf` run's
+    tokenizer files."""
+    from eqx_longctx.data._hf_tokenizer import TOKENIZER_FILES
+
+    file = out / "config.json"
+    config = json.loads(file.read_text())
+    for key, value in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id),
+                       ("pad", tokenizer.pad_id)):  # fmt: skip
+        if value is not None:
+            config[f"{key}_token_id"] = int(value)
+    file.write_text(json.dumps(config, indent=2, sort_keys=True))
+    if copy is None:
+        return
+    for name in TOKENIZER_FILES:
+        if (copy / name).is_file():
+            shutil.copyfile(copy / name, out / name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """**Returns:** the argument parser of the export CLI."""
+    from ._cli import _Parser
+
+    p = _Parser(
+        prog=PROG,
+        description="Write the newest checkpoint of a training run (python -m "
+        "eqx_longctx.train) as a Hugging Face checkpoint directory: config.json, "
+        "model.safetensors, and the tokenizer files of a run started with --init-hf.",
+    )
+    p.add_argument("--run-dir", required=True, help="the run directory")
+    p.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    p.add_argument("--step", type=int, default=None, help="a saved step (default: the newest)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags and export; every error is one line on stderr,
+    `eqx-longctx-export: error: <rule, values, fix>`.
+
+    **Returns:** the exit status: 0 when written, 2 on invalid flags or a run that cannot be
+    exported.
+    """
+    from ._cli import UsageError
+
+    try:
+        args = build_parser().parse_args(argv)
+        step = export_run(args.run_dir, args.out, step=args.step)
+    except (UsageError, ValueError, TypeError) as e:
+        print(error_line(e, PROG), file=sys.stderr)
+        return 2
+    print(f"wrote step {step} of {args.run_dir} to {args.out}")
+    return 0

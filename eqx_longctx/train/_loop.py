@@ -21,7 +21,6 @@ with a checkpoint saved there (see `_preempt.py`); resuming from it is exact lik
 """
 
 import dataclasses
-import hashlib
 import math
 import pathlib
 import sys
@@ -30,7 +29,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from .._family import model_family
 from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
@@ -43,71 +41,13 @@ from ._parallel import Placement
 from ._preempt import PreemptionNotice
 from ._processes import agree, is_primary, sync
 from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
-from ._step import make_optimizer, make_train_step
+from ._step_cache import as_global, cached_train_step
 
 BatchHook = Callable[[int, Any], Any]
 
 
 def _quiet(*_: Any, **__: Any) -> None:
     """Where the messages of processes other than process 0 go."""
-
-
-def _as_global(batch, like):
-    """`batch` with every host-array field placed like the field of `like` it replaces."""
-
-    def place(x, ref):
-        if isinstance(x, jax.Array):
-            return x
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, ref.sharding, lambda i: host[i])
-
-    return type(batch)(*(place(x, ref) for x, ref in zip(batch, like, strict=True)))
-
-
-_STEP_CACHE: dict[tuple, tuple[Any, Any]] = {}
-
-
-def _cached_train_step(
-    config: TrainConfig, model_config, parallel: Placement, model, tokenizer: Any = None
-):
-    """The optimizer and jitted train step of a run: one function object per (optimizer
-    settings, model config, sharding spec, tokenizer's byte counts), so fresh Trainers
-    reuse the compiled step."""
-    warmup = config.warmup_steps or 0  # TrainConfig resolved None
-    settings = (config.lr, warmup, config.steps, config.weight_decay, config.clip_norm)
-    offload = host_offload_of(config.host_offload)
-    counts = getattr(tokenizer, "token_bytes", None)
-    counts = None if counts is None else hashlib.sha256(counts.tobytes()).hexdigest()
-    key = (
-        settings, model_config, parallel.spec, config.grad_accum, config.loss_chunk, offload,
-        counts,
-    )  # fmt: skip
-    if key not in _STEP_CACHE:
-        optimizer = make_optimizer(*settings)
-        shardings = None
-        if parallel.spec is not None:
-            shardings = (
-                parallel.param_shardings(model),
-                parallel.opt_state_shardings(optimizer, model),
-            )
-        kwargs = {} if tokenizer is None else {"tokenizer": tokenizer}
-        step = make_train_step(
-            optimizer, shardings=shardings, donate=_donates(), grad_accum=config.grad_accum,
-            loss_chunk=config.loss_chunk, host_offload=offload, **kwargs,
-        )  # fmt: skip
-        while len(_STEP_CACHE) >= 8:
-            _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
-        _STEP_CACHE[key] = (optimizer, step)
-    return _STEP_CACHE[key]
-
-
-def _donates() -> bool:
-    """Whether the trainer's step donates the model and optimizer state: on an accelerator,
-    so that they are not held twice in its memory; not on CPU, where they live in host
-    memory and donating them made the main job's step 15-25% slower (0.88 / 0.91 s against
-    0.76 / 0.70 s per step, alternated; the donation came in with the sharded trainer and
-    was the step-time regression of issue 19)."""
-    return jax.devices()[0].platform != "cpu"
 
 
 class Trainer:
@@ -258,7 +198,7 @@ class Trainer:
                 f"{checkpointer.directory} holds steps {checkpointer.steps()}. Pass --resume "
                 "to continue that run, --overwrite to delete it, or a new --run-dir."
             )
-        self.optimizer, self.train_step = _cached_train_step(
+        self.optimizer, self.train_step = cached_train_step(
             config, self.model_config, parallel, self._abstract_model, self.tokenizer
         )
         self.step, self.skipped, self.wall_offset = 0, 0, 0.0
@@ -430,7 +370,7 @@ class Trainer:
                     self._seek_data()
                 batch = next(self.batches)
                 if self.batch_hook is not None:
-                    batch = _as_global(self.batch_hook(self.step, batch), batch)
+                    batch = as_global(self.batch_hook(self.step, batch), batch)
                 if not checked:  # once per segment: ids are all in range or nothing runs
                     check_batch(batch, self.model_config.vocab_size)
                     checked = True

@@ -12,8 +12,12 @@ HOST_OFFLOADS = ("opt_state", "params")
 def check_host_offload(host_offload: object) -> None:
     """**Raises:** `ValueError` unless `host_offload` is a tuple of distinct names from
     `HOST_OFFLOADS`."""
-    ok = isinstance(host_offload, tuple) and all(x in HOST_OFFLOADS for x in host_offload)
-    if not ok or len(set(host_offload)) != len(host_offload):
+    ok = (
+        isinstance(host_offload, tuple)
+        and all(x in HOST_OFFLOADS for x in host_offload)
+        and len(set(host_offload)) == len(host_offload)
+    )
+    if not ok:
         raise ValueError(
             f"host_offload (--host-offload) names what lives in host memory between steps: "
             f"distinct names among {', '.join(HOST_OFFLOADS)}; got {host_offload!r}. Pass "

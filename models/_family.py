@@ -91,19 +91,24 @@ class DeepSeekFamily(_ZooFamily):
         `tensor`. The routed experts keep their width: their weights are stored split over a
         tensor axis but each tensor shard computes its experts whole.
 
-        Under expert parallelism over `expert` devices, each device's experts multiply the
-        rows its buffers receive: `expert x tokens x top_k` of them when dropless (every
-        buffer has room for all of a device's copies), `capacity_factor x tokens x top_k`
-        with a capacity. The local layer gets as many rows by routing each token to that
-        many experts (greedy routing, so that any count is allowed)."""
+        Under expert parallelism over `expert` devices, a device holds `n_routed_experts /
+        expert` of the experts, and they multiply the rows its buffers receive: `expert x
+        tokens x top_k` of them when dropless (every buffer has room for all of a device's
+        copies), `capacity_factor x tokens x top_k` with a capacity. The local layer has
+        the device's experts (more when a token's copies outnumber them) and gets as many
+        rows by routing each token to that many of them (greedy routing, so that any count
+        is allowed)."""
         c = config
         dense, moe = min(1, c.first_k_dense), min(1, c.n_layers - c.first_k_dense)
         routing = {}
         if expert > 1:
             cf = c.capacity_factor
             rows = c.top_k * expert if cf is None else math.ceil(c.top_k * cf)
-            routing = dict(top_k=min(c.n_routed_experts, rows), topk_method="greedy", n_group=1,
-                           topk_group=1, capacity_factor=None)  # fmt: skip
+            # A token reaches each expert once: more rows than local experts need more
+            # experts (a dropless buffer over many devices).
+            local = min(c.n_routed_experts, max(c.n_routed_experts // expert, rows))
+            routing = dict(n_routed_experts=local, top_k=min(local, rows), topk_method="greedy",
+                           n_group=1, topk_group=1, capacity_factor=None)  # fmt: skip
         return dataclasses.replace(
             c, n_layers=dense + moe, first_k_dense=dense, n_heads=c.n_heads // tensor,
             hidden_dim=c.hidden_dim // tensor, **routing,

@@ -46,6 +46,15 @@ CASES = {
     "deepseek-expert-none": (
         "deepseek", {"expert": 2, "context": 4}, (), "ring", "none", 8192, 2, {},
     ),
+    # Hold-out cases for the expert-parallel local layer (each device's share of the
+    # experts): checked, never tuned on.
+    "deepseek-expert4-capacity-full": (
+        "deepseek", {"expert": 4, "context": 2}, (), "ring", "full", 8192, 4,
+        {"n_routed_experts": 16, "capacity_factor": 1.25, "grouped_matmul": "scan"},
+    ),
+    "deepseek-expert4-dropless-dots": (
+        "deepseek", {"expert": 4, "context": 2}, (), "ring", "dots", 8192, 4, {},
+    ),
     "deepseek-tensor-none": (
         "deepseek", {"tensor": 2, "context": 4}, (), "ring", "none", 8192, 1, {},
     ),

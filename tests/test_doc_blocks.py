@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, check_cli_commands
+from helpers import CHILD_XLA_FLAGS, ROOT, check_cli_commands
 
 MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PYTHON = ("python", "py", "python3")
@@ -137,7 +137,7 @@ def run_blocks(blocks: list[Block], cwd: pathlib.Path) -> subprocess.CompletedPr
     """Run `blocks` in one fresh interpreter with 8 fake CPU devices, in `cwd`."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {CHILD_XLA_FLAGS}",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
         MPLBACKEND="Agg",

@@ -15,7 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT
+from helpers import CHILD_XLA_FLAGS, ROOT
 
 import eqx_longctx
 from eqx_longctx.data import ByteTokenizer
@@ -31,7 +31,9 @@ NEW = 12
 
 def _run(module: str, *flags: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    env.update(
+        PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", MPLBACKEND="Agg", XLA_FLAGS=CHILD_XLA_FLAGS
+    )
     return subprocess.run(
         [sys.executable, "-m", module, *flags],
         env=env,

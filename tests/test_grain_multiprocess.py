@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from helpers import CHILD_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = textwrap.dedent(
@@ -81,7 +83,7 @@ def free_port() -> int:
 def test_two_processes_feed_their_parts(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": CHILD_XLA_FLAGS}
     env.pop("JAX_NUM_CPU_DEVICES", None)
     port = free_port()
     procs = [

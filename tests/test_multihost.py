@@ -27,6 +27,7 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from helpers import CHILD_XLA_FLAGS
 
 from eqx_longctx.data import load_datasets
 from eqx_longctx.train import Checkpointer, TrainConfig, Trainer
@@ -87,7 +88,8 @@ def free_port() -> int:
 
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    return {**env, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **extra}
+    return {**env, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": CHILD_XLA_FLAGS,
+            **extra}  # fmt: skip
 
 
 @dataclasses.dataclass

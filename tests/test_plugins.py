@@ -16,6 +16,7 @@ import sys
 import jax
 import pytest
 import third_family
+from helpers import CHILD_XLA_FLAGS
 
 import eqx_longctx
 from eqx_longctx import _family
@@ -36,7 +37,7 @@ def install(tmp_path: pathlib.Path) -> dict[str, str]:
     (info / "entry_points.txt").write_text(f"[eqx_longctx.models]\n{NAME} = third_family:FAMILY\n")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     path = os.pathsep.join(map(str, (ROOT, TESTS, site)))
-    return {**env, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
+    return {**env, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": CHILD_XLA_FLAGS}
 
 
 def run(args: list[str], env: dict[str, str], cwd: pathlib.Path) -> subprocess.CompletedProcess:

@@ -10,6 +10,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import CHILD_XLA_FLAGS
 
 from eqx_longctx import selftest
 from eqx_longctx.attention._block import AbstractBlockImpl
@@ -25,7 +26,7 @@ def test_selftest_passes_on_cpu():
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
-    env.pop("XLA_FLAGS", None)  # the selftest makes its own 8 devices
+    env["XLA_FLAGS"] = CHILD_XLA_FLAGS  # the selftest makes its own 8 devices
     proc = subprocess.run(
         [sys.executable, "-m", "eqx_longctx.selftest"], capture_output=True, text=True,
         env=env, timeout=900, cwd=ROOT,

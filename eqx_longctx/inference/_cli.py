@@ -19,7 +19,6 @@ the CPU device count first), and every bad flag is one line on stderr, exit stat
 """
 
 import argparse
-import dataclasses
 import json
 import logging
 import pathlib
@@ -367,13 +366,8 @@ def _shards(placement) -> int:
 def _load_run(args: argparse.Namespace):
     """**Returns:** `(model, byte tokenizer, eos ids)` of the newest readable checkpoint of
     `--run-dir` (default: the newest run under `runs/`)."""
-    import jax
-
-    from .._family import model_family
-    from ..train._checkpoint import CheckpointReader, check_meta_matches, unreadable_reason
-    from ..train._config import TrainConfig, default_run_dir
-    from ..train._init_hf import run_model_config
-    from ..train._record import read_flags
+    from ..train._config import default_run_dir
+    from ..train._read_run import read_run_model
 
     if args.run_dir is None:
         try:
@@ -386,53 +380,12 @@ def _load_run(args: argparse.Namespace):
             ) from None
     else:
         run_dir = pathlib.Path(args.run_dir)
-    reader = CheckpointReader(run_dir / "checkpoints")
-    try:
-        steps = reader.steps()
-        if not steps:
-            raise ValueError(
-                f"--run-dir {run_dir} holds no checkpoint ({reader.directory} is empty). "
-                "Train first (python -m eqx_longctx.train --run-dir ...), or point at a run "
-                "that saved one."
-            )
-        failures = []
-        for step in reversed(steps):
-            where = str(reader.directory / str(step))
-            try:
-                meta = reader.read_meta(step)
-            except Exception as e:  # orbax and tensorstore raise many types
-                failures.append(f"step {step}: {unreadable_reason(e)}")
-                continue
-            flags = meta.get("train_config") or read_flags(run_dir)
-            if not isinstance(flags, dict):
-                raise ValueError(
-                    f"{where} records no training flags and {run_dir} has no flags.json; "
-                    "generate reads runs of python -m eqx_longctx.train only."
-                )
-            names = {f.name for f in dataclasses.fields(TrainConfig)}
-            train = TrainConfig(
-                **{k: v for k, v in flags.items() if k in names}, run_dir=str(run_dir)
-            )
-            tokenizer, config, _ = run_model_config(train, run_dir)
-            text = _Text(tokenizer)
-            placement = _placement(args, config.vocab_size)
-            check_meta_matches(meta, dataclasses.asdict(config), where)
-            family = model_family(train.model)
-            placement.check_run(1, 2 * _shards(placement), config, family=family)
-            abstract = placement.abstract_model(
-                lambda spec: family.model(config, key=jax.random.key(0), spec=spec)  # noqa: B023
-            )
-            try:
-                model = reader.read_model(abstract, step)
-            except Exception as e:
-                failures.append(f"step {step}: {unreadable_reason(e)}")
-                continue
-            for failure in failures:
-                print(f"checkpoint {failure} cannot be read; using step {step}", file=sys.stderr)
-            return model, text, frozenset({text.tok.eos_id})
-        raise ValueError(
-            f"--run-dir {run_dir}: no checkpoint in {reader.directory} can be read "
-            f"({'; '.join(failures)})."
-        )
-    finally:
-        reader.close()
+
+    def placement_of(config, family):
+        placement = _placement(args, config.vocab_size)
+        placement.check_run(1, 2 * _shards(placement), config, family=family)
+        return placement
+
+    run = read_run_model(run_dir, placement_of, reader="generate")
+    text = _Text(run.tokenizer)
+    return run.model, text, frozenset({text.tok.eos_id})

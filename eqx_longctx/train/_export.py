@@ -9,7 +9,6 @@ both load the result.
 """
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import shutil
@@ -40,72 +39,20 @@ def export_run(
     records no flags, or its family cannot write Hugging Face checkpoints; and as the
     family's `to_hf` for `out`.
     """
-    import jax
-
     from .._family import model_family
-    from ._checkpoint import CheckpointReader, check_meta_matches, unreadable_reason
-    from ._config import TrainConfig
-    from ._init_hf import SOURCE_COPY, run_model_config
+    from ._init_hf import SOURCE_COPY
     from ._parallel import Placement
-    from ._record import read_flags
+    from ._read_run import read_run_model
 
     run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
-    reader = CheckpointReader(run_dir / "checkpoints")
-    try:
-        steps = reader.steps()
-        if step is not None and step not in steps:
-            raise ValueError(
-                f"--step must be a saved step of {reader.directory}; got --step {step}, saved "
-                f"steps {steps}. Pass one of them, or leave --step out for the newest."
-            )
-        candidates = [step] if step is not None else list(reversed(steps))
-        if not candidates:
-            raise ValueError(
-                f"--run-dir {run_dir} holds no checkpoint ({reader.directory} is empty). "
-                "Train first, or point at a run that saved one."
-            )
-        failures = []
-        for s in candidates:
-            where = str(reader.directory / str(s))
-            try:
-                meta = reader.read_meta(s)
-            except Exception as e:  # orbax and tensorstore raise many types
-                failures.append(f"step {s}: {unreadable_reason(e)}")
-                continue
-            flags = read_flags(run_dir) or meta.get("train_config")
-            if not isinstance(flags, dict):
-                raise ValueError(
-                    f"{where} records no training flags and {run_dir} has no flags.json; "
-                    "export reads runs of python -m eqx_longctx.train only."
-                )
-            names = {f.name for f in dataclasses.fields(TrainConfig)}
-            fields = {k: v for k, v in flags.items() if k in names}
-            # Read on one device, whatever the mesh that trained it.
-            fields.update(run_dir=str(run_dir), devices=1, mesh=None, fsdp_axes=None)
-            train = TrainConfig(**fields)
-            tokenizer, config, start = run_model_config(train, run_dir)
-            check_meta_matches(meta, dataclasses.asdict(config), where)
-            family = model_family(train.model)
-            placement = Placement(1, vocab_size=config.vocab_size)
-            abstract = placement.abstract_model(
-                lambda spec: family.model(config, key=jax.random.key(0), spec=spec)  # noqa: B023
-            )
-            try:
-                model = reader.read_model(abstract, s)
-            except Exception as e:  # orbax and tensorstore raise many types
-                failures.append(f"step {s}: {unreadable_reason(e)}")
-                continue
-            for failure in failures:
-                print(f"checkpoint {failure} cannot be read; using step {s}", file=sys.stderr)
-            family.to_hf(model, out)
-            _add_tokenizer(out, tokenizer, None if start is None else run_dir / SOURCE_COPY)
-            return s
-        raise ValueError(
-            f"--run-dir {run_dir}: no checkpoint in {reader.directory} can be read "
-            f"({'; '.join(failures)})."
-        )
-    finally:
-        reader.close()
+    # Read on one device, whatever the mesh that trained it.
+    run = read_run_model(
+        run_dir, lambda config, _: Placement(1, vocab_size=config.vocab_size), reader="export",
+        step=step, settings=dict(devices=1, mesh=None, fsdp_axes=None),
+    )  # fmt: skip
+    model_family(run.train.model).to_hf(run.model, out)
+    _add_tokenizer(out, run.tokenizer, None if run.start is None else run_dir / SOURCE_COPY)
+    return run.step
 
 
 def _add_tokenizer(out: pathlib.Path, tokenizer, copy: pathlib.Path | None) -> None:

@@ -412,6 +412,14 @@ def test_tensor_errors(v3_copy):
         from_hf(v3_copy)
 
 
+def test_from_hf_refuses_a_shape_changing_override(tmp_path):
+    pytest.importorskip("safetensors")
+    written = tmp_path / "tiny"
+    to_hf(DeepSeek(DeepSeekConfig.from_preset("tiny"), key=jax.random.key(0)), written)
+    with pytest.raises(ValueError, match="would change the weights"):
+        from_hf(written, n_layers=4)
+
+
 def test_building_block_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown DeepSeek preset"):
         DeepSeekConfig.from_preset("deepseek-v9")
@@ -433,8 +441,6 @@ def test_building_block_errors(tmp_path):
         YarnRopeScaling(0.5, 4096)
     with pytest.raises(ValueError, match="positive even number"):
         RoPE(7, 1e4, interleaved=True)
-    with pytest.raises(ValueError, match="would change the weights"):
-        from_hf(tmp_path, n_layers=3)
     config = DeepSeekConfig.from_preset("tiny", topk_method="greedy", norm_topk_prob=True)
     abstract = eqx.filter_eval_shape(DeepSeek, config, key=jax.random.key(0))
     with pytest.raises(ValueError, match="written as DeepSeek-V2|writes topk_method='greedy'"):

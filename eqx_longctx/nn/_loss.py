@@ -24,12 +24,14 @@ LOSS_CHUNK_BYTES = 128 * 2**20
 `chunk_tokens x local vocabulary` of them (e.g. 256 tokens at a 128K vocabulary)."""
 
 
-def loss_chunk_tokens(vocab: int, tokens: int, chunk_bytes: int | None = None) -> int:
-    """The automatic chunk: the most tokens, at most `tokens`, whose float32 logits over
-    `vocab` (a device's share of the vocabulary) take at most `chunk_bytes` (default
-    `LOSS_CHUNK_BYTES`)."""
-    chunk_bytes = LOSS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    return max(1, min(tokens, chunk_bytes // (4 * vocab)))
+def loss_chunk_tokens(vocab: int, tokens: int, chunk: int | None = None) -> int:
+    """Tokens per chunk of the loss on a device holding `tokens` tokens and `vocab` ids of
+    the vocabulary: `chunk` tokens (at most `tokens`; `0`: all of them, the whole logits),
+    or with `None` the most whose float32 logits take at most `LOSS_CHUNK_BYTES`. The one
+    rule the loss and the step planner both use."""
+    if chunk is None:
+        return max(1, min(tokens, LOSS_CHUNK_BYTES // (4 * vocab)))
+    return tokens if chunk == 0 else min(chunk, tokens)
 
 
 def check_loss_chunk(value: object, *, whole_ok: bool = True) -> None:
@@ -51,8 +53,10 @@ def check_loss_chunk(value: object, *, whole_ok: bool = True) -> None:
     )
 
 
-def _vocab_axes(weight_pspec: PartitionSpec) -> tuple[str, ...]:
-    entry = weight_pspec[1] if len(weight_pspec) > 1 else None
+def vocab_axes(weight_pspec: PartitionSpec | None) -> tuple[str, ...]:
+    """The mesh axes an `[embed, vocab]` output head's `weight_pspec` splits the vocabulary
+    over (`None`: no spec, none)."""
+    entry = weight_pspec[1] if weight_pspec is not None and len(weight_pspec) > 1 else None
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -84,7 +88,7 @@ def _local_loss(hidden, weight, targets, mask, chunk_tokens, vocab_axes):
             picked = jax.lax.psum(picked, vocab_axes)
         return jnp.sum((top + jnp.log(sum_exp) - picked) * m)
 
-    chunk = loss_chunk_tokens(v_local, n) if chunk_tokens is None else min(chunk_tokens, n)
+    chunk = loss_chunk_tokens(v_local, n, chunk_tokens)
     if chunk >= n:  # one chunk: its logits are at most a chunk's, kept for the backward
         return chunk_loss(h, t, m)
     steps = -(-n // chunk)
@@ -158,12 +162,12 @@ def chunked_cross_entropy(
         return _local_loss(hidden, weight, targets, loss_mask, chunk_tokens, ()), count
     if weight_pspec is None:
         weight_pspec = PartitionSpec(None, spec.tensor_axis)
-    vocab_axes = _vocab_axes(weight_pspec)
+    axes = vocab_axes(weight_pspec)
     token_axes = tuple(a for a in (*spec.batch_axes, *spec.sequence_axes) if a is not None)
     tokens, act = spec.token_pspec(), spec.activation_pspec()
 
     def local(h, w, t, m):
-        total = _local_loss(h, w, t, m, chunk_tokens, vocab_axes)
+        total = _local_loss(h, w, t, m, chunk_tokens, axes)
         return jax.lax.psum(total, token_axes) if token_axes else total
 
     def run(h, w, t, m):

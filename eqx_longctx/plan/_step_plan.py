@@ -54,7 +54,7 @@ from ..attention._choose import plan as plan_attention
 from ..attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, STRATEGY_ORDER
 from ..attention._explain import gib
 from ..attention._validate import check_tensor_heads
-from ..nn._loss import check_loss_chunk, loss_chunk_tokens
+from ..nn._loss import check_loss_chunk, loss_chunk_tokens, vocab_axes
 from ._activations import REMATS, stack_activations, stacks
 from ._explain import step_table
 
@@ -357,16 +357,9 @@ def _loss_bytes(model: Any, spec: ShardingSpec, tokens: int, loss_chunk: int | N
     one chunk takes them: nothing to recompute). With several chunks its backward runs the
     head's forward again (2 more FLOPs per head parameter and token, on top of 6).
     """
-    pspec = model.head_pspec()
-    entry = pspec[1] if pspec is not None and len(pspec) > 1 else None
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    axes = vocab_axes(model.head_pspec())
     local = model.config.vocab_size // math.prod(spec.axis_size(a) for a in axes)
-    if loss_chunk == 0:
-        chunk = tokens
-    elif loss_chunk is None:
-        chunk = loss_chunk_tokens(local, tokens)
-    else:
-        chunk = min(loss_chunk, tokens)
+    chunk = loss_chunk_tokens(local, tokens, loss_chunk)
     recompute = 0.0 if chunk >= tokens else model.config.dim * local / 3
     return int(LOGIT_COPIES * chunk * local * _F32), recompute
 

@@ -15,6 +15,7 @@ References: Dao et al. 2022, "FlashAttention" (arXiv:2205.14135); Dao 2023,
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ._block import AbstractBlockImpl, BlockOptions, pairs_are_empty
@@ -46,8 +47,8 @@ class XlaBlockImpl(AbstractBlockImpl):
 
     def attend(self, qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
         blocks, config = qt.hop(k, kv_positions, kv_segment_ids)
-        kb, vb = blocks.split_kv(k), blocks.split_kv(v)
-        return _flash_fwd_impl(config, qt.qb, kb, vb, *blocks.masks)
+        kb_t, vb = blocks.split_kv_t(k), blocks.split_kv(v)
+        return _flash_fwd_impl(config, qt.qb, kb_t, vb, blocks.all_finite(v), *blocks.masks)
 
     def attend_heads_major(self, qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
         like = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1], k.shape[3]), k.dtype)
@@ -148,6 +149,20 @@ def _block_is_empty(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     return pairs_are_empty(options, q_pos, kv_pos, *segments)
 
 
+def _block_is_full(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
+    """True when every query of the block sees every key of the block, for every batch row
+    (then the block runs without a mask)."""
+    full = jnp.ones(q_pos.shape[:1], bool)
+    if config.causal:
+        full = full & (q_pos.min(-1) >= kv_pos.max(-1))
+    if config.window is not None:
+        full = full & (q_pos.max(-1) - kv_pos.min(-1) < config.window)
+    if config.use_segments:
+        one = q_seg.min(-1) == q_seg.max(-1)
+        full = full & one & (kv_seg.min(-1) == q_seg.min(-1)) & (kv_seg.max(-1) == q_seg.min(-1))
+    return jnp.all(full)
+
+
 def _scores(config: _Config, qi, kj, mask):
     s = jnp.einsum("bkgsd,bktd->bkgst", qi, kj, preferred_element_type=jnp.float32)
     s = s * config.scale
@@ -156,52 +171,105 @@ def _scores(config: _Config, qi, kj, mask):
     return s
 
 
-def _flash_fwd_impl(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
+def _flash_fwd_impl(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg):
     def tile(qc, kc, vc):
-        return _flash_fwd_tile(config, qc, kc, vc, q_pos, kv_pos, q_seg, kv_seg)
+        return _flash_fwd_tile(config, qc, kc, vc, v_finite, q_pos, kv_pos, q_seg, kv_seg)
 
-    return _map_head_tiles(tile, qb, kb, vb)
+    return _map_head_tiles(tile, qb, kb_t, vb)
 
 
-def _flash_fwd_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg):
-    """One head tile: `qb` `[n, b, k, g, block, d]`, `kb`/`vb` `[n, b, k, block, d]`."""
-    nk = kb.shape[0]
-    _, b, hk, g, bq, _ = qb.shape
-    dv = vb.shape[-1]
+_LOG2_E = float(np.log2(np.e))
+_LN_2 = float(np.log(2.0))
+
+# Kinds of a (query block, key block) pair in the forward (`_pair_kinds`), in the order the
+# pairs are visited: unmasked, masked, the guarded product for values holding NaN or inf,
+# and skipped.
+_FULL, _MASKED, _NONFINITE, _EMPTY = 0, 1, 2, 3
+
+
+def _pair_kinds(config: _Config, q_pos, kv_pos, q_seg, kv_seg, v_finite):
+    """The kind of one query block against every key block (`kv_pos` `[n, b, block]`):
+    skipped when no query sees a key, unmasked when every query sees every key."""
+
+    def kind(kv_pos_j, kv_seg_j, finite_j):
+        empty = _block_is_empty(config, q_pos, kv_pos_j, q_seg, kv_seg_j)
+        full = _block_is_full(config, q_pos, kv_pos_j, q_seg, kv_seg_j)
+        k = jnp.where(full, _FULL, _MASKED)
+        k = jnp.where(finite_j, k, _NONFINITE)
+        return jnp.where(empty, _EMPTY, k)
+
+    kv_seg = kv_seg if kv_seg is not None else jnp.zeros(kv_pos.shape, jnp.int32)
+    return jax.vmap(kind)(kv_pos, kv_seg, v_finite)
+
+
+def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg):
+    """One head tile: `qb` `[n, b, k, g, block, d]`, `kb_t` `[n, b, k, d, block]` (keys
+    transposed, as the score product reads them), `vb` `[n, b, k, block, v]`; `v_finite`
+    `[n]` whether a key block's values (of every head) are all finite.
+
+    Each query block visits only the key blocks it sees: their indices are sorted by kind
+    (`_pair_kinds`) and one loop per kind runs over its share, so no step branches, copies
+    its carry, skips, or builds a mask it does not need. The products run on 3-D operands
+    (batch `b x k`, rows `g x block`), so that XLA:CPU neither transposes a key block nor
+    lays a score block out again per step. Scores are in base 2 (`exp2` is cheaper than
+    `exp` on CPU): log2(e) folds into the queries' scale.
+    """
+    _, b, hk, g, bq, d = qb.shape
+    bk, dv = vb.shape[-2], vb.shape[-1]
+    batch, rows = b * hk, g * bq
+
+    def step(kind, j, carry, qi, qpi, qsi):
+        """One online-softmax step of a query block over key block `j`."""
+        m, row_sum, acc = carry
+        kj, vj = kb_t[j].reshape(batch, d, bk), vb[j].reshape(batch, bk, dv)
+        s = jnp.einsum("BSd,BdT->BST", qi, kj, preferred_element_type=jnp.float32)
+        mask = None
+        if kind != _FULL:
+            mask = _block_mask(config, qpi, kv_pos[j], qsi, None if qsi is None else kv_seg[j])
+        if mask is not None:
+            s = jnp.where(mask, s.reshape(b, hk, g, bq, bk), -jnp.inf).reshape(batch, rows, bk)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - m_safe[..., None])
+        alpha = jnp.exp2(m - m_safe)
+        row_sum = alpha * row_sum + p.sum(-1)
+        if kind == _NONFINITE:
+            p5 = p.reshape(b, hk, g, bq, bk).astype(vj.dtype)
+            pv = _pv_nonfinite(p5, vj.reshape(b, hk, bk, dv), mask).reshape(batch, rows, dv)
+        else:
+            pv = jnp.einsum(
+                "BST,BTv->BSv", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32
+            )
+        return m_new, row_sum, alpha[..., None] * acc + pv
 
     def one_q_block(args):
         qi, qpi, qsi = args
-
-        def kv_step(j, carry):
-            def compute(carry):
-                m, row_sum, acc = carry
-                ksj = None if kv_seg is None else kv_seg[j]
-                mask = _block_mask(config, qpi, kv_pos[j], qsi, ksj)
-                s = _scores(config, qi, kb[j], mask)
-                m_new = jnp.maximum(m, s.max(-1))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                p = jnp.exp(s - m_safe[..., None])
-                alpha = jnp.exp(m - m_safe)
-                row_sum = alpha * row_sum + p.sum(-1)
-                pv = lax.cond(v_finite[j], _pv, _pv_nonfinite, p.astype(vb.dtype), vb[j], mask)
-                return m_new, row_sum, alpha[..., None] * acc + pv
-
-            ksj = None if kv_seg is None else kv_seg[j]
-            empty = _block_is_empty(config, qpi, kv_pos[j], qsi, ksj)
-            return lax.cond(empty, lambda c: c, compute, carry)
-
-        init = (
-            jnp.full((b, hk, g, bq), -jnp.inf, jnp.float32),
-            jnp.zeros((b, hk, g, bq), jnp.float32),
-            jnp.zeros((b, hk, g, bq, dv), jnp.float32),
+        qi = (qi * jnp.asarray(config.scale * _LOG2_E, qi.dtype)).reshape(batch, rows, d)
+        qsi = qsi if config.use_segments else None
+        kinds = _pair_kinds(config, qpi, kv_pos, qsi, kv_seg, v_finite)
+        order = jnp.argsort(kinds, stable=True)
+        carry = (
+            jnp.full((batch, rows), -jnp.inf, jnp.float32),
+            jnp.zeros((batch, rows), jnp.float32),
+            jnp.zeros((batch, rows, dv), jnp.float32),
         )
-        m, row_sum, acc = lax.fori_loop(0, nk, kv_step, init)
-        return _finish(m, row_sum, acc, qb.dtype)
+        start = 0
+        for kind in (_FULL, _MASKED, _NONFINITE):
+            stop = start + jnp.sum(kinds == kind)
+            body = lambda t, c, k=kind: step(k, order[t], c, qi, qpi, qsi)  # noqa: E731
+            carry = lax.fori_loop(start, stop, body, carry)
+            start = stop
+        m, row_sum, acc = carry
+        stats = (b, hk, g, bq)
+        m = (m * _LN_2).reshape(stats)  # back to natural units
+        return _finish(m, row_sum.reshape(stats), acc.reshape(*stats, dv), qb.dtype)
 
-    # Per key block: whether every value is finite (then the plain product runs).
-    v_finite = jnp.all(jnp.isfinite(vb), axis=tuple(range(1, vb.ndim)))
     q_seg_blocks = q_seg if q_seg is not None else jnp.zeros(q_pos.shape, jnp.int32)
-    return lax.map(one_q_block, (qb, q_pos, q_seg_blocks))
+    # Blocks enter the loops flattened: XLA:CPU would otherwise copy a transposed operand
+    # whose unit dimensions it laid out in another (physically identical) order.
+    flat = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731
+    kb_t, vb = flat(kb_t), flat(vb)
+    return lax.map(one_q_block, (flat(qb), q_pos, q_seg_blocks))
 
 
 def _pv(p, vj, mask):

@@ -193,6 +193,20 @@ class _Blocks(NamedTuple):
         x = x.reshape(self.b, self.nk, self.bk, kt, self.hk_tile, x.shape[-1])
         return x.transpose(3, 1, 0, 4, 2, 5)
 
+    def split_kv_t(self, x):
+        """`[b, s, k, d]` -> `[c', n, b, k, d, block]`: keys transposed per block."""
+        x = _pad_seq(x, self.nk * self.bk - self.sk, 0)
+        kt = self.hk // self.hk_tile
+        x = x.reshape(self.b, self.nk, self.bk, kt, self.hk_tile, x.shape[-1])
+        return x.transpose(3, 1, 0, 4, 5, 2)
+
+    def all_finite(self, x):
+        """`[b, s, k, d]` -> `[n]`: whether every value of a key block is finite, read in
+        `x`'s own layout (no block-major copy)."""
+        x = _pad_seq(x, self.nk * self.bk - self.sk, 0)
+        x = x.reshape(self.b, self.nk, self.bk * x.shape[2] * x.shape[3])
+        return jnp.all(jnp.isfinite(x), axis=(0, 2))
+
     def split_rows(self, x):
         """`[b, s, h]` row statistics -> `[c, n, b, k, g, block]`."""
         return self.split_q(x[..., None])[..., 0]

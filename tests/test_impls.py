@@ -188,15 +188,24 @@ def test_pallas_rejects_float16():
         attention(q, q, q, impl="pallas")
 
 
-def test_auto_is_xla_off_tpu():
-    from eqx_longctx.attention._impls import make_impl
+def test_auto_runs_xla_off_tpu_and_keeps_the_kernels_for_a_tpu_lowering():
+    """`make_impl` resolves by the host (decoding drives the block methods itself);
+    `lowering_impl`, what attention runs, keeps both paths on a host that is not a TPU;
+    the kernels' interpret mode is left to the lowering platform (`interpret=None`)."""
+    from eqx_longctx.attention._block import PerPlatform
+    from eqx_longctx.attention._impls import lowering_impl, make_impl
     from eqx_longctx.attention._local import XlaBlockImpl
     from eqx_longctx.kernels import PallasBlockImpl
 
     assert isinstance(make_impl("auto", platform="cpu"), XlaBlockImpl)
-    tpu = make_impl("auto", platform="tpu")
-    assert isinstance(tpu, PallasBlockImpl) and tpu.interpret is False
-    assert make_impl("pallas", platform="cpu").interpret is True
+    both = lowering_impl("auto", platform="cpu")
+    assert isinstance(both, PerPlatform)
+    assert isinstance(both.tpu, PallasBlockImpl) and isinstance(both.default, XlaBlockImpl)
+    tpu = lowering_impl("auto", platform="tpu")
+    assert isinstance(tpu, PallasBlockImpl) and tpu.interpret is None
+    assert make_impl("pallas", platform="cpu").interpret is None
+    with pytest.raises(NotImplementedError, match="call the methods of .tpu or .default"):
+        both.attend(None, None, None, None, None)
 
 
 def test_pallas_block_sizes_are_validated():

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import need_devices
 from test_kernels import (
     CASES,
     check_close,
@@ -108,6 +109,7 @@ def test_inside_shard_map():
     over the axes their inputs vary over)."""
     from jax.sharding import PartitionSpec as P
 
+    need_devices(4)
     case = dict(sq=128, sk=128, b=4, hq=2, hk=1)
     q, k, v, qp, kp, _, _ = make_case(case)
     mesh = jax.make_mesh((4,), ("ctx",), devices=jax.devices()[:4])

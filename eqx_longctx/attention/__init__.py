@@ -24,7 +24,7 @@ from ._all_gather import all_gather_latent_attention
 from ._block import BlockOptions, resolve_impl
 from ._choose import resolve_strategy
 from ._impls import flash_attention as flash_attention
-from ._impls import make_impl
+from ._impls import lowering_impl
 from ._reference import reference_attention as reference_attention
 from ._ring import _kv_identity, ring_latent_attention
 from ._tiling_policy import ring_hops, tiling
@@ -299,8 +299,6 @@ def _context_parallel(
         params_specs = jax.tree.map(lambda _: PartitionSpec(), params)
     else:
         params = jax.tree.map(spec.place, params, params_specs)
-    block_impl = make_impl(impl, platform=spec.platform, tiling=tiling(spec, s))
-    kw: dict[str, Any] = dict(impl=block_impl, options=options)
     hops = None
     if strategy in ("ring", "usp"):
         hops = ring_hops(spec, s, options.causal, options.window)
@@ -308,6 +306,9 @@ def _context_parallel(
     # ulysses axis to choose with); collectives accept a tuple of mesh axes.
     axes = spec.sequence_axes
     axis = axes[0] if len(axes) == 1 else axes
+
+    block_impl = lowering_impl(impl, platform=spec.platform, tiling=tiling(spec, s))
+    kw: dict[str, Any] = dict(impl=block_impl, options=options)
 
     def local(q, params, source, positions, segment_ids):
         if strategy == "all_gather":
@@ -333,12 +334,13 @@ def _context_parallel(
 
     in_specs = (heads, params_specs, source_specs, tokens)
     args = (q, params, source, positions)
-    if segment_ids is None:
-        fn = lambda q, p, src, pos: local(q, p, src, pos, None)  # noqa: E731
-    else:
-        fn = local
+    if segment_ids is not None:
         args, in_specs = (*args, spec.place(segment_ids, tokens)), (*in_specs, tokens)
     mesh = spec.compute_mesh()
+
+    fn = local
+    if segment_ids is None:
+        fn = lambda q, p, src, pos: local(q, p, src, pos, None)  # noqa: E731
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)
     return mapped(*args)
 

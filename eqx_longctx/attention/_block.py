@@ -93,6 +93,46 @@ def pairs_are_empty(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):
     return jnp.all(empty)
 
 
+class PerPlatform(AbstractBlockImpl):
+    """Two implementations, the one for the platform the program is lowered for chosen then
+    (`jax.lax.platform_dependent`): `tpu` on a TPU, `default` anywhere else. What
+    `impl="auto"` is on a host that is not a TPU, so that a TPU program exported from it
+    carries the Pallas kernels.
+
+    The choice is made inside the custom VJPs (`block_attention`'s and the ring's), around
+    a whole forward or backward, so autodiff never traces through it; the per-block methods
+    themselves are not for calling (a caller that drives them, like decoding, resolves
+    `"auto"` by the host instead).
+    """
+
+    tpu: AbstractBlockImpl = eqx.field(static=True)
+    default: AbstractBlockImpl = eqx.field(static=True)
+
+    @property
+    def pure_forward(self) -> bool:
+        return self.tpu.pure_forward and self.default.pure_forward
+
+    def _no(self, *args):
+        raise NotImplementedError(
+            "PerPlatform chooses its implementation around a whole forward or backward "
+            "(per_platform); call the methods of .tpu or .default."
+        )
+
+    tile_queries = attend = attend_backward = _no  # pyright: ignore[reportAssignmentType]
+
+
+def per_platform(impl: AbstractBlockImpl, fn, *args):
+    """`fn(impl, *args)`; for a `PerPlatform` impl, `fn` of each of its two implementations
+    staged out with `jax.lax.platform_dependent`, which keeps the one the program is lowered
+    for."""
+    if not isinstance(impl, PerPlatform):
+        return fn(impl, *args)
+    tpu, default = impl.tpu, impl.default
+    return jax.lax.platform_dependent(
+        *args, tpu=lambda *a: fn(tpu, *a), default=lambda *a: fn(default, *a)
+    )
+
+
 def merge_partials(out, lse, block_out, block_lse):
     """Combine two softmax partials `(out, lse)` over disjoint key sets into one (float32,
     -inf safe): the online-softmax merge the ring, USP and decoding share."""
@@ -120,7 +160,11 @@ def _primal(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     return _forward(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _forward(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+def _forward(impl, options, *args):
+    return per_platform(impl, lambda i, *a: _forward_one(i, options, *a), *args)
+
+
+def _forward_one(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     qt = impl.tile_queries(q, q_pos, q_seg, k, options)
     out, lse = impl.attend(qt, k, v, kv_pos, kv_seg)
     return qt.merge_q(out).astype(q.dtype), qt.merge_rows(lse)
@@ -132,6 +176,10 @@ def _fwd(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 
 
 def _bwd(impl, options, residuals, cotangents):
+    return per_platform(impl, lambda i, r, c: _bwd_one(i, options, r, c), residuals, cotangents)
+
+
+def _bwd_one(impl, options, residuals, cotangents):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
     dout, dlse = cotangents
     # d(loss)/d(score) = p * (dp - delta) with delta = rowsum(dout * out) - dlse.

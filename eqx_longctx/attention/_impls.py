@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .._checks import check_int
 from .._types import AttnOut, LogSumExp
-from ._block import AbstractBlockImpl, BlockOptions, block_attention, resolve_impl
+from ._block import AbstractBlockImpl, BlockOptions, PerPlatform, block_attention, resolve_impl
 from ._local import XlaBlockImpl
 from ._tiles import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, DEFAULT_TILING, TILE_BYTES, Tiling
 from ._validate import (
@@ -57,6 +57,29 @@ def make_impl(
         impl.block_k if block_k is None else block_k,
         impl.interpret,
     )
+
+
+def lowering_impl(
+    impl: "str | AbstractBlockImpl",
+    *,
+    platform: str,
+    tiling: Tiling = DEFAULT_TILING,
+    pallas_blocks: tuple[int | None, int | None] = (None, None),
+) -> AbstractBlockImpl:
+    """`make_impl`, except that `impl="auto"` on a host that is not a TPU keeps both paths,
+    the Pallas kernels for a TPU and the XLA path for any other platform
+    (`PerPlatform`), and the one for the platform the program is lowered for runs. So a TPU
+    program exported or lowered from a CPU host carries the kernels, while the host itself
+    runs the XLA path. On a TPU host `"auto"` is the kernels alone."""
+    if impl == "auto" and platform != "tpu":
+        # Blocks asked of the path that runs here may be any length; the kernels' must be
+        # multiples of the lane width, so the TPU side rounds them up.
+        bq, bk = (None if b is None else -(-int(b) // 128) * 128 for b in pallas_blocks)
+        return PerPlatform(
+            tpu=make_impl("pallas", platform="tpu", pallas_blocks=(bq, bk)),
+            default=make_impl("xla", platform=platform, tiling=tiling),
+        )
+    return make_impl(impl, platform=platform, tiling=tiling, pallas_blocks=pallas_blocks)
 
 
 @no_type_check  # validated eagerly, with errors that say what to fix
@@ -140,6 +163,8 @@ def flash_attention(
         masks.append(x)
     platform = jax.devices()[0].platform
     tiling = Tiling(block_q or DEFAULT_BLOCK_Q, tile_bytes, block_k or DEFAULT_BLOCK_K)
-    block_impl = make_impl(impl, platform=platform, tiling=tiling, pallas_blocks=(block_q, block_k))
+    block_impl = lowering_impl(
+        impl, platform=platform, tiling=tiling, pallas_blocks=(block_q, block_k)
+    )
     options = BlockOptions.make(causal, window, scale, q.shape[-1])
     return block_attention(block_impl, q, k, v, *masks, options)

@@ -25,7 +25,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._types import AxisName
-from ._block import AbstractBlockImpl, BlockOptions, custom_vjps, merge_partials, pairs_are_empty
+from ._block import (
+    AbstractBlockImpl,
+    BlockOptions,
+    custom_vjps,
+    merge_partials,
+    pairs_are_empty,
+    per_platform,
+)
 
 
 class _RingConfig(NamedTuple):
@@ -135,7 +142,14 @@ def _query_tiles(config, q, positions, segment_ids, k_shape):
     return config.impl.tile_queries(q, positions, segment_ids, k_shape, config.options)
 
 
-def _ring_forward(config, q, params, source, positions, segment_ids):
+def _ring_forward(config, *args):
+    def one(impl, *args):
+        return _ring_forward_one(config._replace(impl=impl), *args)
+
+    return per_platform(config.impl, one, *args)
+
+
+def _ring_forward_one(config, q, params, source, positions, segment_ids):
     # Queries are tiled once; the merged output and logsumexp stay block-major until the end.
     k0, v0 = jax.eval_shape(config.expand, params, source)
     qt = _query_tiles(config, q, positions, segment_ids, k0)
@@ -174,6 +188,13 @@ def _ring_fwd(config, q, params, source, positions, segment_ids):
 
 
 def _ring_bwd(config, residuals, dout):
+    def one(impl, residuals, dout):
+        return _ring_bwd_one(config._replace(impl=impl), residuals, dout)
+
+    return per_platform(config.impl, one, residuals, dout)
+
+
+def _ring_bwd_one(config, residuals, dout):
     q, params, source, positions, segment_ids, out, lse = residuals
     delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
     # The query side is tiled once; the query gradient accumulates block-major over the hops.

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -71,9 +72,18 @@ def default_block_sizes(device_kind: str | None = None) -> tuple[int, int]:
     return DEFAULT_BLOCK_SIZES.get(kind, FALLBACK_BLOCK_SIZES)
 
 
-def default_interpret():
-    """`False` on a TPU; `True` (Pallas' fast interpreter) anywhere else."""
-    return jax.devices()[0].platform != "tpu"
+def call_kernel(interpret, build, *operands):
+    """`build(interpret)(*operands)`, where `build` makes a `pl.pallas_call`.
+
+    With `interpret=None` the choice follows the platform the program is *lowered for*,
+    not the host: compiled Mosaic on a TPU, Pallas' interpreter anywhere else
+    (`lax.platform_dependent`). So `jax.export(..., platforms=("tpu",))` or
+    `jit(...).trace(...).lower(lowering_platforms=("tpu",))` from a CPU host carries the
+    TPU kernels, while running on the CPU interprets them.
+    """
+    if interpret is not None:
+        return build(interpret)(*operands)
+    return lax.platform_dependent(*operands, tpu=build(False), default=build(True))
 
 
 def race_detecting_interpret(num_cores: int = 1) -> pltpu.InterpretParams:
@@ -203,10 +213,59 @@ def make_config(
             "max_live_blocks must be a positive int (a bound on the non-empty partner "
             f"blocks of any query or key block) or None; got max_live_blocks={max_live_blocks!r}."
         )
-    interpret = default_interpret() if interpret is None else interpret
-    return Config(bool(causal), None if window is None else int(window), scale, bq, bk,
-                  use_segments, interpret,
-                  None if max_live_blocks is None else int(max_live_blocks))  # fmt: skip
+    cfg = Config(bool(causal), None if window is None else int(window), scale, bq, bk,
+                 use_segments, interpret,
+                 None if max_live_blocks is None else int(max_live_blocks))  # fmt: skip
+    check_smem(cfg, q.shape[0], q.shape[1], k.shape[1])
+    return cfg
+
+
+# Scalar memory of one TensorCore (1 MiB on v4, v5e, v5p and v6e). The block schedule the
+# kernels read by scalar prefetch must fit in half of it, next to Mosaic's own scalars.
+SMEM_BYTES = 2**20
+_SMEM_BUDGET = SMEM_BYTES // 2
+
+
+def smem_bytes(cfg: Config, batch: int, sq: int, sk: int) -> int:
+    """Bytes of the largest kernel's scalar-prefetch tables (two per kernel: the pair kind
+    and the block to fetch, `batch x blocks x steps` entries each), counted as 32-bit words
+    (SMEM's word size) for the forward and dQ (per query block) and dK/dV (per key block)."""
+    nq, nk = -(-sq // cfg.block_q), -(-sk // cfg.block_k)
+    return 2 * 4 * batch * max(nq * cfg.steps(nk), nk * cfg.steps(nq))
+
+
+def smem_rows(cfg: Config, sq: int, sk: int) -> int:
+    """How many batch rows one kernel call may take with its schedule in SMEM."""
+    return _SMEM_BUDGET // smem_bytes(cfg, 1, sq, sk)
+
+
+def check_smem(cfg: Config, batch: int, sq: int, sk: int) -> None:
+    """**Raises:** `ValueError` when not even one batch row's block schedule fits in SMEM
+    (more rows than fit are split over several kernel calls, `by_batch_rows`)."""
+    if smem_rows(cfg, sq, sk) >= 1:
+        return
+    raise ValueError(
+        f"the Pallas kernels' block schedule needs {smem_bytes(cfg, 1, sq, sk) / 2**10:.0f} "
+        f"KiB of SMEM per batch row for {sq} queries and {sk} keys in {cfg.block_q} x "
+        f"{cfg.block_k} blocks; the limit is {_SMEM_BUDGET // 2**10} KiB (half of the "
+        f"TensorCore's {SMEM_BYTES // 2**20} MiB). Use larger blocks (block_q, block_k), a "
+        "context-parallel spec that splits the sequence, a bound on the live blocks "
+        "(max_live_blocks) for a windowed call, or impl='xla'."
+    )
+
+
+def by_batch_rows(cfg: Config, fn, sq: int, sk: int, *arrays):
+    """`fn(*arrays)` (every array `[batch, ...]`, or None), run on as many batch rows at a
+    time as keep the block schedule in SMEM (`smem_rows`) and concatenated."""
+    batch = arrays[0].shape[0]
+    rows = smem_rows(cfg, sq, sk)
+    if rows >= batch:
+        return fn(*arrays)
+    parts = [
+        fn(*(None if a is None else a[lo : lo + rows] for a in arrays))
+        for lo in range(0, batch, rows)
+    ]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
 def _pad(x, pad: int, axis: int, value=None):

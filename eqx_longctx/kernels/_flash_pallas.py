@@ -52,6 +52,8 @@ from ._blocks import (
     Config,
     Ids,
     Schedule,
+    by_batch_rows,
+    call_kernel,
     check_inputs,
     lanes,
     make_config,
@@ -193,7 +195,7 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
         transcendentals=b * hq * sq * sk,
         bytes_accessed=itemsize * (qh.size + b * hq * sq * dv + nq * g * (kh.size + vh.size)),
     )
-    return pl.pallas_call(
+    build = lambda interpret: pl.pallas_call(  # noqa: E731
         functools.partial(_fwd_kernel, cfg=cfg, nq=nq, nt=nt),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -206,10 +208,11 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
-        interpret=cfg.interpret,
+        interpret=interpret,
         cost_estimate=cost,
         name="eqx_longctx_flash_fwd",
-    )(sched.row_kind, sched.kv_block, *operands)
+    )
+    return call_kernel(cfg.interpret, build, sched.row_kind, sched.kv_block, *operands)
 
 
 def prepare(cfg: Config, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
@@ -239,7 +242,13 @@ def flash_forward_heads_major(
     cfg: Config, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids
 ):
     """Forward on heads-major inputs with a validated `cfg`: `(out [b, h, s, dv], lse
-    [b, h, s])`."""
+    [b, h, s])`. Batch rows go in as many calls as keep the schedule in SMEM."""
+    args = (qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    fn = functools.partial(_forward_rows, cfg)
+    return by_batch_rows(cfg, fn, qh.shape[2], kh.shape[2], *args)
+
+
+def _forward_rows(cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     sq = qh.shape[2]
     (qp, kp, vp), ids, sched = prepare(
         cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids

@@ -42,6 +42,8 @@ from ._blocks import (
     Config,
     Ids,
     Schedule,
+    by_batch_rows,
+    call_kernel,
     check_inputs,
     lanes,
     make_config,
@@ -170,7 +172,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
     if cfg.use_segments:
         in_specs += [q_col, kv_row]
         operands += [lanes(ids.q_seg), sublanes(ids.kv_seg)]
-    dq = pl.pallas_call(
+    build_dq = lambda interpret: pl.pallas_call(  # noqa: E731
         functools.partial(_dq_kernel, cfg=cfg, nq=nq, nt=ntk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -182,14 +184,15 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
-        interpret=cfg.interpret,
+        interpret=interpret,
         cost_estimate=pl.CostEstimate(
             flops=flops + 2 * b * hq * sq * sk * d,
             transcendentals=b * hq * sq * sk,
             bytes_accessed=itemsize * nq * g * (kh.size + vh.size) + 4 * 2 * qh.size,
         ),
         name="eqx_longctx_flash_bwd_dq",
-    )(sched.row_kind, sched.kv_block, *operands)
+    )
+    dq = call_kernel(cfg.interpret, build_dq, sched.row_kind, sched.kv_block, *operands)
 
     # dK/dV: grid (b, kv head, j, group member, i).
     def qi(bi, j, i, qb):
@@ -216,7 +219,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
     if cfg.use_segments:
         in_specs += [kv_col, q_row]
         operands += [lanes(ids.kv_seg), sublanes(ids.q_seg)]
-    dk, dv_ = pl.pallas_call(
+    build_dkv = lambda interpret: pl.pallas_call(  # noqa: E731
         functools.partial(_dkv_kernel, cfg=cfg, nk=nk, nt=ntq),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -231,21 +234,31 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
         ),
-        interpret=cfg.interpret,
+        interpret=interpret,
         cost_estimate=pl.CostEstimate(
             flops=flops + 2 * b * hq * sq * sk * (d + dv),
             transcendentals=b * hq * sq * sk,
             bytes_accessed=itemsize * nk * (qh.size + do.size) + 4 * (kh.size + vh.size),
         ),
         name="eqx_longctx_flash_bwd_dkv",
-    )(sched.col_kind, sched.q_block, *operands)
+    )
+    dk, dv_ = call_kernel(cfg.interpret, build_dkv, sched.col_kind, sched.q_block, *operands)
     return dq, dk, dv_
 
 
 def flash_backward_heads_major(cfg: Config, qh, kh, vh, q_positions, kv_positions,
                                q_segment_ids, kv_segment_ids, dout, lse, delta):  # fmt: skip
     """Backward on heads-major inputs with a validated `cfg`; `dout` `[b, h, s, dv]`,
-    `lse`, `delta` `[b, h, s]`. **Returns:** float32 heads-major `(dq, dk, dv)`."""
+    `lse`, `delta` `[b, h, s]`. **Returns:** float32 heads-major `(dq, dk, dv)`. Batch rows
+    go in as many calls as keep the schedule in SMEM."""
+    args = (qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids, dout, lse,
+            delta)  # fmt: skip
+    fn = functools.partial(_backward_rows, cfg)
+    return by_batch_rows(cfg, fn, qh.shape[2], kh.shape[2], *args)
+
+
+def _backward_rows(cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                   dout, lse, delta):  # fmt: skip
     sq, sk = qh.shape[2], kh.shape[2]
     (qp, kp, vp), ids, sched = prepare(
         cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids

@@ -60,8 +60,10 @@ class PallasBlockImpl(AbstractBlockImpl):
     **Arguments:**
 
     - `block_q`, `block_k`: kernel block lengths (multiples of 128).
-    - `interpret`: `False` compiles for TPU; `True` runs Pallas' interpreter (any backend);
-      a `pltpu.InterpretParams` runs TPU interpret mode (see `race_detecting_interpret`).
+    - `interpret`: `None` (the default) compiles for TPU and runs Pallas' interpreter on any
+      other platform, chosen for the platform the program is lowered for, not the host;
+      `False` always compiles for TPU; `True` runs Pallas' interpreter (any backend); a
+      `pltpu.InterpretParams` runs TPU interpret mode (see `race_detecting_interpret`).
     - `max_live_blocks`: a bound on the non-empty partner blocks of any query or key block
       (`None`: no bound); the kernels' sequential grid axes take that many steps, and an
       overflowing bound gives NaN, never a wrong number (see `pallas_flash_forward`).
@@ -75,7 +77,7 @@ class PallasBlockImpl(AbstractBlockImpl):
 
     block_q: int = eqx.field(static=True)
     block_k: int = eqx.field(static=True)
-    interpret: Any = eqx.field(static=True, default=False)
+    interpret: Any = eqx.field(static=True, default=None)
     max_live_blocks: int | None = eqx.field(static=True, default=None)
 
     @property
@@ -91,12 +93,13 @@ class PallasBlockImpl(AbstractBlockImpl):
         **Arguments:**
 
         - `platform`: `"tpu"`, `"cpu"` or `"gpu"`, the platform it will run on.
-        - `interpret`: as the field; `None` interprets everywhere but on a TPU.
+        - `interpret`: as the field; `None` compiles the kernels for a TPU and interprets
+          them on any other platform, chosen when the program is lowered (so a TPU program
+          exported from a CPU host carries them).
 
         **Returns:** a `PallasBlockImpl` with `default_block_sizes()`.
         """
         block_q, block_k = default_block_sizes()
-        interpret = platform != "tpu" if interpret is None else interpret
         return PallasBlockImpl(block_q, block_k, interpret)
 
     def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):

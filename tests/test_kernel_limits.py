@@ -1,0 +1,83 @@
+"""Limits of the TPU the Pallas kernels respect without a TPU to hit them: the block
+schedule read by scalar prefetch fits in SMEM (batch rows split over several kernel calls
+when it would not; a clear error when one row alone would not)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_longctx import flash_attention
+from eqx_longctx import reference_attention as oracle
+from eqx_longctx.kernels import _blocks
+
+
+def _cfg(block_q, block_k, max_live_blocks=None):
+    q = jax.ShapeDtypeStruct((1, 128, 1, 128), jnp.float32)
+    return _blocks.make_config(
+        q, q, None, causal=True, window=None, scale=None, block_q=block_q, block_k=block_k,
+        interpret=True, max_live_blocks=max_live_blocks,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "batch, sq, sk, blocks, live, expected",
+    [
+        # two tables x 4 bytes x batch x max(nq x steps_k, nk x steps_q)
+        (1, 131072, 131072, (512, 1024), None, 2 * 4 * 256 * 128),
+        (16, 131072, 131072, (512, 1024), None, 16 * 2 * 4 * 256 * 128),
+        (2, 4096, 8192, (512, 512), None, 2 * 2 * 4 * 8 * 16),
+        (1, 131072, 131072, (512, 1024), 8, 2 * 4 * max(256 * 8, 128 * 8)),
+    ],
+)
+def test_smem_estimate(batch, sq, sk, blocks, live, expected):
+    cfg = _cfg(*blocks, live)._replace(block_q=blocks[0], block_k=blocks[1])
+    assert _blocks.smem_bytes(cfg, batch, sq, sk) == expected
+    # 256 KiB a row at 128K tokens in v5p blocks: two rows per call fit the 512 KiB budget
+    if (batch, sq, live) == (16, 131072, None):
+        assert _blocks.smem_rows(cfg, sq, sk) == 2
+
+
+def _case(batch, seq=256, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(ks[0], (batch, seq, 2, 128), jnp.float32)
+    k, v = (jax.random.normal(kk, (batch, seq, 1, 128), jnp.float32) for kk in ks[1:])
+    return q, k, v
+
+
+def test_batch_rows_split_over_calls_when_the_schedule_overflows_smem(monkeypatch):
+    """With the budget cut to two rows' schedules, batch 5 runs as 3 kernel calls per
+    pass and gives the same output, logsumexp and gradients as one call (and the oracle)."""
+    q, k, v = _case(5)
+
+    def run(q, k, v):
+        out, lse = flash_attention(q, k, v, causal=True, impl="pallas", block_q=128, block_k=128)
+        return out, lse
+
+    def loss(q, k, v):
+        out, lse = run(q, k, v)
+        return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    whole = (run(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v))
+    calls = []
+    original = _blocks.call_kernel
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(_blocks, "_SMEM_BUDGET", 2 * 2 * 4 * 2 * 2)
+    for module in ("_flash_pallas", "_flash_pallas_bwd"):
+        monkeypatch.setattr(f"eqx_longctx.kernels.{module}.call_kernel", counting)
+    split = (run(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v))
+    assert len(calls) == 3 + 3 * (1 + 2)  # forward; then forward again, dQ and dK/dV
+    for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(split[0][0], oracle(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_over_smem_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(_blocks, "_SMEM_BUDGET", 16)
+    q, k, v = _case(1)
+    with pytest.raises(ValueError, match=r"block schedule needs .* KiB of SMEM per batch row"):
+        flash_attention(q, k, v, causal=True, impl="pallas", block_q=128, block_k=128)

@@ -144,3 +144,54 @@ def test_what_runs_on_this_host_matches_the_oracle(impl):
     ref_grads = squares(lambda q, k, v: oracle(q, k, v, causal=True))(q, k, v)
     for g, r in zip(jax.jit(squares(fwd))(q, k, v), ref_grads, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+
+# ---- the lowering matrix: every combination below lowers for a TPU from this host ------
+
+_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]  # (q/k head dim, v head dim); MLA last
+_HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+
+
+def _matrix():
+    from eqx_longctx.kernels import DEFAULT_BLOCK_SIZES
+
+    blocks = sorted(set(DEFAULT_BLOCK_SIZES.values()))
+    cases = []
+    for i, (dtype, segments, dims) in enumerate(
+        (dtype, segments, dims)
+        for dtype in ("bfloat16", "float32")
+        for segments in (False, True)
+        for dims in _DIMS
+    ):
+        heads, block, batch = _HEADS[i % 3], blocks[i % len(blocks)], 1 + i % 2
+        cases.append((dtype, segments, dims, heads, block, batch))
+    return cases
+
+
+@pytest.mark.parametrize(
+    "dtype, segments, dims, heads, blocks, batch",
+    _matrix(),
+    ids=lambda x: str(x).replace(" ", ""),
+)
+def test_lowering_matrix(dtype, segments, dims, heads, blocks, batch):
+    """bf16 and f32, with and without segment ids, head dims 64/128/256 and 192/128 (MLA),
+    MHA/GQA/MQA, each TPU generation's default blocks, batch 1 and 2: forward and backward
+    of `flash_attention(impl="pallas")` lower through Mosaic for a TPU."""
+    (d, dv), (hq, hk), (bq, bk) = dims, heads, blocks
+    seq = 2 * max(bq, bk)
+    dt = jnp.dtype(dtype)
+    q = jax.ShapeDtypeStruct((batch, seq, hq, d), dt)
+    k = jax.ShapeDtypeStruct((batch, seq, hk, d), dt)
+    v = jax.ShapeDtypeStruct((batch, seq, hk, dv), dt)
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+
+    def fwd(q, k, v, seg):
+        seg = seg if segments else None
+        out, lse = flash_attention(
+            q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True, impl="pallas",
+            block_q=bq, block_k=bk,
+        )  # fmt: skip
+        return out.astype(jnp.float32).sum(-1) + lse
+
+    assert _kernels(fwd, q, k, v, ids) == 1
+    assert _kernels(_grad(fwd), q, k, v, ids) == 3

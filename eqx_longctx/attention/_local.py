@@ -15,7 +15,6 @@ References: Dao et al. 2022, "FlashAttention" (arXiv:2205.14135); Dao 2023,
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ._block import AbstractBlockImpl, BlockOptions, pairs_are_empty
@@ -178,9 +177,6 @@ def _flash_fwd_impl(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     return _map_head_tiles(tile, qb, kb_t, vb)
 
 
-_LOG2_E = float(np.log2(np.e))
-_LN_2 = float(np.log(2.0))
-
 # Kinds of a (query block, key block) pair in the forward (`_pair_kinds`), in the order the
 # pairs are visited: unmasked, masked, the guarded product for values holding NaN or inf,
 # and skipped.
@@ -211,18 +207,20 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     (`_pair_kinds`) and one loop per kind runs over its share, so no step branches, copies
     its carry, skips, or builds a mask it does not need. The products run on 3-D operands
     (batch `b x k`, rows `g x block`), so that XLA:CPU neither transposes a key block nor
-    lays a score block out again per step. Scores are in base 2 (`exp2` is cheaper than
-    `exp` on CPU): log2(e) folds into the queries' scale.
+    lays a score block out again per step. (`exp2` with log2(e) folded into the scale was
+    no faster here, and XLA:CPU lowers it differently from one program to the next, so a
+    rematerialized forward differed from the first in the last bit.)
     """
     _, b, hk, g, bq, d = qb.shape
     bk, dv = vb.shape[-2], vb.shape[-1]
     batch, rows = b * hk, g * bq
+    scale = jnp.float32(config.scale)
 
     def step(kind, j, carry, qi, qpi, qsi):
         """One online-softmax step of a query block over key block `j`."""
         m, row_sum, acc = carry
         kj, vj = kb_t[j].reshape(batch, d, bk), vb[j].reshape(batch, bk, dv)
-        s = jnp.einsum("BSd,BdT->BST", qi, kj, preferred_element_type=jnp.float32)
+        s = jnp.einsum("BSd,BdT->BST", qi, kj, preferred_element_type=jnp.float32) * scale
         mask = None
         if kind != _FULL:
             mask = _block_mask(config, qpi, kv_pos[j], qsi, None if qsi is None else kv_seg[j])
@@ -230,8 +228,8 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
             s = jnp.where(mask, s.reshape(b, hk, g, bq, bk), -jnp.inf).reshape(batch, rows, bk)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_safe[..., None])
-        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
         row_sum = alpha * row_sum + p.sum(-1)
         if kind == _NONFINITE:
             p5 = p.reshape(b, hk, g, bq, bk).astype(vj.dtype)
@@ -244,7 +242,7 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
 
     def one_q_block(args):
         qi, qpi, qsi = args
-        qi = (qi * jnp.asarray(config.scale * _LOG2_E, qi.dtype)).reshape(batch, rows, d)
+        qi = qi.reshape(batch, rows, d)
         qsi = qsi if config.use_segments else None
         kinds = _pair_kinds(config, qpi, kv_pos, qsi, kv_seg, v_finite)
         order = jnp.argsort(kinds, stable=True)
@@ -261,7 +259,7 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
             start = stop
         m, row_sum, acc = carry
         stats = (b, hk, g, bq)
-        m = (m * _LN_2).reshape(stats)  # back to natural units
+        m = m.reshape(stats)  # back to natural units
         return _finish(m, row_sum.reshape(stats), acc.reshape(*stats, dv), qb.dtype)
 
     q_seg_blocks = q_seg if q_seg is not None else jnp.zeros(q_pos.shape, jnp.int32)

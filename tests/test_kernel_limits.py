@@ -81,3 +81,50 @@ def test_one_row_over_smem_is_a_clear_error(monkeypatch):
     q, k, v = _case(1)
     with pytest.raises(ValueError, match=r"block schedule needs .* KiB of SMEM per batch row"):
         flash_attention(q, k, v, causal=True, impl="pallas", block_q=128, block_k=128)
+
+
+def _pallas_grids(jaxpr) -> list[tuple[int, ...]]:
+    """The grid of every `pallas_call` in a (closed) jaxpr, sub-jaxprs included."""
+    grids = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids.append(tuple(eqn.params["grid_mapping"].grid))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple | list) else (param,):
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None:
+                        walk(getattr(inner, "jaxpr", inner))
+
+    walk(jaxpr.jaxpr)
+    return grids
+
+
+def test_windowed_call_visits_about_the_live_pairs():
+    """A window of W over S tokens in b x b blocks: the forward's bounded grid takes
+    `window_live_blocks` key steps per query block (4 here), O(S W / b^2) pairs instead of
+    (S / b)^2, and this ordered layout never overflows the bound (the run-time check keeps
+    the bounded grid; the whole one is the staged-out fallback)."""
+    from eqx_longctx.kernels import PallasBlockImpl
+
+    s, w, blk = 4096, 256, 128
+    q, k, v = (x[:, :s] for x in _case(1, seq=s))
+    impl = PallasBlockImpl(blk, blk, interpret=True)
+
+    def fwd(q, k, v):
+        return flash_attention(q, k, v, causal=True, window=w, impl=impl)
+
+    grids = _pallas_grids(jax.make_jaxpr(fwd)(q, k, v))
+    nq = s // blk
+    steps = _blocks.window_live_blocks(blk, blk, w)
+    assert steps == 4
+    assert sorted(grids) == sorted([(1, 2, nq, steps), (1, 2, nq, nq)])  # bounded, fallback
+    cfg = _blocks.make_config(q, k, None, causal=True, window=w, scale=None, block_q=blk,
+                              block_k=blk, interpret=True)  # fmt: skip
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (1, s))
+    ids = _blocks.pad_ids(cfg, s, s, pos, pos, None, None)
+    assert not bool(_blocks.schedule(cfg, ids).overflow)
+    out, lse = fwd(q, k, v)
+    ref = oracle(q, k, v, causal=True, window=w)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

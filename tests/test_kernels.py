@@ -388,15 +388,23 @@ def test_schedule_lists_live_pairs_first_and_flags_overflow():
     np.testing.assert_array_equal(rows(sched.kv_block)[5], [3, 4])
 
 
-def test_max_live_blocks_too_small_gives_nan():
-    case = dict(CASES["window_gqa"], max_live=1)
+@pytest.mark.parametrize("name", ["window_gqa", "segments_mqa_ragged"])
+def test_max_live_blocks_too_small_falls_back_to_the_whole_grid(name):
+    """A bound some block exceeds (1 step per block) is caught at run time: the whole grid
+    runs instead, and output, lse and gradients are those of the oracle, not NaN."""
+    case = dict(CASES[name], max_live=1)
     q, k, v, qp, kp, qs, ks = make_case(case)
+    w = loss_weights(case)
     (out, lse), grads = outputs_and_grads(
-        lambda q, k, v: pallas_block(q, k, v, qp, kp, qs, ks, **kwargs(case)),
-        *loss_weights(case), q, k, v,
-    )  # fmt: skip
-    for x in (out, lse, *grads):
-        assert np.isnan(np.asarray(x)).all()
+        lambda q, k, v: pallas_block(q, k, v, qp, kp, qs, ks, **kwargs(case)), *w, q, k, v
+    )
+    (ref_out, ref_lse), ref_grads = outputs_and_grads(
+        lambda q, k, v: oracle(q, k, v, qp, kp, qs, ks, **oracle_kwargs(case)), *w, q, k, v
+    )
+    check_close(out, ref_out, jnp.float32, "out")
+    check_lse(lse, ref_lse, jnp.float32)
+    for n, g, r in zip("qkv", grads, ref_grads, strict=True):
+        check_close(g, r, jnp.float32, f"d{n}")
 
 
 def test_default_block_sizes():

@@ -213,6 +213,10 @@ def make_config(
             "max_live_blocks must be a positive int (a bound on the non-empty partner "
             f"blocks of any query or key block) or None; got max_live_blocks={max_live_blocks!r}."
         )
+    if max_live_blocks is None and window is not None:
+        bound = window_live_blocks(bq, bk, int(window))
+        if bound < max(-(-q.shape[1] // bq), -(-k.shape[1] // bk)):  # else: no cut
+            max_live_blocks = bound
     cfg = Config(bool(causal), None if window is None else int(window), scale, bq, bk,
                  use_segments, interpret,
                  None if max_live_blocks is None else int(max_live_blocks))  # fmt: skip
@@ -226,6 +230,32 @@ SMEM_BYTES = 2**20
 _SMEM_BUDGET = SMEM_BYTES // 2
 
 
+def window_live_blocks(block_q: int, block_k: int, window: int) -> int:
+    """Non-empty partner blocks of one block under a sliding window, when positions run in
+    order (one device's tokens, a ring hop of the contiguous layout): a query block of
+    `block_q` rows sees keys over `block_q + window - 1` positions, which touch at most
+    `ceil((block_q + window - 1) / block_k) + 1` key blocks; the same with the roles swapped
+    for the dK/dV pass. Other orders (zig-zag, striped, packed) may need more; then the
+    schedule overflows and the kernels take the whole grid (`with_fallback`)."""
+    per_q = -(-(block_q + window - 1) // block_k) + 1
+    per_k = -(-(block_k + window - 1) // block_q) + 1
+    return max(per_q, per_k)
+
+
+def with_fallback(cfg: Config, ids, sched, run):
+    """`run(cfg, sched)`, the grid cut to `cfg.max_live_blocks` steps per block, unless the
+    schedule overflowed that bound (a block with more non-empty partners): then `run` on
+    the whole grid instead, chosen at run time. A bound that is too small costs time, never
+    a wrong number."""
+    nq, nk = ids.q_pos.shape[1] // cfg.block_q, ids.kv_pos.shape[1] // cfg.block_k
+    if cfg.max_live_blocks is None or cfg.max_live_blocks >= max(nq, nk):
+        return run(cfg, sched)
+    whole = cfg._replace(max_live_blocks=None)
+    return lax.cond(
+        sched.overflow, lambda: run(whole, schedule(whole, ids)), lambda: run(cfg, sched)
+    )
+
+
 def smem_bytes(cfg: Config, batch: int, sq: int, sk: int) -> int:
     """Bytes of the largest kernel's scalar-prefetch tables (two per kernel: the pair kind
     and the block to fetch, `batch x blocks x steps` entries each), counted as 32-bit words
@@ -235,8 +265,9 @@ def smem_bytes(cfg: Config, batch: int, sq: int, sk: int) -> int:
 
 
 def smem_rows(cfg: Config, sq: int, sk: int) -> int:
-    """How many batch rows one kernel call may take with its schedule in SMEM."""
-    return _SMEM_BUDGET // smem_bytes(cfg, 1, sq, sk)
+    """How many batch rows one kernel call may take with its schedule in SMEM (that of the
+    whole grid, which a bounded call falls back to)."""
+    return _SMEM_BUDGET // smem_bytes(cfg._replace(max_live_blocks=None), 1, sq, sk)
 
 
 def check_smem(cfg: Config, batch: int, sq: int, sk: int) -> None:
@@ -334,7 +365,7 @@ class Schedule(NamedTuple):
     `q_block[(b * nk + j) * nt + t]`, of class `col_kind[same]`. Steps past the last
     non-empty pair are `EMPTY` and re-point at the block fetched last, so they issue no DMA.
     `overflow` is True when some block has more non-empty partners than steps (only
-    possible with `max_live_blocks`); the wrappers then return NaN.
+    possible with `max_live_blocks`); the wrappers then run the whole grid instead.
     """
 
     row_kind: jax.Array
@@ -407,11 +438,6 @@ def schedule(cfg: Config, ids: Ids) -> Schedule:
         _smallest_int(flat(q_block), nq - 1),
         row_over | col_over,
     )
-
-
-def poison_if(overflow, *arrays):
-    """NaN everywhere when the schedule dropped non-empty pairs (`Schedule.overflow`)."""
-    return tuple(jnp.where(overflow, jnp.nan, x) for x in arrays)
 
 
 def visible(cfg: Config, q_pos, kv_pos, q_seg, kv_seg):

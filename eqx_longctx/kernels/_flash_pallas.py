@@ -19,8 +19,9 @@ comparison with no relayout; the logsumexp lane-dense, `[b, h, 8, s]`.
 Cost of skipping: an empty pair still costs its grid step's fixed overhead (no DMA, no
 compute). Splash attention shrinks the grid to the longest row of non-empty pairs, which
 needs the mask at trace time; here the classification is data (positions are arrays), so
-the key axis has one step per key block unless the caller bounds the non-empty pairs per
-block (`max_live_blocks`); a query block's non-empty key blocks come first either way.
+the key axis has one step per key block unless the non-empty pairs per block are bounded
+(`max_live_blocks`, by default the sliding window's); a query block's non-empty key blocks
+come first either way, and a schedule that overflows its bound runs the whole grid.
 
 Reference: Dao 2023, "FlashAttention-2" (arXiv:2307.08691), Algorithm 1.
 """
@@ -60,10 +61,10 @@ from ._blocks import (
     out_struct,
     pad_heads_major,
     pad_ids,
-    poison_if,
     schedule,
     sublanes,
     visible,
+    with_fallback,
 )
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
@@ -253,11 +254,9 @@ def _forward_rows(cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_
     (qp, kp, vp), ids, sched = prepare(
         cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids
     )
-    out, lse = forward_padded(cfg, qp, kp, vp, ids, sched)
-    out, lse = out[:, :, :sq], lse[:, :, 0, :sq]
-    if cfg.max_live_blocks is not None:
-        out, lse = poison_if(sched.overflow, out, lse)
-    return out, lse
+    run = lambda cfg, sched: forward_padded(cfg, qp, kp, vp, ids, sched)  # noqa: E731
+    out, lse = with_fallback(cfg, ids, sched, run)
+    return out[:, :, :sq], lse[:, :, 0, :sq]
 
 
 def pallas_flash_forward_heads_major(
@@ -330,8 +329,10 @@ def pallas_flash_forward(
     - `max_live_blocks`: optional static bound on the non-empty partner blocks of any block
       (key blocks per query block, query blocks per key block). The sequential grid axes
       then take that many steps instead of one per block, as splash attention shrinks its
-      grid (e.g. a sliding window of `w` keys needs about `w / block_k + 2`). If some block
-      has more, every output is NaN rather than silently wrong.
+      grid. `None` with a `window` takes the window's bound for positions in order
+      (`window_live_blocks`, about `window / block_k + 2`). If some block has more
+      non-empty partners, the call runs the whole grid instead (decided at run time), so a
+      bound costs time when wrong, never a wrong number.
 
     **Returns:** `(out, lse)`: `out` `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no key

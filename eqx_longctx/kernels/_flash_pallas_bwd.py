@@ -49,10 +49,10 @@ from ._blocks import (
     make_config,
     out_struct,
     pad_heads_major,
-    poison_if,
     rows_to_kernel,
     sublanes,
     visible,
+    with_fallback,
 )
 from ._flash_pallas import _NN, _NT, _dot, _heads_major_like, _tile_lanes, prepare, to_seq_major
 
@@ -265,12 +265,10 @@ def _backward_rows(cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv
     )
     do = pad_heads_major(dout.astype(qh.dtype), cfg.block_q)
     sqp = qp.shape[2]
-    dq, dk, dv = backward_padded(
-        cfg, qp, kp, vp, ids, sched, do, rows_to_kernel(lse, sqp), rows_to_kernel(delta, sqp)
-    )
+    lse, delta = rows_to_kernel(lse, sqp), rows_to_kernel(delta, sqp)
+    run = lambda cfg, sched: backward_padded(cfg, qp, kp, vp, ids, sched, do, lse, delta)  # noqa: E731
+    dq, dk, dv = with_fallback(cfg, ids, sched, run)
     dq, dk, dv = dq[:, :, :sq], dk[:, :, :sk], dv[:, :, :sk]
-    if cfg.max_live_blocks is not None:
-        dq, dk, dv = poison_if(sched.overflow, dq, dk, dv)
     return dq, dk, dv
 
 

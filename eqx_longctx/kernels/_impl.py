@@ -65,8 +65,9 @@ class PallasBlockImpl(AbstractBlockImpl):
       `False` always compiles for TPU; `True` runs Pallas' interpreter (any backend); a
       `pltpu.InterpretParams` runs TPU interpret mode (see `race_detecting_interpret`).
     - `max_live_blocks`: a bound on the non-empty partner blocks of any query or key block
-      (`None`: no bound); the kernels' sequential grid axes take that many steps, and an
-      overflowing bound gives NaN, never a wrong number (see `pallas_flash_forward`).
+      (`None`: none, or the sliding window's when there is one, `window_live_blocks`); the
+      kernels' sequential grid axes take that many steps, and a bound some block exceeds
+      falls back to the whole grid at run time (see `pallas_flash_forward`).
 
     Pass it as `impl=` to `eqx_longctx.attention` or a `ShardingSpec`; `impl="pallas"`
     builds one with `for_platform`.

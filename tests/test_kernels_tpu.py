@@ -55,8 +55,12 @@ _DEFAULT_BLOCKS = dict(sq=1300, sk=1300, hq=2, hk=1, d=128, dv=128, bq=512, bk=1
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, cores",
-    [("segments_mqa_ragged", 1), ("ring_hop_gqa", 2), ("bf16_window_ragged", 1),
-     ("default_blocks", 2)],  # fmt: skip
+    [
+        ("segments_mqa_ragged", 1),
+        ("ring_hop_gqa", 2),
+        ("bf16_window_ragged", 1),
+        ("default_blocks", 2),
+    ],  # fmt: skip
 )
 def test_tpu_interpret_mode_matches_oracle_without_races(name, cores, race_detectors):
     """VMEM/SMEM scratch, scalar prefetch and the skipped-block re-pointing run in TPU

@@ -182,10 +182,12 @@ def _flash_fwd_impl(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
 # and skipped.
 _FULL, _MASKED, _NONFINITE, _EMPTY = 0, 1, 2, 3
 _KINDS = (_FULL, _MASKED, _NONFINITE)
-# Up to this many key blocks, each is one `lax.switch` over its kind, unrolled: for short
-# sequences (a context-parallel shard of a few hundred tokens, one pair) loops with
-# run-time trip counts cost more than they save (the main job's step: 0.69 s against 0.64).
-_UNROLLED_BLOCKS = 2
+# Up to this many key blocks, a loop of static length takes them in order, one
+# `lax.switch` over its kind each: for short sequences (a context-parallel shard of a few
+# hundred tokens, one pair) loops with run-time trip counts cost more than they save (the
+# main job's step: 0.69 s against 0.64), and a loop (not an unrolled sequence of
+# branches) keeps one block of scores live, not one per block.
+_FEW_BLOCKS = 2
 
 
 def _pair_kinds(config: _Config, q_pos, kv_pos, q_seg, kv_seg, v_finite):
@@ -256,10 +258,13 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
             jnp.zeros((batch, rows), jnp.float32),
             jnp.zeros((batch, rows, dv), jnp.float32),
         )
-        if nk <= _UNROLLED_BLOCKS:  # a few key blocks: one branch each, no loop
-            for j in range(nk):
-                branches = [lambda c, k=k, j=j: step(k, j, c, qi, qpi, qsi) for k in _KINDS]
-                carry = lax.switch(kinds[j], [*branches, lambda c: c], carry)
+        if nk <= _FEW_BLOCKS:  # a few key blocks: in order, one branch each
+
+            def one(j, c):
+                branches = [lambda c, k=k: step(k, j, c, qi, qpi, qsi) for k in _KINDS]
+                return lax.switch(kinds[j], [*branches, lambda c: c], c)
+
+            carry = lax.fori_loop(0, nk, one, carry)
         else:
             order = jnp.argsort(kinds, stable=True)
             start = 0

@@ -93,6 +93,21 @@ def pairs_are_empty(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):
     return jnp.all(empty)
 
 
+def pairs_are_full(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):
+    """True when every query sees every key, for every batch row, judged from `[batch, n]`
+    ranges alone (the rule that drops the mask); the twin of `pairs_are_empty`."""
+    full = jnp.ones(q_pos.shape[:1], bool)
+    if options.causal:
+        full = full & (q_pos.min(-1) >= kv_pos.max(-1))
+    if options.window is not None:
+        full = full & (q_pos.max(-1) - kv_pos.min(-1) < options.window)
+    if q_seg is not None and kv_seg is not None:
+        one = q_seg.min(-1) == q_seg.max(-1)
+        same = (kv_seg.min(-1) == q_seg.min(-1)) & (kv_seg.max(-1) == q_seg.min(-1))
+        full = full & one & same
+    return jnp.all(full)
+
+
 class PerPlatform(AbstractBlockImpl):
     """Two implementations, the one for the platform the program is lowered for chosen then
     (`jax.lax.platform_dependent`): `tpu` on a TPU, `default` anywhere else. What

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._block import AbstractBlockImpl, BlockOptions, pairs_are_empty
+from ._block import AbstractBlockImpl, BlockOptions, pairs_are_empty, pairs_are_full
 from ._tiles import (
     DEFAULT_TILING,
     QueryTiles,
@@ -151,15 +151,9 @@ def _block_is_empty(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
 def _block_is_full(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     """True when every query of the block sees every key of the block, for every batch row
     (then the block runs without a mask)."""
-    full = jnp.ones(q_pos.shape[:1], bool)
-    if config.causal:
-        full = full & (q_pos.min(-1) >= kv_pos.max(-1))
-    if config.window is not None:
-        full = full & (q_pos.max(-1) - kv_pos.min(-1) < config.window)
-    if config.use_segments:
-        one = q_seg.min(-1) == q_seg.max(-1)
-        full = full & one & (kv_seg.min(-1) == q_seg.min(-1)) & (kv_seg.max(-1) == q_seg.min(-1))
-    return jnp.all(full)
+    options = BlockOptions(config.causal, config.window, config.scale)
+    segments = (q_seg, kv_seg) if config.use_segments else (None, None)
+    return pairs_are_full(options, q_pos, kv_pos, *segments)
 
 
 def _scores(config: _Config, qi, kj, mask):

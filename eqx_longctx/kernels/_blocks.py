@@ -113,6 +113,7 @@ class Config(NamedTuple):
     use_segments: bool
     interpret: object
     max_live_blocks: int | None = None
+    block_k_compute: int | None = None  # None: the largest that fits VMEM (`_vmem`)
 
     def steps(self, n: int) -> int:
         """Grid steps along a sequential axis over `n` blocks: `n`, or the caller's bound
@@ -168,7 +169,7 @@ def check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_i
 
 def make_config(
     q, k, q_segment_ids, *, causal, window, scale, block_q, block_k, interpret,
-    max_live_blocks=None,
+    max_live_blocks=None, block_k_compute=None,
 ) -> Config:  # fmt: skip
     """Validate the static parameters and clamp the blocks to the (padded) sequences.
 
@@ -219,9 +220,29 @@ def make_config(
             max_live_blocks = bound
     cfg = Config(bool(causal), None if window is None else int(window), scale, bq, bk,
                  use_segments, interpret,
-                 None if max_live_blocks is None else int(max_live_blocks))  # fmt: skip
+                 None if max_live_blocks is None else int(max_live_blocks),
+                 _sub_block(block_k_compute, int(block_k), bk))  # fmt: skip
     check_smem(cfg, q.shape[0], q.shape[1], k.shape[1])
     return cfg
+
+
+def _sub_block(block_k_compute, block_k: int, bk: int) -> int | None:
+    """Validate the key sub-block against the requested `block_k` and fit it to the
+    clamped one `bk`: the largest multiple of 128 that divides `bk`, at most the request."""
+    if block_k_compute is None:
+        return None
+    b = block_k_compute
+    if not isinstance(b, int | np.integer) or b <= 0 or b % NUM_LANES or block_k % b:
+        raise ValueError(
+            f"block_k_compute must be a positive multiple of {NUM_LANES} that divides block_k"
+            f"={block_k} (the key sub-block each grid step walks its key block in); got "
+            f"block_k_compute={b!r}. Use e.g. block_k_compute={NUM_LANES}, or None "
+            "for the largest that fits the VMEM budget."
+        )
+    b = min(int(b), bk)
+    while bk % b:
+        b -= NUM_LANES
+    return b
 
 
 # Scalar memory of one TensorCore (1 MiB on v4, v5e, v5p and v6e). The block schedule the

@@ -7,6 +7,10 @@ block-pair classification (`_blocks.schedule`) arrives by scalar prefetch: empty
 skipped (their K/V fetch re-points at the resident block, so no DMA is issued), full pairs
 skip the mask, partial pairs build it from the per-token positions and segment ids.
 
+Each grid step walks its key block in key sub-blocks (`block_k_compute`, chosen by `_vmem`
+to keep the score temporaries within the VMEM budget), updating the online softmax per
+sub-block; the kernels ask Mosaic for that budget (`vmem_limit_bytes`).
+
 GQA/MQA: query head `h` reads K/V head `h // (q_heads // kv_heads)` through the index map,
 so K/V are never repeated in memory. The value head dim may differ from the key's (MLA).
 
@@ -66,6 +70,7 @@ from ._blocks import (
     visible,
     with_fallback,
 )
+from ._vmem import kernel_vmem
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 _NN = (((1,), (0,)), ((), ()))
@@ -83,8 +88,22 @@ def _tile_lanes(x, width: int):
     return jnp.tile(x, (1, pl.cdiv(width, NUM_LANES)))[:, :width]
 
 
+def sub_blocks(n: int, size: int, body) -> None:
+    """`body(start)` for the `n` key sub-blocks of `size` rows of a grid step's key block
+    (`start` static when there is one, else a loop over aligned run-time offsets)."""
+    if n == 1:
+        body(0)
+        return
+
+    def step(c, carry):
+        body(pl.multiple_of(c * size, size))
+        return carry
+
+    lax.fori_loop(0, n, step, 0)
+
+
 def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, *rest,
-                cfg: Config, nq: int, nt: int):  # fmt: skip
+                cfg: Config, nq: int, nt: int, bc: int):  # fmt: skip
     if cfg.use_segments:
         q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     else:
@@ -92,7 +111,6 @@ def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_r
         o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kind = kind_ref[(b * nq + i) * nt + j].astype(jnp.int32)
-    bk = k_ref.shape[0]
 
     @pl.when(j == 0)
     def _init():
@@ -100,16 +118,17 @@ def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_r
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def step(masked: bool):
-        s = _dot(q_ref[...], k_ref[...], _NT)
+    def sub_block(start, masked: bool):
+        cols = pl.ds(start, bc)
+        s = _dot(q_ref[...], k_ref[cols, :], _NT)
         s = s * cfg.scale
         if masked:
             mask = visible(
                 cfg,
-                _tile_lanes(q_pos_ref[...], bk),
-                kv_pos_ref[:1, :],
-                None if q_seg_ref is None else _tile_lanes(q_seg_ref[...], bk),
-                None if kv_seg_ref is None else kv_seg_ref[:1, :],
+                _tile_lanes(q_pos_ref[...], bc),
+                kv_pos_ref[:1, cols],
+                None if q_seg_ref is None else _tile_lanes(q_seg_ref[...], bc),
+                None if kv_seg_ref is None else kv_seg_ref[:1, cols],
             )
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
@@ -118,12 +137,15 @@ def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_r
         # A row that has seen only masked keys keeps m = -inf; shift it by 0 so that
         # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN. NaN scores still give NaN.
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        p = jnp.exp(s - _tile_lanes(m_safe, bk))
+        p = jnp.exp(s - _tile_lanes(m_safe, bc))
         alpha = jnp.exp(m_prev - m_safe)
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
         m_ref[...] = m_next
-        pv = _dot(p.astype(v_ref.dtype), v_ref[...], _NN)
+        pv = _dot(p.astype(v_ref.dtype), v_ref[cols, :], _NN)
         acc_ref[...] = _tile_lanes(alpha, acc_ref.shape[1]) * acc_ref[...] + pv
+
+    def step(masked: bool):
+        sub_blocks(k_ref.shape[0] // bc, bc, lambda start: sub_block(start, masked))
 
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
@@ -154,6 +176,7 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk, g = sq // bq, sk // bk, hq // hk
     nt = cfg.steps(nk)
+    bc, vmem = kernel_vmem(cfg, head_dim=d, v_head_dim=dv, itemsize=qh.dtype.itemsize)
 
     def kv_index(bi, i, j, kv_block):
         return kv_block[(bi * nq + i) * nt + j].astype(jnp.int32)
@@ -197,7 +220,7 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
         bytes_accessed=itemsize * (qh.size + b * hq * sq * dv + nq * g * (kh.size + vh.size)),
     )
     build = lambda interpret: pl.pallas_call(  # noqa: E731
-        functools.partial(_fwd_kernel, cfg=cfg, nq=nq, nt=nt),
+        functools.partial(_fwd_kernel, cfg=cfg, nq=nq, nt=nt, bc=bc),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b, hq, nq, nt),
@@ -207,7 +230,8 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem,
         ),
         interpret=interpret,
         cost_estimate=cost,
@@ -263,7 +287,7 @@ def pallas_flash_forward_heads_major(
     qh, kh, vh, q_positions, kv_positions, q_segment_ids=None, kv_segment_ids=None, *,
     causal: bool, window: int | None = None, scale: float | None = None,
     block_q: int | None = None, block_k: int | None = None, interpret=None,
-    max_live_blocks: int | None = None,
+    max_live_blocks: int | None = None, block_k_compute: int | None = None,
 ):  # fmt: skip
     """`pallas_flash_forward` in the heads-major layout the kernels use, so that a caller
     that attends the same queries to many K/V blocks (the ring) transposes them once.
@@ -282,7 +306,7 @@ def pallas_flash_forward_heads_major(
     cfg = make_config(
         _heads_major_like(qh), _heads_major_like(kh), q_segment_ids, causal=causal,
         window=window, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret,
-        max_live_blocks=max_live_blocks,
+        max_live_blocks=max_live_blocks, block_k_compute=block_k_compute,
     )  # fmt: skip
     return flash_forward_heads_major(cfg, qh, kh, vh, *masks)
 
@@ -303,6 +327,7 @@ def pallas_flash_forward(
     block_k: int | None = None,
     interpret=None,
     max_live_blocks: int | None = None,
+    block_k_compute: int | None = None,
 ) -> tuple[AttnOut, LogSumExp]:
     """Flash-attention forward (Pallas TPU kernel) with masks from positions and segments.
 
@@ -333,6 +358,9 @@ def pallas_flash_forward(
       (`window_live_blocks`, about `window / block_k + 2`). If some block has more
       non-empty partners, the call runs the whole grid instead (decided at run time), so a
       bound costs time when wrong, never a wrong number.
+    - `block_k_compute`: the key sub-block each grid step walks its key block in (a
+      multiple of 128 that divides `block_k`), which sizes the score temporaries in VMEM;
+      default the largest that keeps every kernel within the VMEM budget (`_vmem`).
 
     **Returns:** `(out, lse)`: `out` `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no key
@@ -342,13 +370,16 @@ def pallas_flash_forward(
     (ranks, batch, head_dim, `q_heads` not a multiple of `kv_heads`), mixed or non-float
     dtypes, positions or segment ids of the wrong shape, only one of the segment ids,
     `block_q` / `block_k` not positive multiples of 128, a `window` that is not a positive
-    int or comes without `causal`, or a `max_live_blocks` that is not a positive int.
+    int or comes without `causal`, a `max_live_blocks` that is not a positive int, a
+    `block_k_compute` that is not a multiple of 128 dividing `block_k`, or blocks whose
+    kernels would not fit in the VMEM budget.
     """
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     check_inputs(q, k, v, *masks)
     cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
                       block_q=block_q, block_k=block_k, interpret=interpret,
-                      max_live_blocks=max_live_blocks)  # fmt: skip
+                      max_live_blocks=max_live_blocks,
+                      block_k_compute=block_k_compute)  # fmt: skip
     t = to_seq_major
     out, lse = flash_forward_heads_major(cfg, t(q), t(k), t(v), *masks)
     return to_seq_major(out), to_seq_major(lse)

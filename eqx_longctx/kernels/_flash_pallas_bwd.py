@@ -54,11 +54,21 @@ from ._blocks import (
     visible,
     with_fallback,
 )
-from ._flash_pallas import _NN, _NT, _dot, _heads_major_like, _tile_lanes, prepare, to_seq_major
+from ._flash_pallas import (
+    _NN,
+    _NT,
+    _dot,
+    _heads_major_like,
+    _tile_lanes,
+    prepare,
+    sub_blocks,
+    to_seq_major,
+)
+from ._vmem import kernel_vmem
 
 
 def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               q_pos_ref, kv_pos_ref, *rest, cfg: Config, nq: int, nt: int):  # fmt: skip
+               q_pos_ref, kv_pos_ref, *rest, cfg: Config, nq: int, nt: int, bc: int):  # fmt: skip
     if cfg.use_segments:
         q_seg_ref, kv_seg_ref, dq_ref = rest
     else:
@@ -66,37 +76,40 @@ def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         (dq_ref,) = rest
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kind = kind_ref[(b * nq + i) * nt + j].astype(jnp.int32)
-    bk = k_ref.shape[0]
 
     @pl.when(j == 0)
     def _init():
         dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
-    def step(masked: bool):
-        k = k_ref[...]
+    def sub_block(start, masked: bool):
+        cols = pl.ds(start, bc)
+        k = k_ref[cols, :]
         s = _dot(q_ref[...], k, _NT)
         p = jnp.exp(s * cfg.scale - lse_ref[0][:, None])
         if masked:
             mask = visible(
                 cfg,
-                _tile_lanes(q_pos_ref[...], bk),
-                kv_pos_ref[:1, :],
-                None if q_seg_ref is None else _tile_lanes(q_seg_ref[...], bk),
-                None if kv_seg_ref is None else kv_seg_ref[:1, :],
+                _tile_lanes(q_pos_ref[...], bc),
+                kv_pos_ref[:1, cols],
+                None if q_seg_ref is None else _tile_lanes(q_seg_ref[...], bc),
+                None if kv_seg_ref is None else kv_seg_ref[:1, cols],
             )
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
-        dp = _dot(do_ref[...], v_ref[...], _NT)
+        dp = _dot(do_ref[...], v_ref[cols, :], _NT)
         ds = p * (dp - delta_ref[0][:, None])
         dq = _dot(ds.astype(k.dtype), k, _NN)
         dq_ref[...] += dq * cfg.scale
+
+    def step(masked: bool):
+        sub_blocks(k_ref.shape[0] // bc, bc, lambda start: sub_block(start, masked))
 
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
 
 
 def _dkv_kernel(kind_ref, q_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                kv_pos_ref, q_pos_ref, *rest, cfg: Config, nk: int, nt: int):  # fmt: skip
+                kv_pos_ref, q_pos_ref, *rest, cfg: Config, nk: int, nt: int, bc: int):  # fmt: skip
     if cfg.use_segments:
         kv_seg_ref, q_seg_ref, dk_ref, dv_ref = rest
     else:
@@ -111,25 +124,30 @@ def _dkv_kernel(kind_ref, q_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
         dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
 
-    def step(masked: bool):
+    def sub_block(start, masked: bool):
+        # Keys-major: the sub-block's key rows against the whole query block.
+        rows = pl.ds(start, bc)
         q, do = q_ref[...], do_ref[...]
-        s_t = _dot(k_ref[...], q, _NT)
+        s_t = _dot(k_ref[rows, :], q, _NT)
         p_t = jnp.exp(s_t * cfg.scale - lse_ref[:1, :])
         if masked:
             mask = visible(
                 cfg,
                 q_pos_ref[:1, :],
-                _tile_lanes(kv_pos_ref[...], bq),
+                _tile_lanes(kv_pos_ref[rows, :], bq),
                 None if q_seg_ref is None else q_seg_ref[:1, :],
-                None if kv_seg_ref is None else _tile_lanes(kv_seg_ref[...], bq),
+                None if kv_seg_ref is None else _tile_lanes(kv_seg_ref[rows, :], bq),
             )
             if mask is not None:
                 p_t = jnp.where(mask, p_t, 0.0)
-        dv_ref[...] += _dot(p_t.astype(do.dtype), do, _NN)
-        dp_t = _dot(v_ref[...], do, _NT)
+        dv_ref[rows, :] += _dot(p_t.astype(do.dtype), do, _NN)
+        dp_t = _dot(v_ref[rows, :], do, _NT)
         ds_t = p_t * (dp_t - delta_ref[:1, :])
         dk = _dot(ds_t.astype(q.dtype), q, _NN)
-        dk_ref[...] += dk * cfg.scale
+        dk_ref[rows, :] += dk * cfg.scale
+
+    def step(masked: bool):
+        sub_blocks(k_ref.shape[0] // bc, bc, lambda start: sub_block(start, masked))
 
     pl.when(kind == FULL)(lambda: step(False))
     pl.when(kind == PARTIAL)(lambda: step(True))
@@ -146,6 +164,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk, g = sq // bq, sk // bk, hq // hk
     ntk, ntq = cfg.steps(nk), cfg.steps(nq)
+    bc, vmem = kernel_vmem(cfg, head_dim=d, v_head_dim=dv, itemsize=qh.dtype.itemsize)
     flops = 2 * b * hq * sq * sk * (d + dv)
     itemsize = qh.dtype.itemsize
 
@@ -173,7 +192,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         in_specs += [q_col, kv_row]
         operands += [lanes(ids.q_seg), sublanes(ids.kv_seg)]
     build_dq = lambda interpret: pl.pallas_call(  # noqa: E731
-        functools.partial(_dq_kernel, cfg=cfg, nq=nq, nt=ntk),
+        functools.partial(_dq_kernel, cfg=cfg, nq=nq, nt=ntk, bc=bc),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b, hq, nq, ntk),
@@ -182,7 +201,8 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         ),
         out_shape=out_struct((b, hq, sq, d), jnp.float32, *sched, *operands),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=vmem,
         ),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(
@@ -220,7 +240,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         in_specs += [kv_col, q_row]
         operands += [lanes(ids.kv_seg), sublanes(ids.q_seg)]
     build_dkv = lambda interpret: pl.pallas_call(  # noqa: E731
-        functools.partial(_dkv_kernel, cfg=cfg, nk=nk, nt=ntq),
+        functools.partial(_dkv_kernel, cfg=cfg, nk=nk, nt=ntq, bc=bc),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b, hk, nk, g, ntq),
@@ -232,7 +252,8 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
             out_struct((b, hk, sk, dv), jnp.float32, *sched, *operands),
         ],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=vmem,
         ),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(
@@ -276,7 +297,7 @@ def pallas_flash_backward_heads_major(
     qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids, dout, lse, delta, *,
     causal: bool, window: int | None = None, scale: float | None = None,
     block_q: int | None = None, block_k: int | None = None, interpret=None,
-    max_live_blocks: int | None = None,
+    max_live_blocks: int | None = None, block_k_compute: int | None = None,
 ):  # fmt: skip
     """`pallas_flash_backward` in the heads-major layout.
 
@@ -296,7 +317,7 @@ def pallas_flash_backward_heads_major(
     cfg = make_config(
         _heads_major_like(qh), _heads_major_like(kh), q_segment_ids, causal=causal,
         window=window, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret,
-        max_live_blocks=max_live_blocks,
+        max_live_blocks=max_live_blocks, block_k_compute=block_k_compute,
     )  # fmt: skip
     return flash_backward_heads_major(cfg, qh, kh, vh, *masks, dout, lse, delta)
 
@@ -331,6 +352,7 @@ def pallas_flash_backward(
     block_k: int | None = None,
     interpret=None,
     max_live_blocks: int | None = None,
+    block_k_compute: int | None = None,
 ) -> tuple[Query, Key, Value]:
     """Flash-attention gradients of `q` against this `k`/`v` block (Pallas TPU kernels).
 
@@ -357,7 +379,8 @@ def pallas_flash_backward(
     _check_row_shapes(q, v, dout, lse, delta)
     cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
                       block_q=block_q, block_k=block_k, interpret=interpret,
-                      max_live_blocks=max_live_blocks)  # fmt: skip
+                      max_live_blocks=max_live_blocks,
+                      block_k_compute=block_k_compute)  # fmt: skip
     t = to_seq_major
     dq, dk, dv = flash_backward_heads_major(
         cfg, t(q), t(k), t(v), *masks, t(dout), t(lse), t(delta)

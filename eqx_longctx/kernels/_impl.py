@@ -68,6 +68,8 @@ class PallasBlockImpl(AbstractBlockImpl):
       (`None`: none, or the sliding window's when there is one, `window_live_blocks`); the
       kernels' sequential grid axes take that many steps, and a bound some block exceeds
       falls back to the whole grid at run time (see `pallas_flash_forward`).
+    - `block_k_compute`: the key sub-block each grid step walks its key block in (`None`:
+      the largest that fits the VMEM budget; see `pallas_flash_forward`).
 
     Pass it as `impl=` to `eqx_longctx.attention` or a `ShardingSpec`; `impl="pallas"`
     builds one with `for_platform`.
@@ -80,6 +82,7 @@ class PallasBlockImpl(AbstractBlockImpl):
     block_k: int = eqx.field(static=True)
     interpret: Any = eqx.field(static=True, default=None)
     max_live_blocks: int | None = eqx.field(static=True, default=None)
+    block_k_compute: int | None = eqx.field(static=True, default=None)
 
     @property
     def pure_forward(self) -> bool:
@@ -128,6 +131,7 @@ class PallasBlockImpl(AbstractBlockImpl):
             q, kv_like, segment_ids, causal=options.causal, window=options.window,
             scale=options.scale, block_q=self.block_q, block_k=self.block_k,
             interpret=self.interpret, max_live_blocks=self.max_live_blocks,
+            block_k_compute=self.block_k_compute,
         )  # fmt: skip
         return _Queries(_swap(q), positions, segment_ids, cfg)
 

@@ -18,7 +18,7 @@ from eqx_longctx.attention._impls import make_impl
 from eqx_longctx.selftest import _attention, _report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ROW = re.compile(r"^(?P<case>\S.*?)\s{2,}.*\s(?P<result>PASS|FAIL|ERROR)\b", re.M)
+ROW = re.compile(r"^(?P<case>\S.*?)\s{2,}.*\s(?P<result>PASS|FAIL|VMEM-OOM|MOSAIC|OTHER)\b", re.M)
 
 
 @pytest.mark.slow
@@ -81,7 +81,7 @@ def test_a_wrong_implementation_fails_the_selftest(monkeypatch, capsys):
     }
     assert re.search(r" out 1\.0e-02 .*FAIL: out, .*above 1e-04$", rows[("wrong", "f32", "ref")])
     assert re.search(
-        r"ERROR: RuntimeError: Mosaic failed to compile$", rows[("broken", "f32", "ref")]
+        r"MOSAIC: RuntimeError: Mosaic failed to compile$", rows[("broken", "f32", "ref")]
     )
     assert rows[("xla", "f32", "ref")].endswith("PASS")
     assert re.search(r"FAIL: out, .*above 1e-04$", rows[("wrong", "xla", "out")])
@@ -98,4 +98,17 @@ def test_errors_measure_nan_and_misplaced_infinities():
     assert _report.rel_err(np.where(np.isinf(ref), 0.0, ref), ref) == float("inf")
     row = _report.run_check("c", "i", "ref", 1e-4, lambda: {"out": float("nan")})
     assert row.status == "FAIL" and not row.ok
+
+
+def test_errors_are_labelled_by_what_failed():
+    oom = "RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem while allocating on stack"
+    assert _report.error_label(RuntimeError(oom)) == "VMEM-OOM"
+    assert _report.error_label(RuntimeError("Mosaic failed to compile TPU kernel")) == "MOSAIC"
+    assert _report.error_label(ValueError("shapes (2,) and (3,) do not match")) == "OTHER"
+
+    def raises():
+        raise RuntimeError(oom + "\nsecond line")
+
+    row = _report.run_check("c", "i", "ref", 1e-4, raises)
+    assert row.status == "VMEM-OOM" and not row.ok and row.note.endswith("on stack")
     assert _report.tolerance(jnp.bfloat16) == 2e-2 and _report.tolerance(jnp.float32) == 1e-4

@@ -33,9 +33,9 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
+from ._operands import NUM_LANES, Side, pad_side
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
-NUM_LANES = 128
-NUM_SUBLANES = 8
 # Padded query rows and padded keys get segment ids no real token has (nor each other).
 _PAD_Q_SEGMENT = int(np.iinfo(np.int32).min)
 _PAD_KV_SEGMENT = _PAD_Q_SEGMENT + 1
@@ -307,27 +307,15 @@ def check_smem(cfg: Config, batch: int, sq: int, sk: int) -> None:
 
 
 def by_batch_rows(cfg: Config, fn, sq: int, sk: int, *arrays):
-    """`fn(*arrays)` (every array `[batch, ...]`, or None), run on as many batch rows at a
-    time as keep the block schedule in SMEM (`smem_rows`) and concatenated."""
-    batch = arrays[0].shape[0]
+    """`fn(*arrays)` (pytrees whose arrays are all `[batch, ...]`), run on as many batch
+    rows at a time as keep the block schedule in SMEM (`smem_rows`) and concatenated."""
+    batch = jax.tree.leaves(arrays[0])[0].shape[0]
     rows = smem_rows(cfg, sq, sk)
     if rows >= batch:
         return fn(*arrays)
-    parts = [
-        fn(*(None if a is None else a[lo : lo + rows] for a in arrays))
-        for lo in range(0, batch, rows)
-    ]
+    rows_of = lambda lo: lambda a: a[lo : lo + rows] if hasattr(a, "shape") else a  # noqa: E731
+    parts = [fn(*jax.tree.map(rows_of(lo), arrays)) for lo in range(0, batch, rows)]
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-
-
-def _pad(x, pad: int, axis: int, value=None):
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    if value is None:
-        return jnp.pad(x, widths, mode="edge")
-    return jnp.pad(x, widths, constant_values=value)
 
 
 class Ids(NamedTuple):
@@ -339,39 +327,24 @@ class Ids(NamedTuple):
     kv_seg: jax.Array | None
 
 
+def query_ids(cfg: Config, q_positions, q_segment_ids) -> Side:
+    """The query side's ids padded to `block_q`, with their tiles (see `_operands`)."""
+    return pad_side(q_positions, q_segment_ids, block=cfg.block_q,
+                    use_segments=cfg.use_segments, pad_segment=_PAD_Q_SEGMENT)  # fmt: skip
+
+
+def kv_ids(cfg: Config, kv_positions, kv_segment_ids) -> Side:
+    """The K/V side's ids padded to `block_k`, with their tiles."""
+    return pad_side(kv_positions, kv_segment_ids, block=cfg.block_k,
+                    use_segments=cfg.use_segments, pad_segment=_PAD_KV_SEGMENT)  # fmt: skip
+
+
 def pad_ids(cfg: Config, sq, sk, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     """Pad to block multiples: positions repeat the last one (tight block ranges), segment
     ids of padding match nothing; segments are synthesised when only padding needs them."""
-    pq, pk = -sq % cfg.block_q, -sk % cfg.block_k
-    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
-    q_pos = _pad(i32(q_positions), pq, 1)
-    kv_pos = _pad(i32(kv_positions), pk, 1)
-    if not cfg.use_segments:
-        return Ids(q_pos, kv_pos, None, None)
-    b = q_positions.shape[0]
-    if q_segment_ids is None:
-        q_segment_ids = jnp.zeros((b, sq), jnp.int32)
-        kv_segment_ids = jnp.zeros((b, sk), jnp.int32)
-    q_seg = _pad(i32(q_segment_ids), pq, 1, _PAD_Q_SEGMENT)
-    kv_seg = _pad(i32(kv_segment_ids), pk, 1, _PAD_KV_SEGMENT)
-    return Ids(q_pos, kv_pos, q_seg, kv_seg)
-
-
-def lanes(x):
-    """`[b, s]` -> `[b, s, 128]`: one value per row of a `[s, 128]` tile (a column)."""
-    return jnp.broadcast_to(x[:, :, None], (*x.shape, NUM_LANES))
-
-
-def sublanes(x):
-    """`[b, s]` -> `[b, 8, s]`: one value per lane of an `[8, s]` tile (a row)."""
-    return jnp.broadcast_to(x[:, None, :], (x.shape[0], NUM_SUBLANES, x.shape[1]))
-
-
-def rows_to_kernel(x, sq_padded: int):
-    """Heads-major row statistics `[b, h, s]` -> the kernels' lane-dense
-    `[b, h, 8, padded_s]` float32 (zero padding: padded rows see no key)."""
-    x = _pad(x.astype(jnp.float32), sq_padded - x.shape[2], 2, 0.0)
-    return jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], NUM_SUBLANES, x.shape[2]))
+    del sq, sk
+    q, kv = query_ids(cfg, q_positions, q_segment_ids), kv_ids(cfg, kv_positions, kv_segment_ids)
+    return Ids(q.pos, kv.pos, q.seg, kv.seg)
 
 
 class Schedule(NamedTuple):
@@ -476,19 +449,3 @@ def visible(cfg: Config, q_pos, kv_pos, q_seg, kv_seg):
     if cfg.use_segments:
         mask = conj(mask, q_seg == kv_seg)
     return mask
-
-
-def pad_heads_major(x, block: int):
-    """`[b, h, s, d]` zero-padded along `s` to a multiple of `block`."""
-    return _pad(x, -x.shape[2] % block, 2, 0)
-
-
-def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
-    """A kernel output's type. Inside `jax.shard_map(..., check_vma=True)` Pallas needs to
-    be told over which manual mesh axes the output varies: those any input varies over."""
-    mats = [jax.typeof(x).manual_axis_type for x in inputs]
-    varying = frozenset().union(*(m.varying for m in mats))
-    if not varying:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    mat = type(mats[0])(varying=varying)
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)

@@ -31,6 +31,7 @@ Reference: Dao 2023, "FlashAttention-2" (arXiv:2307.08691), Algorithm 1.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +52,6 @@ from .._types import (
 )
 from ._blocks import (
     FULL,
-    NUM_LANES,
-    NUM_SUBLANES,
     PARTIAL,
     Config,
     Ids,
@@ -60,15 +59,21 @@ from ._blocks import (
     by_batch_rows,
     call_kernel,
     check_inputs,
-    lanes,
+    kv_ids,
     make_config,
-    out_struct,
-    pad_heads_major,
-    pad_ids,
+    query_ids,
     schedule,
-    sublanes,
     visible,
     with_fallback,
+)
+from ._operands import (
+    NUM_LANES,
+    NUM_SUBLANES,
+    KvOperand,
+    Side,
+    kv_operand,
+    out_struct,
+    pad_axis,
 )
 from ._vmem import kernel_vmem
 
@@ -163,16 +168,55 @@ def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_r
         lse_ref[...] = lse.T[:NUM_SUBLANES, :]
 
 
-def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
-    """The forward kernel on padded heads-major inputs.
+class QuerySide(NamedTuple):
+    """The query side as the kernels read it, built once per query shard: `qh` `[b, q_heads,
+    padded_sq, d]`, the padded ids with their tiles, and the unpadded length."""
 
-    **Arguments:** `qh` `[b, q_heads, sq, d]`, `kh` `[b, kv_heads, sk, d]`, `vh`
-    `[b, kv_heads, sk, dv]` with `sq`, `sk` multiples of the blocks; padded `ids`; `sched`.
+    qh: jax.Array
+    ids: Side
+    seq: int
 
-    **Returns:** `(out [b, q_heads, sq, dv], lse [b, q_heads, 8, sq] float32)`.
+
+def query_side(cfg: Config, qh, q_positions, q_segment_ids) -> QuerySide:
+    """Pad heads-major queries and their ids to `block_q` and tile the ids."""
+    padded = pad_axis(qh, -qh.shape[2] % cfg.block_q, 2, 0)
+    return QuerySide(padded, query_ids(cfg, q_positions, q_segment_ids), qh.shape[2])
+
+
+class KvSide(NamedTuple):
+    """One K/V block as the kernels read it: K and V (`KvOperand`, flat where the head dims
+    allow), the padded ids with their tiles, and the unpadded length."""
+
+    k: KvOperand
+    v: KvOperand
+    ids: Side
+    seq: int
+
+
+def kv_side(cfg: Config, k, v, kv_positions, kv_segment_ids, *, heads_major: bool) -> KvSide:
+    """K/V `[b, kv_seq, kv_heads, dim]` (heads-major `[b, kv_heads, kv_seq, dim]` when
+    `heads_major`) and their ids, padded to `block_k`; no transpose when the dims allow."""
+    seq = k.shape[2] if heads_major else k.shape[1]
+    return KvSide(
+        kv_operand(k, cfg.block_k, heads_major=heads_major),
+        kv_operand(v, cfg.block_k, heads_major=heads_major),
+        kv_ids(cfg, kv_positions, kv_segment_ids),
+        seq,
+    )
+
+
+def side_ids(qs: QuerySide, kvs: KvSide) -> Ids:
+    return Ids(qs.ids.pos, kvs.ids.pos, qs.ids.seg, kvs.ids.seg)
+
+
+def forward_padded(cfg: Config, qs: QuerySide, kvs: KvSide, sched: Schedule):
+    """The forward kernel on padded sides.
+
+    **Returns:** `(out [b, q_heads, padded_sq, dv], lse [b, q_heads, 8, padded_sq] float32)`.
     """
+    qh = qs.qh
     b, hq, sq, d = qh.shape
-    hk, sk, dv = kh.shape[1], kh.shape[2], vh.shape[3]
+    hk, sk, dv = kvs.k.heads, kvs.k.seq, kvs.v.dim
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk, g = sq // bq, sk // bk, hq // hk
     nt = cfg.steps(nk)
@@ -181,24 +225,24 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
     def kv_index(bi, i, j, kv_block):
         return kv_block[(bi * nq + i) * nt + j].astype(jnp.int32)
 
-    def kv_map(bi, h, i, j, kind, kvb):
+    def kv_block(bi, h, i, j, kind, kvb):
         # GQA/MQA: the group's K/V head, never a repeated copy. Skipped pairs re-point at
         # the resident block (`Schedule.kv_block`), so Pallas issues no DMA for them.
-        return bi, lax.div(h, g), kv_index(bi, i, j, kvb), 0
+        return bi, lax.div(h, g), kv_index(bi, i, j, kvb)
 
     in_specs = [
         pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)),
-        pl.BlockSpec((None, None, bk, d), kv_map),
-        pl.BlockSpec((None, None, bk, dv), kv_map),
+        kvs.k.spec(bk, kv_block),
+        kvs.v.spec(bk, kv_block),
     ]
     q_col = pl.BlockSpec((None, bq, NUM_LANES), lambda bi, h, i, j, kind, kvb: (bi, i, 0))
     kv_row = pl.BlockSpec(
         (None, NUM_SUBLANES, bk), lambda bi, h, i, j, kind, kvb: (bi, 0, kv_index(bi, i, j, kvb))
     )
-    operands = [qh, kh, vh, lanes(ids.q_pos), sublanes(ids.kv_pos)]
+    operands = [qh, kvs.k.x, kvs.v.x, qs.ids.pos_lanes, kvs.ids.pos_rows]
     in_specs += [q_col, kv_row]
     if cfg.use_segments:
-        operands += [lanes(ids.q_seg), sublanes(ids.kv_seg)]
+        operands += [qs.ids.seg_lanes, kvs.ids.seg_rows]
         in_specs += [q_col, kv_row]
     out_specs = [
         pl.BlockSpec((None, None, bq, dv), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)),
@@ -217,7 +261,8 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
     cost = pl.CostEstimate(
         flops=2 * b * hq * sq * sk * (d + dv),
         transcendentals=b * hq * sq * sk,
-        bytes_accessed=itemsize * (qh.size + b * hq * sq * dv + nq * g * (kh.size + vh.size)),
+        bytes_accessed=itemsize
+        * (qh.size + b * hq * sq * dv + nq * g * (kvs.k.x.size + kvs.v.x.size)),
     )
     build = lambda interpret: pl.pallas_call(  # noqa: E731
         functools.partial(_fwd_kernel, cfg=cfg, nq=nq, nt=nt, bc=bc),
@@ -240,18 +285,6 @@ def forward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule):
     return call_kernel(cfg.interpret, build, sched.row_kind, sched.kv_block, *operands)
 
 
-def prepare(cfg: Config, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
-    """Pad heads-major q/k/v and the ids to block multiples and build the schedule."""
-    ids = pad_ids(cfg, qh.shape[2], kh.shape[2], q_positions, kv_positions, q_segment_ids,
-                  kv_segment_ids)  # fmt: skip
-    padded = (
-        pad_heads_major(qh, cfg.block_q),
-        pad_heads_major(kh, cfg.block_k),
-        pad_heads_major(vh, cfg.block_k),
-    )
-    return padded, ids, schedule(cfg, ids)
-
-
 def to_seq_major(x):
     return jnp.swapaxes(x, 1, 2)
 
@@ -263,24 +296,28 @@ def _heads_major_like(x):
     return jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype)
 
 
+def forward_sides(cfg: Config, qs: QuerySide, kvs: KvSide):
+    """Forward of prepared sides: `(out [b, h, sq, dv], lse [b, h, sq])`, heads-major,
+    padding cut. Batch rows go in as many calls as keep the schedule in SMEM."""
+    return by_batch_rows(cfg, functools.partial(_forward_rows, cfg), qs.qh.shape[2],
+                         kvs.k.seq, qs, kvs)  # fmt: skip
+
+
+def _forward_rows(cfg, qs: QuerySide, kvs: KvSide):
+    ids = side_ids(qs, kvs)
+    run = lambda cfg, sched: forward_padded(cfg, qs, kvs, sched)  # noqa: E731
+    out, lse = with_fallback(cfg, ids, schedule(cfg, ids), run)
+    return out[:, :, : qs.seq], lse[:, :, 0, : qs.seq]
+
+
 def flash_forward_heads_major(
     cfg: Config, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids
 ):
     """Forward on heads-major inputs with a validated `cfg`: `(out [b, h, s, dv], lse
-    [b, h, s])`. Batch rows go in as many calls as keep the schedule in SMEM."""
-    args = (qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
-    fn = functools.partial(_forward_rows, cfg)
-    return by_batch_rows(cfg, fn, qh.shape[2], kh.shape[2], *args)
-
-
-def _forward_rows(cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
-    sq = qh.shape[2]
-    (qp, kp, vp), ids, sched = prepare(
-        cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids
-    )
-    run = lambda cfg, sched: forward_padded(cfg, qp, kp, vp, ids, sched)  # noqa: E731
-    out, lse = with_fallback(cfg, ids, sched, run)
-    return out[:, :, :sq], lse[:, :, 0, :sq]
+    [b, h, s])`."""
+    qs = query_side(cfg, qh, q_positions, q_segment_ids)
+    kvs = kv_side(cfg, kh, vh, kv_positions, kv_segment_ids, heads_major=True)
+    return forward_sides(cfg, qs, kvs)
 
 
 def pallas_flash_forward_heads_major(
@@ -380,6 +417,7 @@ def pallas_flash_forward(
                       block_q=block_q, block_k=block_k, interpret=interpret,
                       max_live_blocks=max_live_blocks,
                       block_k_compute=block_k_compute)  # fmt: skip
-    t = to_seq_major
-    out, lse = flash_forward_heads_major(cfg, t(q), t(k), t(v), *masks)
+    qs = query_side(cfg, to_seq_major(q), q_positions, q_segment_ids)
+    kvs = kv_side(cfg, k, v, kv_positions, kv_segment_ids, heads_major=False)
+    out, lse = forward_sides(cfg, qs, kvs)
     return to_seq_major(out), to_seq_major(lse)

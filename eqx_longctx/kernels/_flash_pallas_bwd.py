@@ -36,33 +36,38 @@ from .._types import (
 )
 from ._blocks import (
     FULL,
-    NUM_LANES,
-    NUM_SUBLANES,
     PARTIAL,
     Config,
-    Ids,
     Schedule,
     by_batch_rows,
     call_kernel,
     check_inputs,
-    lanes,
     make_config,
-    out_struct,
-    pad_heads_major,
-    rows_to_kernel,
-    sublanes,
+    schedule,
     visible,
     with_fallback,
 )
 from ._flash_pallas import (
     _NN,
     _NT,
+    KvSide,
+    QuerySide,
     _dot,
     _heads_major_like,
     _tile_lanes,
-    prepare,
+    kv_side,
+    query_side,
+    side_ids,
     sub_blocks,
     to_seq_major,
+)
+from ._operands import (
+    NUM_LANES,
+    NUM_SUBLANES,
+    out_struct,
+    pad_axis,
+    rows_to_kernel,
+    vary_like,
 )
 from ._vmem import kernel_vmem
 
@@ -70,16 +75,16 @@ from ._vmem import kernel_vmem
 def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                q_pos_ref, kv_pos_ref, *rest, cfg: Config, nq: int, nt: int, bc: int):  # fmt: skip
     if cfg.use_segments:
-        q_seg_ref, kv_seg_ref, dq_ref = rest
+        q_seg_ref, kv_seg_ref, dq_in_ref, dq_ref = rest
     else:
         q_seg_ref = kv_seg_ref = None
-        (dq_ref,) = rest
+        dq_in_ref, dq_ref = rest
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     kind = kind_ref[(b * nq + i) * nt + j].astype(jnp.int32)
 
     @pl.when(j == 0)
-    def _init():
-        dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+    def _init():  # the caller's accumulator, aliased to the output: updated in place
+        dq_ref[...] = dq_in_ref[...]
 
     def sub_block(start, masked: bool):
         cols = pl.ds(start, bc)
@@ -153,20 +158,25 @@ def _dkv_kernel(kind_ref, q_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
     pl.when(kind == PARTIAL)(lambda: step(True))
 
 
-def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse, delta):
-    """Both backward kernels on padded heads-major inputs (`do` `[b, q_heads, sq, dv]` in
-    the inputs' dtype, `lse`/`delta` `[b, q_heads, 8, sq]` float32).
+def backward_padded(cfg: Config, qs: QuerySide, kvs: KvSide, sched: Schedule, do, lse, delta,
+                    dq_in):  # fmt: skip
+    """Both backward kernels on padded sides (`do` `[b, q_heads, sq, dv]` in the inputs'
+    dtype, `lse`/`delta` `[b, q_heads, 8, sq]` float32, `dq_in` `[b, q_heads, sq, d]`
+    float32, all padded).
 
-    **Returns:** float32 `(dq, dk, dv)`, padded, heads-major.
+    **Returns:** float32 `(dq_in + dq, dk, dv)`, padded; `dq` heads-major (written over
+    `dq_in`'s buffer), `dk`, `dv` in the layout of `kvs.k`, `kvs.v`.
     """
+    qh = qs.qh
     b, hq, sq, d = qh.shape
-    hk, sk, dv = kh.shape[1], kh.shape[2], vh.shape[3]
+    hk, sk, dv = kvs.k.heads, kvs.k.seq, kvs.v.dim
     bq, bk = cfg.block_q, cfg.block_k
     nq, nk, g = sq // bq, sk // bk, hq // hk
     ntk, ntq = cfg.steps(nk), cfg.steps(nq)
     bc, vmem = kernel_vmem(cfg, head_dim=d, v_head_dim=dv, itemsize=qh.dtype.itemsize)
     flops = 2 * b * hq * sq * sk * (d + dv)
     itemsize = qh.dtype.itemsize
+    kv_size = kvs.k.x.size + kvs.v.x.size
 
     # dQ: grid (b, h, i, j).
     def kvj(bi, i, j, kvb):
@@ -175,10 +185,10 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
     q_spec = lambda width: pl.BlockSpec(  # noqa: E731
         (None, None, bq, width), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)
     )
-    kv_spec = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, None, bk, width),
-        lambda bi, h, i, j, kind, kvb: (bi, lax.div(h, g), kvj(bi, i, j, kvb), 0),
-    )
+
+    def kv_block(bi, h, i, j, kind, kvb):
+        return bi, lax.div(h, g), kvj(bi, i, j, kvb)
+
     row_spec = pl.BlockSpec(
         (None, None, NUM_SUBLANES, bq), lambda bi, h, i, j, kind, kvb: (bi, h, 0, i)
     )
@@ -186,11 +196,14 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
     kv_row = pl.BlockSpec(
         (None, NUM_SUBLANES, bk), lambda bi, h, i, j, kind, kvb: (bi, 0, kvj(bi, i, j, kvb))
     )
-    in_specs = [q_spec(d), kv_spec(d), kv_spec(dv), q_spec(dv), row_spec, row_spec, q_col, kv_row]
-    operands = [qh, kh, vh, do, lse, delta, lanes(ids.q_pos), sublanes(ids.kv_pos)]
+    in_specs = [q_spec(d), kvs.k.spec(bk, kv_block), kvs.v.spec(bk, kv_block), q_spec(dv),
+                row_spec, row_spec, q_col, kv_row]  # fmt: skip
+    operands = [qh, kvs.k.x, kvs.v.x, do, lse, delta, qs.ids.pos_lanes, kvs.ids.pos_rows]
     if cfg.use_segments:
         in_specs += [q_col, kv_row]
-        operands += [lanes(ids.q_seg), sublanes(ids.kv_seg)]
+        operands += [qs.ids.seg_lanes, kvs.ids.seg_rows]
+    in_specs.append(q_spec(d))
+    operands.append(vary_like(dq_in, *sched, *operands))
     build_dq = lambda interpret: pl.pallas_call(  # noqa: E731
         functools.partial(_dq_kernel, cfg=cfg, nq=nq, nt=ntk, bc=bc),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -200,6 +213,8 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
             out_specs=q_spec(d),
         ),
         out_shape=out_struct((b, hq, sq, d), jnp.float32, *sched, *operands),
+        # dq_in (after the two prefetch tables) is the output's buffer.
+        input_output_aliases={2 + len(operands) - 1: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=vmem,
@@ -208,7 +223,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         cost_estimate=pl.CostEstimate(
             flops=flops + 2 * b * hq * sq * sk * d,
             transcendentals=b * hq * sq * sk,
-            bytes_accessed=itemsize * nq * g * (kh.size + vh.size) + 4 * 2 * qh.size,
+            bytes_accessed=itemsize * nq * g * kv_size + 4 * 3 * qh.size,
         ),
         name="eqx_longctx_flash_bwd_dq",
     )
@@ -222,9 +237,10 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         (None, None, bq, width),
         lambda bi, hki, j, gi, i, kind, qb: (bi, hki * g + gi, qi(bi, j, i, qb), 0),
     )
-    kv_spec2 = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, None, bk, width), lambda bi, hki, j, gi, i, kind, qb: (bi, hki, j, 0)
-    )
+
+    def kv_block2(bi, hki, j, gi, i, kind, qb):
+        return bi, hki, j
+
     row_spec2 = pl.BlockSpec(
         (None, None, NUM_SUBLANES, bq),
         lambda bi, hki, j, gi, i, kind, qb: (bi, hki * g + gi, 0, qi(bi, j, i, qb)),
@@ -233,23 +249,23 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
     q_row = pl.BlockSpec(
         (None, NUM_SUBLANES, bq), lambda bi, hki, j, gi, i, kind, qb: (bi, 0, qi(bi, j, i, qb))
     )
-    in_specs = [q_spec2(d), kv_spec2(d), kv_spec2(dv), q_spec2(dv), row_spec2, row_spec2,
-                kv_col, q_row]  # fmt: skip
-    operands = [qh, kh, vh, do, lse, delta, lanes(ids.kv_pos), sublanes(ids.q_pos)]
+    k_spec2, v_spec2 = kvs.k.spec(bk, kv_block2), kvs.v.spec(bk, kv_block2)
+    in_specs = [q_spec2(d), k_spec2, v_spec2, q_spec2(dv), row_spec2, row_spec2, kv_col, q_row]
+    operands = [qh, kvs.k.x, kvs.v.x, do, lse, delta, kvs.ids.pos_lanes, qs.ids.pos_rows]
     if cfg.use_segments:
         in_specs += [kv_col, q_row]
-        operands += [lanes(ids.kv_seg), sublanes(ids.q_seg)]
+        operands += [kvs.ids.seg_lanes, qs.ids.seg_rows]
     build_dkv = lambda interpret: pl.pallas_call(  # noqa: E731
         functools.partial(_dkv_kernel, cfg=cfg, nk=nk, nt=ntq, bc=bc),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b, hk, nk, g, ntq),
             in_specs=in_specs,
-            out_specs=[kv_spec2(d), kv_spec2(dv)],
+            out_specs=[k_spec2, v_spec2],  # dK, dV in the layout of K, V
         ),
         out_shape=[
-            out_struct((b, hk, sk, d), jnp.float32, *sched, *operands),
-            out_struct((b, hk, sk, dv), jnp.float32, *sched, *operands),
+            out_struct(kvs.k.out_shape(d), jnp.float32, *sched, *operands),
+            out_struct(kvs.v.out_shape(dv), jnp.float32, *sched, *operands),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
@@ -259,7 +275,7 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
         cost_estimate=pl.CostEstimate(
             flops=flops + 2 * b * hq * sq * sk * (d + dv),
             transcendentals=b * hq * sq * sk,
-            bytes_accessed=itemsize * nk * (qh.size + do.size) + 4 * (kh.size + vh.size),
+            bytes_accessed=itemsize * nk * (qh.size + do.size) + 4 * kv_size,
         ),
         name="eqx_longctx_flash_bwd_dkv",
     )
@@ -267,30 +283,39 @@ def backward_padded(cfg: Config, qh, kh, vh, ids: Ids, sched: Schedule, do, lse,
     return dq, dk, dv_
 
 
+def backward_sides(cfg: Config, qs: QuerySide, kvs: KvSide, do, lse, delta, dq_in):
+    """Backward of prepared sides, with `do`, `lse`, `delta`, `dq_in` padded as
+    `backward_padded` takes them. **Returns:** float32 `(dq_in + dq, dk, dv)`: `dq` padded
+    heads-major, `dk`, `dv` in `kvs`' layouts, padded. Batch rows go in as many calls as
+    keep the schedule in SMEM."""
+    return by_batch_rows(cfg, functools.partial(_backward_rows, cfg), qs.qh.shape[2],
+                         kvs.k.seq, qs, kvs, do, lse, delta, dq_in)  # fmt: skip
+
+
+def _backward_rows(cfg, qs, kvs, do, lse, delta, dq_in):
+    ids = side_ids(qs, kvs)
+    run = lambda cfg, sched: backward_padded(cfg, qs, kvs, sched, do, lse, delta, dq_in)  # noqa: E731
+    return with_fallback(cfg, ids, schedule(cfg, ids), run)
+
+
+def query_rows(qs: QuerySide, dout, lse, delta):
+    """`dout` `[b, h, s, dv]`, `lse`, `delta` `[b, h, s]` -> padded as the kernels read
+    them (`dout` in the queries' dtype)."""
+    sqp = qs.qh.shape[2]
+    do = pad_axis(dout.astype(qs.qh.dtype), sqp - dout.shape[2], 2, 0)
+    return do, rows_to_kernel(lse, sqp), rows_to_kernel(delta, sqp)
+
+
 def flash_backward_heads_major(cfg: Config, qh, kh, vh, q_positions, kv_positions,
                                q_segment_ids, kv_segment_ids, dout, lse, delta):  # fmt: skip
     """Backward on heads-major inputs with a validated `cfg`; `dout` `[b, h, s, dv]`,
-    `lse`, `delta` `[b, h, s]`. **Returns:** float32 heads-major `(dq, dk, dv)`. Batch rows
-    go in as many calls as keep the schedule in SMEM."""
-    args = (qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids, dout, lse,
-            delta)  # fmt: skip
-    fn = functools.partial(_backward_rows, cfg)
-    return by_batch_rows(cfg, fn, qh.shape[2], kh.shape[2], *args)
-
-
-def _backward_rows(cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
-                   dout, lse, delta):  # fmt: skip
-    sq, sk = qh.shape[2], kh.shape[2]
-    (qp, kp, vp), ids, sched = prepare(
-        cfg, qh, kh, vh, q_positions, kv_positions, q_segment_ids, kv_segment_ids
-    )
-    do = pad_heads_major(dout.astype(qh.dtype), cfg.block_q)
-    sqp = qp.shape[2]
-    lse, delta = rows_to_kernel(lse, sqp), rows_to_kernel(delta, sqp)
-    run = lambda cfg, sched: backward_padded(cfg, qp, kp, vp, ids, sched, do, lse, delta)  # noqa: E731
-    dq, dk, dv = with_fallback(cfg, ids, sched, run)
-    dq, dk, dv = dq[:, :, :sq], dk[:, :, :sk], dv[:, :, :sk]
-    return dq, dk, dv
+    `lse`, `delta` `[b, h, s]`. **Returns:** float32 heads-major `(dq, dk, dv)`."""
+    qs = query_side(cfg, qh, q_positions, q_segment_ids)
+    kvs = kv_side(cfg, kh, vh, kv_positions, kv_segment_ids, heads_major=True)
+    dq, dk, dv = backward_sides(cfg, qs, kvs, *query_rows(qs, dout, lse, delta),
+                                jnp.zeros(qs.qh.shape, jnp.float32))  # fmt: skip
+    return (dq[:, :, : qs.seq], kvs.k.result(dk, kvs.seq, heads_major=True),
+            kvs.v.result(dv, kvs.seq, heads_major=True))  # fmt: skip
 
 
 def pallas_flash_backward_heads_major(
@@ -382,7 +407,9 @@ def pallas_flash_backward(
                       max_live_blocks=max_live_blocks,
                       block_k_compute=block_k_compute)  # fmt: skip
     t = to_seq_major
-    dq, dk, dv = flash_backward_heads_major(
-        cfg, t(q), t(k), t(v), *masks, t(dout), t(lse), t(delta)
-    )
-    return t(dq), t(dk), t(dv)
+    qs = query_side(cfg, t(q), q_positions, q_segment_ids)
+    kvs = kv_side(cfg, k, v, kv_positions, kv_segment_ids, heads_major=False)
+    dq, dk, dv = backward_sides(cfg, qs, kvs, *query_rows(qs, t(dout), t(lse), t(delta)),
+                                jnp.zeros(qs.qh.shape, jnp.float32))  # fmt: skip
+    return (t(dq[:, :, : qs.seq]), kvs.k.result(dk, kvs.seq, heads_major=False),
+            kvs.v.result(dv, kvs.seq, heads_major=False))  # fmt: skip

@@ -2,20 +2,23 @@
 TPU kernels, so every strategy runs them without knowing it.
 
 The query side is transposed once into the kernels' heads-major layout (`[batch, heads,
-seq, dim]`); each K/V block is transposed as it arrives. Row statistics (`lse`, `delta`)
-are `[batch, heads, seq]`, the query-gradient accumulator is heads-major float32.
+seq, dim]`) and padded, its id tiles built once (`tile_queries`); each K/V block is read
+in place, `[batch, kv_seq, kv_heads * dim]`, when its head dims are multiples of 128 (else
+transposed as it arrives), and dK/dV come back in the same layout. The backward's row
+statistics (`lse`, `delta`) are laid out once as the kernels read them; the float32
+query-gradient accumulator is heads-major and the dQ kernel adds into it in place.
 """
 
 from typing import Any, NamedTuple
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
 from ..attention._block import AbstractBlockImpl, BlockOptions
 from ._blocks import Config, default_block_sizes, make_config
-from ._flash_pallas import flash_forward_heads_major
-from ._flash_pallas_bwd import flash_backward_heads_major
+from ._flash_pallas import QuerySide, forward_sides, kv_side, query_side
+from ._flash_pallas_bwd import backward_sides
+from ._operands import pad_axis, rows_to_kernel
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -26,20 +29,25 @@ def _swap(x):
 
 
 class _Queries(NamedTuple):
-    qh: jax.Array  # [b, h, s, d]
-    positions: jax.Array
-    segment_ids: jax.Array | None
+    """The query side, built once: heads-major padded queries with their id tiles
+    (`QuerySide`) and the kernel configuration."""
+
+    side: QuerySide
     cfg: Config
 
     @property
     def rows(self) -> tuple[int, ...]:
-        return self.qh.shape[:-1]
+        b, h, _, _ = self.side.qh.shape
+        return (b, h, self.side.seq)
 
     def split_q(self, x):
-        return _swap(x)
+        """`dout` `[b, s, h, dv]` -> padded heads-major, as the dQ kernel reads it."""
+        sqp = self.side.qh.shape[2]
+        return pad_axis(_swap(x), sqp - x.shape[1], 2, 0)
 
     def split_rows(self, x):
-        return _swap(x)
+        """`lse`, `delta` `[b, s, h]` -> the kernels' lane-dense `[b, h, 8, padded_s]`."""
+        return rows_to_kernel(_swap(x), self.side.qh.shape[2])
 
     def merge_q(self, x):
         return _swap(x)
@@ -48,10 +56,10 @@ class _Queries(NamedTuple):
         return _swap(x)
 
     def zeros_dq(self):
-        return jnp.zeros(self.qh.shape, jnp.float32)
+        return jnp.zeros(self.side.qh.shape, jnp.float32)
 
     def dq(self, acc):
-        return _swap(acc)
+        return _swap(acc[:, :, : self.side.seq])
 
 
 class PallasBlockImpl(AbstractBlockImpl):
@@ -133,32 +141,30 @@ class PallasBlockImpl(AbstractBlockImpl):
             interpret=self.interpret, max_live_blocks=self.max_live_blocks,
             block_k_compute=self.block_k_compute,
         )  # fmt: skip
-        return _Queries(_swap(q), positions, segment_ids, cfg)
+        return _Queries(query_side(cfg, _swap(q), positions, segment_ids), cfg)
 
     def attend(self, qt: _Queries, k, v, kv_positions, kv_segment_ids):
         """**Returns:** `(out, lse)` of the queries `qt` against this K/V block
-        (`[batch, kv_seq, kv_heads, dim]`), heads-major; `lse` float32, `-inf` for rows that
-        see no key of the block."""
-        return flash_forward_heads_major(
-            qt.cfg, qt.qh, _swap(k), _swap(v), qt.positions, kv_positions, qt.segment_ids,
-            kv_segment_ids,
-        )  # fmt: skip
+        (`[batch, kv_seq, kv_heads, dim]`, read in place when the head dims are multiples
+        of 128), heads-major; `lse` float32, `-inf` for rows that see no key of the
+        block."""
+        kvs = kv_side(qt.cfg, k, v, kv_positions, kv_segment_ids, heads_major=False)
+        return forward_sides(qt.cfg, qt.side, kvs)
 
     def attend_heads_major(self, qt: _Queries, k, v, kv_positions, kv_segment_ids):
         """`attend` with K/V already in the kernels' heads-major layout (`[batch, kv_heads,
         kv_seq, dim]`, the KV cache's): no transpose."""
-        return flash_forward_heads_major(
-            qt.cfg, qt.qh, k, v, qt.positions, kv_positions, qt.segment_ids, kv_segment_ids
-        )
+        kvs = kv_side(qt.cfg, k, v, kv_positions, kv_segment_ids, heads_major=True)
+        return forward_sides(qt.cfg, qt.side, kvs)
 
     def attend_backward(
         self, qt: _Queries, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq
     ):
         """**Returns:** `(dq, dk, dv)`: the query-gradient accumulator `dq` plus this
-        block's part, and this block's float32 dK, dV (`[batch, kv_seq, kv_heads, dim]`),
-        given the row's global `lse` and `delta = rowsum(dout * out) - dlse`."""
-        dq_j, dk, dv = flash_backward_heads_major(
-            qt.cfg, qt.qh, _swap(k), _swap(v), qt.positions, kv_positions, qt.segment_ids,
-            kv_segment_ids, dout, lse, delta,
-        )  # fmt: skip
-        return dq + dq_j, _swap(dk), _swap(dv)
+        block's part (the dQ kernel adds into the accumulator's buffer), and this block's
+        float32 dK, dV (`[batch, kv_seq, kv_heads, dim]`), given the row's global `lse` and
+        `delta = rowsum(dout * out) - dlse` (as `qt.split_rows` lays them out)."""
+        kvs = kv_side(qt.cfg, k, v, kv_positions, kv_segment_ids, heads_major=False)
+        dq, dk, dv = backward_sides(qt.cfg, qt.side, kvs, dout, lse, delta, dq)
+        return (dq, kvs.k.result(dk, kvs.seq, heads_major=False),
+                kvs.v.result(dv, kvs.seq, heads_major=False))  # fmt: skip

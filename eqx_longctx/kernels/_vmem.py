@@ -125,8 +125,9 @@ def vmem_estimate(
         scratch = 2 * bq * _LANES * 4 + bq * dv * 4
         tiles, out_rows = 2, [bq * dv * 4, bq * dv * 4]  # p @ v, alpha broadcast
     elif kernel == "dq":
+        # ..., dq in (aliased to dq out), dq out
         blocks = [bq * d * it, bk * d * it, bk * dv * it, bq * dv * it, q_row, q_row, q_col,
-                  k_row, bq * d * 4]  # fmt: skip
+                  k_row, bq * d * 4, bq * d * 4]  # fmt: skip
         ids = [q_col, k_row]
         scratch, tiles, out_rows = 0, 4, [bq * d * 4]
     elif kernel == "dkv":

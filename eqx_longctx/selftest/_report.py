@@ -6,6 +6,7 @@ the first line of the message, so one broken case never hides the others.
 """
 
 import dataclasses
+import importlib.metadata
 import platform
 import time
 import traceback
@@ -33,7 +34,8 @@ class Row:
       `check`: what it was held against (`"f32 ref"`, `"xla"`, ...).
     - `errors`: name -> measured error (e.g. `{"out": 1e-7, "dq": 3e-7}`), or free text.
     - `tol`: the bound every error must stay within (`None`: none applies).
-    - `status`: `PASS`, `FAIL`, or an error label (see `error_label`).
+    - `status`: `PASS`, `FAIL`, or an error label (`VMEM-OOM`, `MOSAIC`, `OTHER`; see
+      `error_label`).
     - `seconds`: wall time of the check; `note`: why it did not pass, or a remark.
     """
 
@@ -77,11 +79,20 @@ def rel_err(actual, expected) -> float:
     return float(np.max(np.abs(a[fin] - e[fin])) / (np.max(np.abs(e[fin])) + 1e-30))
 
 
+ERROR_LABELS = ("VMEM-OOM", "MOSAIC", "OTHER")
+
+
 def error_label(error: BaseException) -> str:
-    """The status of a check that raised (one label today; a TPU run may tell VMEM
-    exhaustion and Mosaic lowering errors apart here)."""
-    del error
-    return "ERROR"
+    """The status of a check that raised, from its message: `VMEM-OOM` when a kernel ran
+    out of VMEM (XLA's "Ran out of memory in memory space vmem", a scoped-VMEM limit),
+    `MOSAIC` for any other Mosaic or Pallas lowering or compile error, `OTHER` otherwise."""
+    text = f"{type(error).__name__}: {error}"
+    low = text.lower()
+    if "vmem" in low and any(w in low for w in ("out of memory", "resource_exhausted", "exceed")):
+        return "VMEM-OOM"
+    if any(w in low for w in ("mosaic", "tpu_custom_call", "pallas")):
+        return "MOSAIC"
+    return "OTHER"
 
 
 class CheckFailed(Exception):
@@ -135,16 +146,32 @@ def environment() -> list[tuple[str, str]]:
     """`(name, value)` lines that say where the selftest ran."""
     import jaxlib.version
 
+    from ..kernels import _blocks, _vmem
+
     devices = jax.devices()
+    bq, bk = _blocks.default_block_sizes()
     return [
         ("python", platform.python_version()),
         ("jax", jax.__version__),
         ("jaxlib", jaxlib.version.__version__),
+        ("libtpu", _version("libtpu") or _version("libtpu-nightly") or "not installed"),
         ("backend", jax.default_backend()),
         ("device kind", devices[0].device_kind),
         ("devices", f"{len(devices)} ({jax.local_device_count()} local, "
                     f"{jax.process_count()} processes)"),
+        ("kernel VMEM", f"{_vmem.vmem_capacity() // 2**20} MiB per core, kernels ask for "
+                        f"{_vmem.vmem_budget() // 2**20} MiB"),
+        ("kernel SMEM", f"{_blocks.SMEM_BYTES // 2**10} KiB per core, schedules within "
+                        f"{_blocks.SMEM_BYTES // 2**11} KiB"),
+        ("kernel blocks", f"{bq} x {bk} (default_block_sizes)"),
     ]  # fmt: skip
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def format_errors(errors: dict[str, float] | str) -> str:

@@ -15,7 +15,7 @@ from helpers import CHILD_XLA_FLAGS
 from eqx_longctx import selftest
 from eqx_longctx.attention._block import AbstractBlockImpl
 from eqx_longctx.attention._impls import make_impl
-from eqx_longctx.selftest import _attention, _report
+from eqx_longctx.selftest import _attention, _kernels, _report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^(?P<case>\S.*?)\s{2,}.*\s(?P<result>PASS|FAIL|VMEM-OOM|MOSAIC|OTHER)\b", re.M)
@@ -40,9 +40,14 @@ def test_selftest_passes_on_cpu():
     )
     rows = ROW.findall(out)
     cases = [case for case, _ in rows]
-    for name in ("causal f32", "window f32", "packed f32", "gqa bf16", "ring of 8", "train"):
+    for name in ("causal f32", "window f32", "packed f32", "gqa bf16", "ring of 8", "train",
+                 "m-mla bf16 b2 s256 h2/2 d192/128", "m-mqa f32 b1 s256 h4/1 d256",
+                 "no visible key", "rerun"):  # fmt: skip
         assert any(c.startswith(name) for c in cases), (name, out)
-    assert len(rows) == 4 * 3 + 1 + 1 and all(r == "PASS" for _, r in rows), out
+    n_cases = len(_attention.CASES) + len(_attention.MATRIX)
+    assert len(rows) == n_cases * 3 + 2 + 1 + 1 and all(r == "PASS" for _, r in rows), out
+    for line in (r"kernel VMEM\s+16 MiB per core", r"kernel blocks\s+512 x 512", r"libtpu\s+\S"):
+        assert re.search(line, out), out
     assert "pallas 128x128 tpu-interpret  xla" in out  # the kernels held against XLA
     assert re.search(r"all passed$", out.strip())
 
@@ -98,6 +103,23 @@ def test_errors_measure_nan_and_misplaced_infinities():
     assert _report.rel_err(np.where(np.isinf(ref), 0.0, ref), ref) == float("inf")
     row = _report.run_check("c", "i", "ref", 1e-4, lambda: {"out": float("nan")})
     assert row.status == "FAIL" and not row.ok
+
+
+class _Shifted(_OffByOnePercent):
+    def attend(self, qt, k, v, kv_positions, kv_segment_ids):
+        out, lse = self.inner.attend(qt, k, v, kv_positions, kv_segment_ids)
+        return out + 1e-3, lse
+
+
+def test_kernel_property_rows_catch_a_wrong_implementation():
+    """Rows that see no key must give exact zeros: an output shifted by 1e-3 fails; the XLA
+    path passes, and its reruns are bitwise equal."""
+    xla = make_impl("xla", platform="cpu")
+    sizes = _attention.sizes_for("cpu")
+    assert _kernels.empty_rows_row({"xla": xla}, sizes).status == "PASS"
+    row = _kernels.empty_rows_row({"shifted": _Shifted(xla)}, sizes)
+    assert row.status == "FAIL" and "out" in row.note, row
+    assert _kernels.bitwise_row({"xla": xla}, sizes).status == "PASS"
 
 
 def test_errors_are_labelled_by_what_failed():

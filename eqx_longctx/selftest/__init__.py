@@ -10,6 +10,14 @@ status 1 if any check fails or raises (0 when all pass):
   XLA path, each against the float32 oracle, and the one under test against XLA: `out`,
   `lse` and the gradients `dq`, `dk`, `dv`, relative errors within 1e-4 (float32) or
   2e-2 (bfloat16);
+- **the kernels' matrix** (`MATRIX`: float32 and bfloat16, with and without segment ids,
+  head dims 64, 128, 256 and MLA's 192/128, MHA, GQA and MQA, batch 1 and 2), each held
+  against the oracle and XLA as above, at the generation's default blocks on a TPU and in
+  interpret mode at small sizes on a CPU; a check that raises is labelled `VMEM-OOM`,
+  `MOSAIC` or `OTHER` with the first line of its message;
+- **kernel properties**: rows that see no key give `out = 0`, `lse = -inf` and zero
+  gradients exactly; two runs are bitwise equal; on a TPU one timing row, causal bfloat16
+  at 8K tokens, forward + backward TFLOP/s of ours and of JAX's splash attention;
 - **ring attention** over every local device (a ring of one on one device), forward and
   backward against the oracle;
 - **three train steps** of the tiny Llama through the trainer of `python -m
@@ -34,7 +42,7 @@ PROG = "python -m eqx_longctx.selftest"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ._attention import CASES
+    from ._attention import CASES, MATRIX
 
     p = argparse.ArgumentParser(
         prog=PROG, description="Check this installation on the backend that is present."
@@ -43,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="skip the train steps")
     p.add_argument("--no-ring", action="store_true", help="skip the ring attention check")
     p.add_argument(
-        "--case", action="append", choices=[c.name for c in CASES],
+        "--case", action="append", choices=[c.name for c in (*CASES, *MATRIX)],
         help="run only these attention cases (default: all)",
     )  # fmt: skip
     p.add_argument("--verbose", action="store_true", help="print tracebacks of errors")
@@ -83,10 +91,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in lines), flush=True)
     sizes = _attention.sizes_for(platform)
     rows: list[Row] = []
-    for case in _attention.CASES:
+    for case in (*_attention.CASES, *_attention.MATRIX):
         if args.case is None or case.name in args.case:
             _progress(case.name)
             rows += _attention.case_rows(case, sizes, impls)
+    if args.case is None:
+        from . import _kernels
+
+        _progress("kernel properties")
+        rows += [_kernels.empty_rows_row(impls, sizes), _kernels.bitwise_row(impls, sizes)]
+        if platform == "tpu":
+            _progress("timing against splash attention")
+            rows.append(_kernels.splash_timing_row(impls))
     if not args.no_ring:
         _progress("ring")
         rows += _attention.ring_rows(impls, sizes)

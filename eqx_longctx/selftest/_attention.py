@@ -50,11 +50,23 @@ class Case:
     window: float | None = None  # fraction of the sequence
     packed: bool = False
     dtype: Any = jnp.float32
+    batch: int | None = None  # None: the backend's `Sizes`
+    head_dim: int | None = None
+    v_head_dim: int | None = None  # None: head_dim
+
+    def sized(self, sizes: Sizes) -> Sizes:
+        """The backend's sizes with this case's batch and head dim."""
+        return Sizes(self.batch or sizes.batch, sizes.seq, self.head_dim or sizes.head_dim)
+
+    def v_dim(self, sizes: Sizes) -> int:
+        return self.v_head_dim or self.sized(sizes).head_dim
 
     def label(self, sizes: Sizes) -> str:
         dtype = "bf16" if jnp.dtype(self.dtype) == jnp.bfloat16 else "f32"
-        return (f"{self.name} {dtype} b{sizes.batch} s{sizes.seq} "
-                f"h{self.q_heads}/{self.kv_heads} d{sizes.head_dim}")  # fmt: skip
+        own = self.sized(sizes)
+        dims = f"d{own.head_dim}" + (f"/{self.v_dim(sizes)}" if self.v_head_dim else "")
+        return (f"{self.name} {dtype} b{own.batch} s{own.seq} "
+                f"h{self.q_heads}/{self.kv_heads} {dims}")  # fmt: skip
 
     def window_of(self, sizes: Sizes) -> int | None:
         return None if self.window is None else int(self.window * sizes.seq)
@@ -65,6 +77,19 @@ CASES = (
     Case("window", window=0.4),
     Case("packed", packed=True),
     Case("gqa", q_heads=4, kv_heads=1, packed=True, dtype=jnp.bfloat16),
+)
+BF16, F32 = jnp.bfloat16, jnp.float32
+# The kernels' lowering matrix, run: every dtype, with and without segment ids, head dims 64,
+# 128, 256 and MLA's 192/128, MHA, GQA and MQA, batch 1 and 2 (each value in several cases).
+MATRIX = (
+    Case("m-mha", q_heads=2, kv_heads=2, head_dim=64, batch=2),
+    Case("m-gqa", q_heads=4, kv_heads=2, head_dim=128, packed=True, dtype=BF16, batch=2),
+    Case("m-mqa", q_heads=4, kv_heads=1, head_dim=256, packed=True, batch=1),
+    Case("m-mla", q_heads=2, kv_heads=2, head_dim=192, v_head_dim=128, dtype=BF16, batch=2),
+    Case("m-mqa-bf16", q_heads=2, kv_heads=1, head_dim=64, packed=True, dtype=BF16, batch=1),
+    Case("m-mla-gqa", q_heads=4, kv_heads=2, head_dim=192, v_head_dim=128, packed=True),
+    Case("m-mha-bf16", q_heads=2, kv_heads=2, head_dim=256, dtype=BF16, batch=1),
+    Case("m-gqa-f32", q_heads=4, kv_heads=2, head_dim=128, batch=2),
 )
 
 
@@ -100,14 +125,16 @@ def _packed_ids(batch: int, seq: int):
 def make_inputs(case: Case, sizes: Sizes, seed: int = 0):
     """`(q, k, v, segment_ids, w_out, w_lse)`: inputs in the case's dtype and float32 loss
     weights for `out` and `lse`."""
-    b, s, d = sizes.batch, sizes.seq, sizes.head_dim
+    own = case.sized(sizes)
+    b, s, d, dv = own.batch, own.seq, own.head_dim, case.v_dim(sizes)
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
     normal = lambda key, *shape: jax.random.normal(key, shape, jnp.float32)  # noqa: E731
     q = normal(keys[0], b, s, case.q_heads, d).astype(case.dtype)
     k = normal(keys[1], b, s, case.kv_heads, d).astype(case.dtype)
-    v = normal(keys[2], b, s, case.kv_heads, d).astype(case.dtype)
+    v = normal(keys[2], b, s, case.kv_heads, dv).astype(case.dtype)
     seg = _packed_ids(b, s) if case.packed else None
-    return q, k, v, seg, normal(keys[3], b, s, case.q_heads, d), normal(keys[4], b, s, case.q_heads)
+    w_out = normal(keys[3], b, s, case.q_heads, dv)
+    return q, k, v, seg, w_out, normal(keys[4], b, s, case.q_heads)
 
 
 def oracle_lse(q, k, segment_ids, *, causal: bool, window: int | None):

@@ -122,6 +122,15 @@ def test_kernel_property_rows_catch_a_wrong_implementation():
     assert _kernels.bitwise_row({"xla": xla}, sizes).status == "PASS"
 
 
+def test_splash_timing_row_runs_in_interpret_mode():
+    """The TPU timing row's code, at a small size with splash interpreted: a PASS row with
+    both TFLOP/s figures."""
+    xla = make_impl("xla", platform="cpu")
+    row = _kernels.splash_timing_row({"xla": xla}, seq=256, heads=2, dim=128, interpret=True)
+    assert row.status == "PASS", row
+    assert re.fullmatch(r"fwd\+bwd \S+ TFLOP/s, splash \S+ \(\S+x\)", str(row.errors)), row
+
+
 def test_errors_are_labelled_by_what_failed():
     oom = "RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem while allocating on stack"
     assert _report.error_label(RuntimeError(oom)) == "VMEM-OOM"

@@ -95,17 +95,20 @@ def _best_seconds(fn, *args, repeats: int = 5) -> float:
     return best
 
 
-def splash_timing_row(impls: dict[str, Any], seq: int = 8192, heads: int = 8, dim: int = 128):
-    """TPU only: forward + backward of causal bfloat16 attention at `seq` tokens, one batch
+def splash_timing_row(
+    impls: dict[str, Any], seq: int = 8192, heads: int = 8, dim: int = 128,
+    interpret: bool = False,
+) -> Row:  # fmt: skip
+    """On a TPU: forward + backward of causal bfloat16 attention at `seq` tokens, one batch
     row, ours (the implementation under test) and JAX's splash attention at the same
     blocks, in TFLOP/s of the useful (causal) work. Informational: it passes unless one
-    side raises."""
+    side raises. `interpret` runs splash in Pallas' interpreter (a smoke test off TPU)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     name, impl = next(iter(impls.items()))
     keys = jax.random.split(jax.random.PRNGKey(4), 3)
     q, k, v = (jax.random.normal(key, (1, seq, heads, dim), jnp.bfloat16) for key in keys)
-    bq, bk = getattr(impl, "block_q", 512), getattr(impl, "block_k", 512)
+    bq, bk = (min(getattr(impl, name, 512), seq) for name in ("block_q", "block_k"))
 
     @jax.jit
     def ours(q, k, v):
@@ -119,7 +122,7 @@ def splash_timing_row(impls: dict[str, Any], seq: int = 8192, heads: int = 8, di
         block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
         block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk,
     )  # fmt: skip
-    kernel = splash.make_splash_mha_single_device(mask, block_sizes=blocks)
+    kernel = splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret)
 
     @jax.jit
     def theirs(q, k, v):

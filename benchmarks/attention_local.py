@@ -14,28 +14,18 @@ where its predicted peak fits `--max-xla-gib`; at 64K it would need ~128 GiB of 
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 
 from eqx_longctx import attention
-
-
-def _timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # warm-up (compiled already)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+from eqx_longctx._timing import best_seconds
 
 
 def _matmul_flops_per_s(n: int = 4096, repeats: int = 3) -> float:
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
     f = jax.jit(lambda a: a @ a)
-    return 2 * n**3 / _timed(f, a, repeats=repeats)
+    return 2 * n**3 / best_seconds(f, a, repeats=repeats)
 
 
 def _compile(fn, *shapes):
@@ -109,11 +99,23 @@ def main(argv=None) -> None:
         peaks = [_peak_gib(c) for c in (c_of, c_xf, c_ob, c_xb)]
         causal_flops = 4 * args.heads * args.head_dim * s * (s + 1) / 2
 
-        t_of = _timed(c_of, q, k, v, repeats=args.repeats if s <= 16384 else 1)
-        t_xf = _timed(c_xf, q, k, v, repeats=args.repeats) if peaks[1] <= args.max_xla_gib else None
+        t_of = best_seconds(c_of, q, k, v, repeats=args.repeats if s <= 16384 else 1)
+        t_xf = (
+            best_seconds(c_xf, q, k, v, repeats=args.repeats)
+            if peaks[1] <= args.max_xla_gib
+            else None
+        )
         run_bwd = 3.5 * t_of <= args.max_ours_seconds
-        t_ob = _timed(c_ob, q, k, v, repeats=args.repeats if s <= 16384 else 1) if run_bwd else None
-        t_xb = _timed(c_xb, q, k, v, repeats=args.repeats) if peaks[3] <= args.max_xla_gib else None
+        t_ob = (
+            best_seconds(c_ob, q, k, v, repeats=args.repeats if s <= 16384 else 1)
+            if run_bwd
+            else None
+        )
+        t_xb = (
+            best_seconds(c_xb, q, k, v, repeats=args.repeats)
+            if peaks[3] <= args.max_xla_gib
+            else None
+        )
 
         def t(x):
             return f"{x * 1e3:8.1f}ms" if x is not None else f"{'(skip)':>10}"

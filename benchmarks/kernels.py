@@ -32,24 +32,14 @@ A v5p-8 VM has 4 chips; the script uses `jax.devices()[0]` only.
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from eqx_longctx import flash_attention
+from eqx_longctx._timing import best_seconds
 from eqx_longctx.kernels import PallasBlockImpl, default_block_sizes, pallas_flash_forward
-
-
-def _timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _inputs(seq: int, heads: int, head_dim: int, dtype):
@@ -178,12 +168,12 @@ def benchmark(args) -> list[dict]:
         for which, factor in ((0, 1.0), (1, 3.5)):
             shape = (seq, args.heads, args.head_dim, bq, bk, False, args.window)
             ours, ref = _ours(*shape)[which], _splash(*shape)[which]
-            t_ours = _timed(ours, *inputs, repeats=args.repeats)
-            t_ref = _timed(ref, *inputs, repeats=args.repeats)
+            t_ours = best_seconds(ours, *inputs, repeats=args.repeats)
+            t_ref = best_seconds(ref, *inputs, repeats=args.repeats)
             row += [factor * flops / t_ours / 1e12, factor * flops / t_ref / 1e12, t_ref / t_ours]
             tk = _tokamax(*shape)
             if tk is not None:
-                t_tk = _timed(tk[which], *inputs, repeats=args.repeats)
+                t_tk = best_seconds(tk[which], *inputs, repeats=args.repeats)
                 extra.append(f"tokamax {'fwd' if which == 0 else 'f+b'} "
                              f"{factor * flops / t_tk / 1e12:.1f} TFLOP/s")  # fmt: skip
         print(f"{seq:>8} | {row[0]:>16.1f} {row[1]:>7.1f} {row[2]:>6.2f} | "

@@ -19,7 +19,7 @@ from eqx_longctx.kernels import PallasBlockImpl
 B, S, HQ, HK = 1, 2048, 8, 2
 
 
-def _program(d, n=4):
+def _program(d, n=4, kv_heads=HK):
     mesh = jax.make_mesh((n,), ("context",), devices=jax.devices()[:n])
     spec = ShardingSpec(mesh=mesh, strategy="ring", load_balance="zigzag")
 
@@ -31,7 +31,7 @@ def _program(d, n=4):
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     q = jax.ShapeDtypeStruct((B, S, HQ, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((B, S, HK, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, kv_heads, d), jnp.bfloat16)
     export = lambda f: jax.export.export(jax.jit(f), platforms=("tpu",))(q, kv, kv)  # noqa: E731
     return export(fwd).mlir_module(), export(grads).mlir_module()
 
@@ -62,24 +62,27 @@ def test_ring_moves_no_kv_through_a_transpose(n):
     assert len(calls) == 8 and len(aliased) == 3  # fwd x2; dq, dk/dv x3 (own, scan, last)
 
 
-def test_narrow_heads_still_transpose_kv():
-    """Head dim 64 cannot be a 128-lane column block: K/V go heads-major per hop."""
+def test_narrow_heads_still_transpose_kv_unless_one():
+    """Head dim 64 cannot be a 128-lane column block: K/V go heads-major per hop, except
+    with one K/V head (MQA), whose 64 lanes are the whole minor dim."""
     need_devices(4)
-    fwd, _ = _program(64)
-    kv_like = re.compile(rf"tensor<1x{S // 4}x{HK}x64")
-    assert [t for t in _transposed(fwd) if kv_like.search(t)]
+    for kv_heads, transposed in ((HK, True), (1, False)):
+        fwd, _ = _program(64, kv_heads=kv_heads)
+        kv_like = re.compile(rf"tensor<1x{S // 4}x{kv_heads}x64")
+        assert bool([t for t in _transposed(fwd) if kv_like.search(t)]) == transposed
 
 
-@pytest.mark.parametrize("d", [128, 64])
-def test_ring_with_pallas_matches_the_oracle(d):
-    """What runs here (interpret mode), flat and heads-major K/V: out and gradients."""
+@pytest.mark.parametrize("d, kv_heads", [(128, 2), (64, 1)])
+def test_ring_with_pallas_matches_the_oracle(d, kv_heads):
+    """What runs here (interpret mode), flat K/V (128-wide heads, one 64-wide head): out and
+    gradients. (Heads-major K/V under a ring: `tests/test_impls.py`.)"""
     need_devices(4)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("context",))  # Auto axes
     spec = ShardingSpec(mesh=mesh, strategy="ring", load_balance="zigzag")
     ks = jax.random.split(jax.random.PRNGKey(d), 4)
-    s = 1024
+    s = 512  # 128 tokens a device
     q = jax.random.normal(ks[0], (1, s, 4, d))
-    k, v = (jax.random.normal(kk, (1, s, 2, d)) for kk in ks[1:3])
+    k, v = (jax.random.normal(kk, (1, s, kv_heads, d)) for kk in ks[1:3])
     w = jax.random.normal(ks[3], (1, s, 4, d))
     impl = PallasBlockImpl(128, 128, True)
 

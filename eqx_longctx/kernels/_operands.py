@@ -9,7 +9,8 @@ layout the kernels read without a transpose.
 - **K/V layout** (`KvOperand`): heads-major `[b, heads, s, dim]`, a `(block, dim)` block
   per head (any dim; the KV cache's layout), or flat: the model's own `[b, s, heads, dim]`
   viewed as `[b, s, heads * dim]` (a reshape, no copy), head `h`'s `(block, dim)` block at
-  column block `h`, which Mosaic can tile only when `dim` is a multiple of 128. A ring
+  column block `h`, which Mosaic can tile only when `dim` is a multiple of 128 (or the
+  only head's, MQA). A ring
   hop's K/V and its float32 dK/dV then need no transpose.
 """
 
@@ -73,9 +74,10 @@ def pad_side(positions, segment_ids, *, block: int, use_segments: bool, pad_segm
     return Side(pos, seg, lanes(pos), sublanes(pos), lanes(seg), sublanes(seg))
 
 
-def flat_ok(dim: int) -> bool:
-    """Whether a `dim`-wide head can be read as a column block of `[b, s, heads * dim]`."""
-    return dim % NUM_LANES == 0
+def flat_ok(dim: int, heads: int) -> bool:
+    """Whether a `dim`-wide head can be read as a column block of `[b, s, heads * dim]`:
+    TPU blocks span a multiple of 128 lanes or the whole minor dim (one head, MQA)."""
+    return dim % NUM_LANES == 0 or heads == 1
 
 
 class KvOperand(NamedTuple):
@@ -130,7 +132,7 @@ def kv_operand(x, block: int, *, heads_major: bool) -> KvOperand:
         return KvOperand(pad_axis(x, -s % block, 2, 0), False, h, d)
     b, s, h, d = x.shape
     x = pad_axis(x, -s % block, 1, 0)
-    if flat_ok(d):
+    if flat_ok(d, h):
         return KvOperand(x.reshape(b, x.shape[1], h * d), True, h, d)
     return KvOperand(jnp.swapaxes(x, 1, 2), False, h, d)
 

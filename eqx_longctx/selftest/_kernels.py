@@ -5,13 +5,13 @@ The matrix cases themselves (`_attention.MATRIX`) go through `case_rows` like th
 cases: against the float32 oracle and against the XLA path.
 """
 
-import time
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._timing import best_seconds
 from ..attention import flash_attention
 from ._attention import GRADS, Case, Sizes, make_inputs, outputs_and_grads
 from ._report import CheckFailed, Row, run_check
@@ -85,16 +85,6 @@ def bitwise_row(impls: dict[str, Any], sizes: Sizes) -> Row:
     return run_check(case.label(sizes), name, "rerun", None, check)
 
 
-def _best_seconds(fn, *args, repeats: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def splash_timing_row(
     impls: dict[str, Any], seq: int = 8192, heads: int = 8, dim: int = 128,
     interpret: bool = False,
@@ -137,7 +127,7 @@ def splash_timing_row(
     flops = 7 * 2 * heads * dim * seq * seq / 2
 
     def check():
-        mine, splash_s = _best_seconds(ours, q, k, v), _best_seconds(theirs, q, k, v)
+        mine, splash_s = best_seconds(ours, q, k, v), best_seconds(theirs, q, k, v)
         a, b = flops / mine / 1e12, flops / splash_s / 1e12
         return f"fwd+bwd {a:.1f} TFLOP/s, splash {b:.1f} ({a / b:.2f}x)", ""
 

@@ -94,17 +94,11 @@ def _tile_lanes(x, width: int):
 
 
 def sub_blocks(n: int, size: int, body) -> None:
-    """`body(start)` for the `n` key sub-blocks of `size` rows of a grid step's key block
-    (`start` static when there is one, else a loop over aligned run-time offsets)."""
-    if n == 1:
-        body(0)
-        return
-
-    def step(c, carry):
-        body(pl.multiple_of(c * size, size))
-        return carry
-
-    lax.fori_loop(0, n, step, 0)
+    """`body(start)` for the `n` key sub-blocks of `size` rows of a grid step's key block,
+    unrolled, so every slice has a static, aligned offset (as splash attention unrolls its
+    `block_kv_compute` loop): no dynamic lane offsets for Mosaic to lower."""
+    for c in range(n):
+        body(c * size)
 
 
 def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, *rest,

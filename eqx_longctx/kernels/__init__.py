@@ -10,6 +10,8 @@ per-token positions, segment ids and a sliding window; the XLA twin is `XlaBlock
 - `pallas_flash_forward`, `pallas_flash_backward`: the two halves, for strategies that
   schedule them (ring attention passes the global `lse`, `delta` to each hop's backward).
 - `*_heads_major`: the same on `[batch, heads, seq, dim]` arrays, the kernels' own layout.
+- `vmem_capacity`, `vmem_budget`, `vmem_estimate`: the VMEM each TPU generation has, what
+  each kernel asks Mosaic for, and what a kernel needs per grid step at given blocks.
 """
 
 from ._blocks import DEFAULT_BLOCK_SIZES as DEFAULT_BLOCK_SIZES
@@ -24,3 +26,8 @@ from ._flash_pallas_bwd import (
     pallas_flash_backward_heads_major as pallas_flash_backward_heads_major,
 )
 from ._impl import PallasBlockImpl as PallasBlockImpl
+from ._vmem import VMEM_CAPACITY as VMEM_CAPACITY
+from ._vmem import VmemEstimate as VmemEstimate
+from ._vmem import vmem_budget as vmem_budget
+from ._vmem import vmem_capacity as vmem_capacity
+from ._vmem import vmem_estimate as vmem_estimate

@@ -114,6 +114,8 @@ def vmem_estimate(
     - `masked`: whether some pair may need the per-token mask (causal, window, segments).
 
     **Returns:** a `VmemEstimate`.
+
+    **Raises:** `ValueError` for a `kernel` other than the three.
     """
     bq, bk, bc, it = block_q, block_k, block_k_compute, itemsize
     d, dv = _lanes(head_dim), _lanes(v_head_dim)  # VMEM tiles pad the minor dim to 128

@@ -50,15 +50,17 @@ def test_batch_rows_split_over_calls_when_the_schedule_overflows_smem(monkeypatc
     pass and gives the same output, logsumexp and gradients as one call (and the oracle)."""
     q, k, v = _case(5)
 
-    def run(q, k, v):
-        out, lse = flash_attention(q, k, v, causal=True, impl="pallas", block_q=128, block_k=128)
-        return out, lse
+    def results():  # new functions each time, so jit traces (and counts kernel calls) again
+        def run(q, k, v):
+            return flash_attention(q, k, v, causal=True, impl="pallas", block_q=128, block_k=128)
 
-    def loss(q, k, v):
-        out, lse = run(q, k, v)
-        return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+        def loss(q, k, v):
+            out, lse = run(q, k, v)
+            return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    whole = (run(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v))
+        return jax.jit(run)(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+
+    whole = results()
     calls = []
     original = _blocks.call_kernel
 
@@ -69,7 +71,7 @@ def test_batch_rows_split_over_calls_when_the_schedule_overflows_smem(monkeypatc
     monkeypatch.setattr(_blocks, "_SMEM_BUDGET", 2 * 2 * 4 * 2 * 2)
     for module in ("_flash_pallas", "_flash_pallas_bwd"):
         monkeypatch.setattr(f"eqx_longctx.kernels.{module}.call_kernel", counting)
-    split = (run(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v))
+    split = results()
     assert len(calls) == 3 + 3 * (1 + 2)  # forward; then forward again, dQ and dK/dV
     for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -176,7 +176,7 @@ def test_key_sub_blocks_match_the_oracle(sub, dv, monkeypatch):
             out = run(q, k, v)
             return jnp.sum(out * jnp.cos(out)), out
 
-        return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
     ours = lambda q, k, v: flash_attention(  # noqa: E731
         q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, impl=impl

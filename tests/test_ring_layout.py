@@ -91,7 +91,7 @@ def test_ring_with_pallas_matches_the_oracle(d, kv_heads):
             out = run(*a)
             return jnp.sum(out * w), out
 
-        return jax.grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)[::-1]
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)[::-1]
 
     def ring(q, k, v):  # natural token order in and out, the spec's zig-zag inside
         lay = lambda x: to_layout(x, spec)  # noqa: E731

@@ -137,11 +137,6 @@ def kv_operand(x, block: int, *, heads_major: bool) -> KvOperand:
     return KvOperand(jnp.swapaxes(x, 1, 2), False, h, d)
 
 
-def pad_heads_major(x, block: int):
-    """`[b, h, s, d]` zero-padded along `s` to a multiple of `block`."""
-    return pad_axis(x, -x.shape[2] % block, 2, 0)
-
-
 def rows_to_kernel(x, sq_padded: int):
     """Heads-major row statistics `[b, h, s]` -> the kernels' lane-dense
     `[b, h, 8, padded_s]` float32 (zero padding: padded rows see no key)."""

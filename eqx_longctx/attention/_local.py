@@ -12,6 +12,8 @@ References: Dao et al. 2022, "FlashAttention" (arXiv:2205.14135); Dao 2023,
 "FlashAttention-2" (arXiv:2307.08691).
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -217,12 +219,18 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     nk = kb_t.shape[0]
     batch, rows = b * hk, g * bq
     scale = jnp.float32(config.scale)
+    # Float32 queries are scaled once per query block, not every block of scores: XLA:CPU
+    # otherwise writes the scaled scores out again (one more pass over each block). Lower
+    # precision keeps the scale on the float32 scores.
+    prescaled = qb.dtype == jnp.float32
 
     def step(kind, j, carry, qi, qpi, qsi):
         """One online-softmax step of a query block over key block `j`."""
         m, row_sum, acc = carry
         kj, vj = kb_t[j].reshape(batch, d, bk), vb[j].reshape(batch, bk, dv)
-        s = jnp.einsum("BSd,BdT->BST", qi, kj, preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("BSd,BdT->BST", qi, kj, preferred_element_type=jnp.float32)
+        if not prescaled:
+            s = s * scale
         mask = None
         if kind != _FULL:
             mask = _block_mask(config, qpi, kv_pos[j], qsi, None if qsi is None else kv_seg[j])
@@ -245,6 +253,8 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     def one_q_block(args):
         qi, qpi, qsi = args
         qi = qi.reshape(batch, rows, d)
+        if prescaled:
+            qi = qi * scale
         qsi = qsi if config.use_segments else None
         kinds = _pair_kinds(config, qpi, kv_pos, qsi, kv_seg, v_finite)
         carry = (
@@ -343,8 +353,10 @@ def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, 
             dk, dv, dq_t = carry
             qsi = None if q_seg is None else q_seg[i]
 
-            def compute(dk, dv):
-                mask = _block_mask_keys_major(config, q_pos[i], kpj, qsi, ksj)
+            def compute(masked, dk, dv):
+                mask = None
+                if masked:
+                    mask = _block_mask_keys_major(config, q_pos[i], kpj, qsi, ksj)
                 s_t = jnp.einsum("bktd,bkgsd->bktgs", kj, qb[i], preferred_element_type=jnp.float32)
                 p_t = jnp.exp(s_t * config.scale - lse_safe[i][:, :, None])
                 if mask is not None:
@@ -372,10 +384,14 @@ def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, 
             def skip(dk, dv):
                 return dk, dv, jnp.zeros(dq_t.shape[1:], jnp.float32)
 
-            # dq stays out of the cond: a conditional copies its operands, and dq is the
-            # whole query gradient.
+            # dq stays out of the switch: a conditional copies its operands, and dq is the
+            # whole query gradient. A block every query sees whole runs without a mask (one
+            # pass less over its probabilities).
             empty = _block_is_empty(config, q_pos[i], kpj, qsi, ksj)
-            dk, dv, dq_i = lax.cond(empty, skip, compute, dk, dv)
+            full = _block_is_full(config, q_pos[i], kpj, qsi, ksj)
+            kind = jnp.where(empty, 0, jnp.where(full, 1, 2))
+            branches = (skip, functools.partial(compute, False), functools.partial(compute, True))
+            dk, dv, dq_i = lax.switch(kind, branches, dk, dv)
             return dk, dv, dq_t.at[i].add(dq_i)
 
         init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32), dq_t)

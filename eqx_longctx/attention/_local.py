@@ -219,18 +219,22 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     nk = kb_t.shape[0]
     batch, rows = b * hk, g * bq
     scale = jnp.float32(config.scale)
-    # Float32 queries are scaled once per query block, not every block of scores: XLA:CPU
-    # otherwise writes the scaled scores out again (one more pass over each block). Lower
-    # precision keeps the scale on the float32 scores.
-    prescaled = qb.dtype == jnp.float32
+    # Unmasked blocks of float32 queries take queries scaled once per query block, not the
+    # scale on every block of scores: XLA:CPU writes scaled scores out again (one more pass
+    # over each block). Masked blocks fold the scale into the mask's pass; lower precision
+    # keeps the scale on the float32 scores.
+    prescale = qb.dtype == jnp.float32
 
     def step(kind, j, carry, qi, qpi, qsi):
-        """One online-softmax step of a query block over key block `j`."""
+        """One online-softmax step of a query block over key block `j` (`qi`: the
+        queries, and the same scaled when `prescale`)."""
         m, row_sum, acc = carry
         kj, vj = kb_t[j].reshape(batch, d, bk), vb[j].reshape(batch, bk, dv)
-        s = jnp.einsum("BSd,BdT->BST", qi, kj, preferred_element_type=jnp.float32)
-        if not prescaled:
-            s = s * scale
+        qi, qi_scaled = qi
+        if kind == _FULL and prescale:
+            s = jnp.einsum("BSd,BdT->BST", qi_scaled, kj, preferred_element_type=jnp.float32)
+        else:
+            s = jnp.einsum("BSd,BdT->BST", qi, kj, preferred_element_type=jnp.float32) * scale
         mask = None
         if kind != _FULL:
             mask = _block_mask(config, qpi, kv_pos[j], qsi, None if qsi is None else kv_seg[j])
@@ -253,8 +257,7 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     def one_q_block(args):
         qi, qpi, qsi = args
         qi = qi.reshape(batch, rows, d)
-        if prescaled:
-            qi = qi * scale
+        qi = (qi, qi * scale if prescale else None)
         qsi = qsi if config.use_segments else None
         kinds = _pair_kinds(config, qpi, kv_pos, qsi, kv_seg, v_finite)
         carry = (

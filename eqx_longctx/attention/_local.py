@@ -225,12 +225,11 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     # keeps the scale on the float32 scores.
     prescale = qb.dtype == jnp.float32
 
-    def step(kind, j, carry, qi, qpi, qsi):
-        """One online-softmax step of a query block over key block `j` (`qi`: the
-        queries, and the same scaled when `prescale`)."""
+    def step(kind, j, carry, qi, qi_scaled, qpi, qsi):
+        """One online-softmax step of a query block over key block `j` (`qi_scaled`:
+        `qi` times the scale, when `prescale`)."""
         m, row_sum, acc = carry
         kj, vj = kb_t[j].reshape(batch, d, bk), vb[j].reshape(batch, bk, dv)
-        qi, qi_scaled = qi
         if kind == _FULL and prescale:
             s = jnp.einsum("BSd,BdT->BST", qi_scaled, kj, preferred_element_type=jnp.float32)
         else:
@@ -257,7 +256,7 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     def one_q_block(args):
         qi, qpi, qsi = args
         qi = qi.reshape(batch, rows, d)
-        qi = (qi, qi * scale if prescale else None)
+        qi_scaled = qi * scale if prescale else None
         qsi = qsi if config.use_segments else None
         kinds = _pair_kinds(config, qpi, kv_pos, qsi, kv_seg, v_finite)
         carry = (
@@ -268,7 +267,7 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
         if nk <= _FEW_BLOCKS:  # a few key blocks: in order, one branch each
 
             def one(j, c):
-                branches = [lambda c, k=k: step(k, j, c, qi, qpi, qsi) for k in _KINDS]
+                branches = [lambda c, k=k: step(k, j, c, qi, qi_scaled, qpi, qsi) for k in _KINDS]
                 return lax.switch(kinds[j], [*branches, lambda c: c], c)
 
             carry = lax.fori_loop(0, nk, one, carry)
@@ -277,7 +276,7 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
             start = 0
             for kind in _KINDS:
                 stop = start + jnp.sum(kinds == kind)
-                body = lambda t, c, k=kind: step(k, order[t], c, qi, qpi, qsi)  # noqa: E731
+                body = lambda t, c, k=kind: step(k, order[t], c, qi, qi_scaled, qpi, qsi)  # noqa: E731
                 carry = lax.fori_loop(start, stop, body, carry)
                 start = stop
         m, row_sum, acc = carry

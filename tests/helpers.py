@@ -121,10 +121,11 @@ def resolve_dotted(path: str):
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The XLA flag every test process compiles with (conftest.py sets it for this one): LLVM's
-# -O0 backend, which compiles the test programs about 40% faster. Child processes (CLIs,
-# multi-process runs, doc blocks) get it too, without the device count.
-CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# The XLA flags every test process compiles with (conftest.py sets them for this one):
+# LLVM's -O0 backend and the older fusion emitter, which compile the test programs in about
+# half the time. Child processes (CLIs, multi-process runs, doc blocks) get them too,
+# without the device count.
+CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 # Runs in a fresh process with argv[2] fake CPU devices. For each `[module, *flags]` it
 # parses the flags with that CLI's own parser and runs its checks up to the point where

@@ -253,3 +253,17 @@ def test_remat_recomputes_the_forward_instead_of_storing_scores(tile_bytes):
     plain, remat = temporaries(False), temporaries(True)
     scores = s * s * h * 4  # every score of the sequence once, float32
     assert remat < plain + scores // 4, (remat / 2**20, plain / 2**20)
+
+
+@pytest.mark.parametrize("seq", [4096, 4000])  # whole key blocks, and keys padded to them
+def test_forward_reads_keys_and_values_in_place(seq):
+    """The forward copies K/V out block by block, not into a block-major copy of the whole:
+    its compiled temporaries are what the cost model counts (scores, tiled queries, output,
+    and K/V only where padded), not 16 MiB more."""
+    from eqx_longctx.attention._cost import _flash
+
+    q = jax.ShapeDtypeStruct((1, seq, 8, 64), jnp.float32)
+    fwd = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True)[0])
+    temp = fwd.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+    predicted = _flash(1, seq, seq, 8, 8, 64, 64, 4, backward=False)
+    assert 0.8 < predicted / temp < 1.2, (predicted / 2**20, temp / 2**20)

@@ -219,14 +219,19 @@ def _flash(
     and the received and the tiled copies are live together while they are re-tiled.
     """
     bq, bk = min(block, sq), min(block, sk)
+    padded = sk % bk != 0
     sq, sk = -(-sq // bq) * bq, -(-sk // bk) * bk  # padded to whole blocks
     q_tiles, kv_tiles = b * sq * hq * d * e, b * sk * hk * (d + dv) * e
     hk_tile, g_tile = head_tile(b, hk, hq // hk, bq, bk, tile_bytes)
     score = b * hk_tile * g_tile * bq * bk  # elements of one block of scores (one head tile)
     retile = (2 if gathered else 1) * kv_tiles + q_tiles
     if not backward:  # f32 scores + probabilities, stacked outputs + lse, running accumulators
+        # K/V are read in their own layout, block by block: in the loop only received ones
+        # (or a padded copy) are temporaries, and the two live together while it is made
+        kv = kv_tiles if gathered or padded else 0
         out = b * sq * hq * (dv * e + _F32) + b * hq * bq * (dv + 2) * _F32
-        return max(2 * score * _F32 + q_tiles + kv_tiles + out, retile)
+        copies = q_tiles + kv + (kv_tiles if gathered and padded else 0)
+        return max(2 * score * _F32 + q_tiles + kv + out, copies)
     # loop: float32 p, dp and ds (and p, ds cast for their matmuls when the input is
     # narrower); dout tiles, lse, delta, and the float32 accumulators of dq and dk/dv
     dq, dkv = b * sq * hq * d * _F32, b * sk * hk * (d + dv) * _F32

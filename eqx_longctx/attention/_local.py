@@ -48,8 +48,8 @@ class XlaBlockImpl(AbstractBlockImpl):
 
     def attend(self, qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
         blocks, config = qt.hop(k, kv_positions, kv_segment_ids)
-        kb_t, vb = blocks.split_kv_t(k), blocks.split_kv(v)
-        return _flash_fwd_impl(config, qt.qb, kb_t, vb, blocks.all_finite(v), *blocks.masks)
+        kn, vn = blocks.kv_padded(k), blocks.kv_padded(v)
+        return _flash_fwd_impl(config, qt.qb, kn, vn, blocks.all_finite(v), *blocks.masks)
 
     def attend_heads_major(self, qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
         like = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1], k.shape[3]), k.dtype)
@@ -166,11 +166,11 @@ def _scores(config: _Config, qi, kj, mask):
     return s
 
 
-def _flash_fwd_impl(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg):
-    def tile(qc, kc, vc):
-        return _flash_fwd_tile(config, qc, kc, vc, v_finite, q_pos, kv_pos, q_seg, kv_seg)
+def _flash_fwd_impl(config, qb, kn, vn, v_finite, q_pos, kv_pos, q_seg, kv_seg):
+    def tile(qc, kv_tile):
+        return _flash_fwd_tile(config, qc, kn, vn, kv_tile, v_finite, q_pos, kv_pos, q_seg, kv_seg)
 
-    return _map_head_tiles(tile, qb, kb_t, vb)
+    return _map_head_tiles(tile, qb, kn.shape[2] // qb.shape[3])
 
 
 # Kinds of a (query block, key block) pair in the forward (`_pair_kinds`), in the order the
@@ -201,10 +201,16 @@ def _pair_kinds(config: _Config, q_pos, kv_pos, q_seg, kv_seg, v_finite):
     return jax.vmap(kind)(kv_pos, kv_seg, v_finite)
 
 
-def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg):
-    """One head tile: `qb` `[n, b, k, g, block, d]`, `kb_t` `[n, b, k, d, block]` (keys
-    transposed, as the score product reads them), `vb` `[n, b, k, block, v]`; `v_finite`
+def _flash_fwd_tile(config, qb, kn, vn, kv_tile, v_finite, q_pos, kv_pos, q_seg, kv_seg):
+    """One head tile: `qb` `[n, b, k, g, block, d]`; keys and values of every head in their
+    own layout, `kn` `[b, t, heads, d]` and `vn` `[b, t, heads, v]` (padded to whole key
+    blocks), of which this tile reads the `k` heads of K/V head tile `kv_tile`; `v_finite`
     `[n]` whether a key block's values (of every head) are all finite.
+
+    Each step copies its key block out transposed (`[b x k, d, block]`, as the score
+    product reads it) and its value block heads-major: no block-major copy of the whole of
+    K/V is made first (at 4K tokens, 8 heads x 64: temporaries 45 -> 29 MiB, and the
+    forward 3-7% faster).
 
     Each query block visits only the key blocks it sees: their indices are sorted by kind
     (`_pair_kinds`) and one loop per kind runs over its share, so no step branches, copies
@@ -215,8 +221,7 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     rematerialized forward differed from the first in the last bit.)
     """
     _, b, hk, g, bq, d = qb.shape
-    bk, dv = vb.shape[-2], vb.shape[-1]
-    nk = kb_t.shape[0]
+    nk, bk, dv = kv_pos.shape[0], kv_pos.shape[-1], vn.shape[-1]
     batch, rows = b * hk, g * bq
     scale = jnp.float32(config.scale)
     # Unmasked blocks of float32 queries take queries scaled once per query block, not the
@@ -225,11 +230,17 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
     # keeps the scale on the float32 scores.
     prescale = qb.dtype == jnp.float32
 
+    def kv_block(x, j):
+        """Key block `j` of this tile's K/V heads, `[b, block, k, d]`."""
+        start = (0, j * bk, kv_tile * hk, 0)
+        return lax.dynamic_slice(x, start, (b, bk, hk, x.shape[-1]))
+
     def step(kind, j, carry, qi, qi_scaled, qpi, qsi):
         """One online-softmax step of a query block over key block `j` (`qi_scaled`:
         `qi` times the scale, when `prescale`)."""
         m, row_sum, acc = carry
-        kj, vj = kb_t[j].reshape(batch, d, bk), vb[j].reshape(batch, bk, dv)
+        kj = kv_block(kn, j).transpose(0, 2, 3, 1).reshape(batch, d, bk)
+        vj = kv_block(vn, j).transpose(0, 2, 1, 3).reshape(batch, bk, dv)
         if kind == _FULL and prescale:
             s = jnp.einsum("BSd,BdT->BST", qi_scaled, kj, preferred_element_type=jnp.float32)
         else:
@@ -285,10 +296,9 @@ def _flash_fwd_tile(config, qb, kb_t, vb, v_finite, q_pos, kv_pos, q_seg, kv_seg
         return _finish(m, row_sum.reshape(stats), acc.reshape(*stats, dv), qb.dtype)
 
     q_seg_blocks = q_seg if q_seg is not None else jnp.zeros(q_pos.shape, jnp.int32)
-    # Blocks enter the loops flattened: XLA:CPU would otherwise copy a transposed operand
-    # whose unit dimensions it laid out in another (physically identical) order.
+    # Query blocks enter the loop flattened: XLA:CPU would otherwise copy a transposed
+    # operand whose unit dimensions it laid out in another (physically identical) order.
     flat = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731
-    kb_t, vb = flat(kb_t), flat(vb)
     return lax.map(one_q_block, (flat(qb), q_pos, q_seg_blocks))
 
 

@@ -193,12 +193,10 @@ class _Blocks(NamedTuple):
         x = x.reshape(self.b, self.nk, self.bk, kt, self.hk_tile, x.shape[-1])
         return x.transpose(3, 1, 0, 4, 2, 5)
 
-    def split_kv_t(self, x):
-        """`[b, s, k, d]` -> `[c', n, b, k, d, block]`: keys transposed per block."""
-        x = _pad_seq(x, self.nk * self.bk - self.sk, 0)
-        kt = self.hk // self.hk_tile
-        x = x.reshape(self.b, self.nk, self.bk, kt, self.hk_tile, x.shape[-1])
-        return x.transpose(3, 1, 0, 4, 5, 2)
+    def kv_padded(self, x):
+        """`[b, s, k, d]` padded to whole key blocks, in its own layout (a copy only where
+        the keys are padded): the forward reads its blocks and head tiles from it."""
+        return _pad_seq(x, self.nk * self.bk - self.sk, 0)
 
     def all_finite(self, x):
         """`[b, s, k, d]` -> `[n]`: whether every value of a key block is finite, read in
@@ -233,15 +231,16 @@ def head_tile(b: int, hk: int, g: int, bq: int, bk: int, tile_bytes: int) -> tup
     return 1, max(t for t in range(1, g + 1) if g % t == 0 and t <= fit)
 
 
-def _map_head_tiles(fn, qb, kb, vb):
-    """`fn(q_tile, k_tile, v_tile)` over the head tiles, outputs stacked."""
-    per_kv = qb.shape[0] // kb.shape[0]
+def _map_head_tiles(fn, qb, kv_tiles: int):
+    """`fn(q_tile, kv_tile)` over the head tiles of block-major queries `qb`, with the index
+    of the K/V head tile each reads (of `kv_tiles`), outputs stacked."""
+    per_kv = qb.shape[0] // kv_tiles
     if qb.shape[0] == 1:
-        return jax.tree.map(lambda x: x[None], fn(qb[0], kb[0], vb[0]))
+        return jax.tree.map(lambda x: x[None], fn(qb[0], 0))
 
     def one(args):
         c, qc = args
-        return fn(qc, kb[c // per_kv], vb[c // per_kv])
+        return fn(qc, c // per_kv)
 
     return lax.map(one, (jnp.arange(qb.shape[0]), qb))
 

@@ -9,6 +9,7 @@ import pytest
 from helpers import assert_close, random_segment_ids
 
 from eqx_longctx import attention, flash_attention, reference_attention
+from eqx_longctx.attention._cost import _flash
 from eqx_longctx.attention._tiles import TILE_BYTES, head_tile
 
 # (q_heads, kv_heads): MHA, GQA, MQA
@@ -260,8 +261,6 @@ def test_forward_reads_keys_and_values_in_place(seq):
     """The forward copies K/V out block by block, not into a block-major copy of the whole:
     its compiled temporaries are what the cost model counts (scores, tiled queries, output,
     and K/V only where padded), not 16 MiB more."""
-    from eqx_longctx.attention._cost import _flash
-
     q = jax.ShapeDtypeStruct((1, seq, 8, 64), jnp.float32)
     fwd = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True)[0])
     temp = fwd.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes

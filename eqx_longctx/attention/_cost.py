@@ -215,8 +215,9 @@ def _flash(
     """Peak temporaries of one blockwise attention call (`_local.flash_attention`).
 
     The peak is the larger of two phases: the block loop (one block of scores, the tiled
-    inputs, accumulators) and the copies around it. `gathered`: K/V arrive from a collective,
-    and the received and the tiled copies are live together while they are re-tiled.
+    inputs, accumulators) and the copies around it. `gathered`: K/V arrive from a collective
+    and are temporaries; the backward re-tiles them (received and tiled copies live
+    together), the forward reads them in place.
     """
     bq, bk = min(block, sq), min(block, sk)
     padded = sk % bk != 0
@@ -224,7 +225,6 @@ def _flash(
     q_tiles, kv_tiles = b * sq * hq * d * e, b * sk * hk * (d + dv) * e
     hk_tile, g_tile = head_tile(b, hk, hq // hk, bq, bk, tile_bytes)
     score = b * hk_tile * g_tile * bq * bk  # elements of one block of scores (one head tile)
-    retile = (2 if gathered else 1) * kv_tiles + q_tiles
     if not backward:  # f32 scores + probabilities, stacked outputs + lse, running accumulators
         # K/V are read in their own layout, block by block: in the loop only received ones
         # (or a padded copy) are temporaries, and the two live together while it is made
@@ -235,6 +235,7 @@ def _flash(
     # loop: float32 p, dp and ds (and p, ds cast for their matmuls when the input is
     # narrower); dout tiles, lse, delta, and the float32 accumulators of dq and dk/dv
     dq, dkv = b * sq * hq * d * _F32, b * sk * hk * (d + dv) * _F32
+    retile = (2 if gathered else 1) * kv_tiles + q_tiles
     casts = 2 * e if e < _F32 else 0
     loop = score * (3 * _F32 + casts) + q_tiles + kv_tiles + b * sq * hq * (dv * e + 2 * _F32)
     # after the loop the block-major dq, dk, dv are transposed back (two float32 copies)

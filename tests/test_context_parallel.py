@@ -495,3 +495,55 @@ def test_zigzag_chunk_aligned_tiles(strategy, one_head_tiles, monkeypatch):
     assert_close(out, ref, what="forward loss")
     for name, a, b in zip("qkv", grads, ref_grads, strict=True):
         assert_close(a, b, what=f"d{name}")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "collectives"), [(jnp.float32, 1), (jnp.bfloat16, 2), (jnp.float16, 2)]
+)
+def test_gather_together_moves_every_bit_in_one_collective_per_dtype(dtype, collectives):
+    """All-gather's K, V, positions and segment ids share one collective per dtype (the ids
+    bitcast into float32 lanes), and what arrives is bit for bit what separate all-gathers
+    deliver, ids whose bits read as NaN or denormal floats included, gradients too."""
+    from jax.sharding import PartitionSpec as P
+
+    from eqx_longctx.attention._all_gather import gather_together
+
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "context"))
+    ks = jax.random.split(jax.random.PRNGKey(0), 2)
+    k = jax.random.normal(ks[0], (4, 32, 2, 8)).astype(dtype)
+    v = jax.random.normal(ks[1], (4, 32, 2, 4)).astype(dtype)
+    # -5 is a NaN's bits as float32; 7919 x n up to ~1e6 are denormals.
+    pos = jnp.arange(128, dtype=jnp.int32).reshape(4, 32) * 7919 - 5
+    seg = jnp.arange(128, dtype=jnp.int32).reshape(4, 32) // 5
+
+    def run(gather):
+        return jax.shard_map(
+            lambda k, v, pos, seg: gather((k, v, pos, None, seg)), mesh=mesh,
+            in_specs=(P("data", "context"),) * 4, out_specs=P("data"), check_vma=False,
+        )  # fmt: skip
+
+    one = run(lambda t: gather_together(t, "context"))
+    each = run(
+        lambda t: jax.tree.map(lambda x: jax.lax.all_gather(x, "context", axis=1, tiled=True), t)
+    )
+    got, want = jax.jit(one)(k, v, pos, seg), jax.jit(each)(k, v, pos, seg)
+    assert got[3] is None
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text = jax.jit(one).lower(k, v, pos, seg).compile().as_text()
+    assert text.count(" all-gather(") + text.count(" all-gather-start(") == collectives
+
+    def loss(fn):
+        def f(k, v):
+            out = fn(k, v, pos, seg)
+            return jnp.sum(jnp.sin(out[0].astype(jnp.float32))) + 2 * jnp.sum(
+                jnp.cos(out[1].astype(jnp.float32))
+            )
+
+        return f
+
+    g_one = jax.jit(jax.grad(loss(one), (0, 1)))(k, v)
+    g_each = jax.jit(jax.grad(loss(each), (0, 1)))(k, v)
+    for a, b in zip(g_one, g_each, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

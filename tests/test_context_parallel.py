@@ -497,16 +497,17 @@ def test_zigzag_chunk_aligned_tiles(strategy, one_head_tiles, monkeypatch):
         assert_close(a, b, what=f"d{name}")
 
 
+@pytest.mark.parametrize("collective", ["all-gather", "collective-permute"])
 @pytest.mark.parametrize(
     ("dtype", "collectives"), [(jnp.float32, 1), (jnp.bfloat16, 2), (jnp.float16, 2)]
 )
-def test_gather_together_moves_every_bit_in_one_collective_per_dtype(dtype, collectives):
-    """All-gather's K, V, positions and segment ids share one collective per dtype (the ids
-    bitcast into float32 lanes), and what arrives is bit for bit what separate all-gathers
-    deliver, ids whose bits read as NaN or denormal floats included, gradients too."""
+def test_arrays_travel_together_one_collective_per_dtype(dtype, collectives, collective):
+    """K, V, positions and segment ids take one collective per dtype (the ids bitcast into
+    float32 lanes; the ring's hops), and what arrives is bit for bit what one collective per
+    array delivers, ids whose bits read as NaN or denormal floats included, gradients too."""
     from jax.sharding import PartitionSpec as P
 
-    from eqx_longctx.attention._all_gather import gather_together
+    from eqx_longctx.attention._pack import together
 
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "context"))
     ks = jax.random.split(jax.random.PRNGKey(0), 2)
@@ -515,24 +516,28 @@ def test_gather_together_moves_every_bit_in_one_collective_per_dtype(dtype, coll
     # -5 is a NaN's bits as float32; 7919 x n up to ~1e6 are denormals.
     pos = jnp.arange(128, dtype=jnp.int32).reshape(4, 32) * 7919 - 5
     seg = jnp.arange(128, dtype=jnp.int32).reshape(4, 32) // 5
+    if collective == "all-gather":
+        move = lambda x: jax.lax.all_gather(x, "context", axis=1, tiled=True)  # noqa: E731
+        out_spec = P("data")
+    else:
+        ring = [(i, (i + 1) % 4) for i in range(4)]
+        move = lambda x: jax.lax.ppermute(x, "context", ring)  # noqa: E731
+        out_spec = P("data", "context")
 
-    def run(gather):
+    def run(fn):
         return jax.shard_map(
-            lambda k, v, pos, seg: gather((k, v, pos, None, seg)), mesh=mesh,
-            in_specs=(P("data", "context"),) * 4, out_specs=P("data"), check_vma=False,
+            lambda k, v, pos, seg: fn((k, v, pos, None, seg)), mesh=mesh,
+            in_specs=(P("data", "context"),) * 4, out_specs=out_spec, check_vma=False,
         )  # fmt: skip
 
-    one = run(lambda t: gather_together(t, "context"))
-    each = run(
-        lambda t: jax.tree.map(lambda x: jax.lax.all_gather(x, "context", axis=1, tiled=True), t)
-    )
+    one, each = run(lambda t: together(t, move)), run(lambda t: jax.tree.map(move, t))
     got, want = jax.jit(one)(k, v, pos, seg), jax.jit(each)(k, v, pos, seg)
     assert got[3] is None
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     text = jax.jit(one).lower(k, v, pos, seg).compile().as_text()
-    assert text.count(" all-gather(") + text.count(" all-gather-start(") == collectives
+    assert text.count(f" {collective}(") + text.count(f" {collective}-start(") == collectives
 
     def loss(fn):
         def f(k, v):

@@ -180,7 +180,7 @@ def test_up_projection_needs_logical_axes_under_a_tensor_axis():
 
 def test_mla_layer_under_tensor_moves_the_latent_and_reduces_once():
     """The MLA layer on tensor=2 x context=4, forward: the ring moves the latent, the RoPE
-    key and positions (3 hops); the row-parallel output projection ends in one all-reduce
+    key and positions together (3 hops); the row-parallel output projection ends in one all-reduce
     over the 2 tensor shards; nothing gathers a weight or per-head K/V."""
     spec = _tensor_spec()
     dim, batch, seq = 32, 2, 64
@@ -200,8 +200,7 @@ def test_mla_layer_under_tensor_moves_the_latent_and_reduces_once():
     tokens = batch * seq // 4  # per device
     hops = sorted((c.op, c.result_bytes, c.count, c.group) for c in found)
     assert hops == sorted([
-        ("collective-permute", tokens * 4, 3, 8),  # positions
-        ("collective-permute", tokens * ROPE * 4, 3, 8),  # the shared RoPE key
-        ("collective-permute", tokens * RANK * 4, 3, 8),  # the latent
+        # the latent, the shared RoPE key and the positions, one array (`_pack.together`)
+        ("collective-permute", tokens * (RANK + ROPE + 1) * 4, 3, 8),
         ("all-reduce", tokens * dim * 4, 1, 2),  # wo over the tensor axis
     ]), found  # fmt: skip

@@ -4,7 +4,8 @@ Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers" (arXiv:
 Each of the `N` devices holds one query shard and one K/V shard. For `N` steps it attends its
 queries to the K/V shard it currently holds and passes that shard (with its token positions
 and segment ids) to the next device with `lax.ppermute`; the next shard's transfer is issued
-before the current shard's compute so the two can overlap. Partial results merge by online
+before the current shard's compute so the two can overlap; K, V and their ids travel as one
+array per dtype (`_pack.together`). Partial results merge by online
 softmax in float32 (`merge_partials`: a log-add-exp that never forms `inf - inf`, so rows that see
 no key stay exactly zero). Hops that the causal mask or disjoint segments leave empty are
 skipped with `lax.cond`, not computed and zeroed.
@@ -33,6 +34,7 @@ from ._block import (
     pairs_are_empty,
     per_platform,
 )
+from ._pack import together
 
 
 class _RingConfig(NamedTuple):
@@ -121,7 +123,7 @@ def _hop_is_empty(config: _RingConfig, q_pos, kv_pos, q_seg, kv_seg):
 def _shift(tree, axis: AxisName, by: int = 1):
     n = lax.axis_size(axis)
     perm = [(i, (i + by) % n) for i in range(n)]
-    return jax.tree.map(lambda x: lax.ppermute(x, axis, perm), tree)
+    return together(tree, lambda x: lax.ppermute(x, axis, perm))
 
 
 def _hops(config: _RingConfig) -> int:

@@ -18,6 +18,7 @@ from jax import lax
 
 from .._types import AxisName
 from ._block import AbstractBlockImpl, BlockOptions, block_attention
+from ._pack import together
 
 
 def kv_repeats(kv_heads: int, degree: int) -> int:
@@ -49,8 +50,7 @@ def ulysses_attention(
     to_heads = lambda x: lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731
     gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    positions = gather(positions)
-    segment_ids = None if segment_ids is None else gather(segment_ids)
+    positions, segment_ids = together((positions, segment_ids), gather)
     if inner is None:
         out, _ = block_attention(
             impl, q, k, v, positions, positions, segment_ids, segment_ids, options

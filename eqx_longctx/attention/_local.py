@@ -370,9 +370,13 @@ def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, 
                 if masked:
                     mask = _block_mask_keys_major(config, q_pos[i], kpj, qsi, ksj)
                 s_t = jnp.einsum("bktd,bkgsd->bktgs", kj, qb[i], preferred_element_type=jnp.float32)
-                p_t = jnp.exp(s_t * config.scale - lse_safe[i][:, :, None])
+                z_t = s_t * config.scale - lse_safe[i][:, :, None]
+                # Masked before the exponential (exp(-inf) is 0), so that the masked
+                # probabilities are one pass: masked after it, XLA:CPU wrote `p_t` out
+                # unmasked, then masked, and built the mask again for `ds_t`.
                 if mask is not None:
-                    p_t = jnp.where(mask, p_t, 0.0)
+                    z_t = jnp.where(mask, z_t, -jnp.inf)
+                p_t = jnp.exp(z_t)
                 dv = dv + jnp.einsum(
                     "bktgs,bkgsv->bktv",
                     p_t.astype(vj.dtype),

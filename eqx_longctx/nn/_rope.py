@@ -25,6 +25,7 @@ from typing import final, no_type_check
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .._checks import check_bool, check_instance, check_int, check_real
 from .._types import Heads, Positions
@@ -320,8 +321,11 @@ class RoPE(eqx.Module):
         """
         inv_freq = jnp.asarray(self.frequencies(), jnp.float32)
         angles = jnp.einsum("bs,f->bsf", positions.astype(jnp.float32), inv_freq)
-        cos = jnp.cos(angles)[:, :, None, :]
-        sin = jnp.sin(angles)[:, :, None, :]
+        # Through a barrier, so the cosines and sines are computed once per token and
+        # frequency: fused into the rotation, XLA:CPU computed them again for every head
+        # (libm's `sincosf` was 2.5% of the main job's step).
+        cos, sin = lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         factor = 1.0 if self.scaling is None else self.scaling.rotary_factor()
         if factor != 1.0:
             cos, sin = factor * cos, factor * sin

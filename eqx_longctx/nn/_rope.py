@@ -321,14 +321,15 @@ class RoPE(eqx.Module):
         """
         inv_freq = jnp.asarray(self.frequencies(), jnp.float32)
         angles = jnp.einsum("bs,f->bsf", positions.astype(jnp.float32), inv_freq)
-        # Through a barrier, so the cosines and sines are computed once per token and
-        # frequency: fused into the rotation, XLA:CPU computed them again for every head
-        # (libm's `sincosf` was 2.5% of the main job's step).
-        cos, sin = lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
         factor = 1.0 if self.scaling is None else self.scaling.rotary_factor()
         if factor != 1.0:
             cos, sin = factor * cos, factor * sin
+        # The tables go through a barrier, so they are computed once per token and
+        # frequency: fused into the rotation, XLA:CPU computed them again for every head
+        # (libm's `sincosf` was 2.5% of the main job's step).
+        cos, sin = lax.optimization_barrier((cos, sin))
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         x32 = x.astype(jnp.float32)
         if self.interleaved:
             x1, x2 = x32[..., 0::2], x32[..., 1::2]

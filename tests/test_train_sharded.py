@@ -14,12 +14,13 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import make_mesh
 from jax.sharding import PartitionSpec
 from test_train import SEQ, SMALL_MODEL, params_of, small_config
 
 import eqx_longctx
 from eqx_longctx import model_family
-from eqx_longctx.data import ByteTokenizer, load_datasets
+from eqx_longctx.data import ByteTokenizer, load_datasets, place_batch
 from eqx_longctx.nn import REMAT_POLICIES
 from eqx_longctx.train import (
     Trainer,
@@ -147,6 +148,41 @@ def test_sharded_train_step_matches_replicated(datasets, replicated, mesh, fsdp_
     assert embed.sharding.spec == PartitionSpec(None, sharded if len(sharded) > 1 else sharded[0])
     mu = optax.tree_utils.tree_get(got[2], "mu").embed
     assert mu.sharding.is_equivalent_to(embed.sharding, embed.ndim)
+
+
+@pytest.mark.parametrize("axes", ["explicit", "auto"])
+def test_unplaced_model_compiles_the_step_once(datasets, replicated, axes):
+    """A model built with a spec but not placed (`Llama(config, spec=...)`, its arrays on
+    one device, as in the quickstart notebook) and its fresh optimizer state: the step
+    takes them onto the batch's mesh before its first call, so later steps (whose inputs
+    are the step's own mesh-typed outputs) reuse the first compile; the run equals the
+    replicated one."""
+    mesh = make_mesh((2, 4), ("data", "context"), axes)
+    spec = eqx_longctx.ShardingSpec(mesh, strategy="ring", load_balance="zigzag")
+    optimizer = make_optimizer(1e-2, 1, 8, weight_decay=0.1, eps=1e-4)
+    model = family_of(LLAMA).model(LLAMA, key=jax.random.key(0), spec=spec)
+    assert isinstance(model.embed.sharding, jax.sharding.SingleDeviceSharding)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    step = make_train_step(optimizer)
+    compiles = []
+
+    def listen(event, duration_secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and kw.get("fun_name") == (
+            "jit(step)"
+        ):
+            compiles.append(duration_secs)
+
+    losses = []
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for i in range(2):
+            batch = place_batch(datasets[0].batch(i, BATCH), spec)
+            model, opt_state, metrics = step(model, opt_state, batch)
+            losses.append(float(metrics["loss"]))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(compiles) == 1, f"the step compiled {len(compiles)} times in 2 steps, not once"
+    assert_same_run((losses, model, opt_state), replicated)
 
 
 @pytest.mark.parametrize("fsdp_axes", [None, "fsdp,context"])

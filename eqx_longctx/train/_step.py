@@ -429,9 +429,36 @@ def make_train_step(
         return eqx.combine(new_params, static), new_opt_state, metrics
 
     def train_step(model, opt_state, batch):
+        model, opt_state = _onto_batch_mesh((model, opt_state), batch)
         return step(batch, model, opt_state)
 
     return train_step
+
+
+def _onto_batch_mesh(tree: Any, batch: Any) -> Any:
+    """`tree` with every array that sits on one device (a model built without
+    `init_sharded`, or its fresh optimizer state) replicated over the mesh the batch is on,
+    so that the first step compiles for the same input types as every later one.
+
+    The step returns its model and optimizer state on that mesh (typed with its axes under
+    Explicit sharding); had they stayed on one device, the second step would trace and
+    compile again. The values are unchanged: the compiled step replicates such inputs too.
+    """
+    sharding = getattr(batch.tokens, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return tree
+    mesh = sharding.mesh
+    if mesh.size == 1 or mesh.is_multi_process:
+        return tree
+    replicated = jax.sharding.NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        one_device = isinstance(x, jax.Array) and isinstance(
+            x.sharding, jax.sharding.SingleDeviceSharding
+        )
+        return jax.device_put(x, replicated) if one_device else x
+
+    return jax.tree.map(place, tree)
 
 
 def lower_train_step(

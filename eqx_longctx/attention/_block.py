@@ -23,6 +23,7 @@ by hop under its own `custom_vjp`.
 """
 
 import abc
+import functools
 from typing import NamedTuple
 
 import equinox as eqx
@@ -136,16 +137,39 @@ class PerPlatform(AbstractBlockImpl):
     tile_queries = attend = attend_backward = _no  # pyright: ignore[reportAssignmentType]
 
 
-def per_platform(impl: AbstractBlockImpl, fn, *args):
-    """`fn(impl, *args)`; for a `PerPlatform` impl, `fn` of each of its two implementations
-    staged out with `jax.lax.platform_dependent`, which keeps the one the program is lowered
-    for."""
+def per_platform(impl: AbstractBlockImpl, fn, static, *args):
+    """`fn(impl, static, *args)`; for a `PerPlatform` impl, `fn` of each of its two
+    implementations staged out with `jax.lax.platform_dependent`, which keeps the one the
+    program is lowered for.
+
+    `fn` is a module-level function and `static` a hashable value (the options, the ring's
+    configuration): each side is a `jax.jit` of them, made once per `(fn, impl, static)`,
+    so JAX traces it once per input shapes and reuses the trace wherever they recur (every
+    layer of a planner's pass, remat, the next program of the same shapes). The TPU side
+    is only ever dropped at lowering on another host, yet tracing its kernels afresh was
+    half of what an attention call cost to trace on a CPU. The nested `jit` is inlined
+    when compiled: the program is the same.
+    """
     if not isinstance(impl, PerPlatform):
-        return fn(impl, *args)
-    tpu, default = impl.tpu, impl.default
+        return fn(impl, static, *args)
     return jax.lax.platform_dependent(
-        *args, tpu=lambda *a: fn(tpu, *a), default=lambda *a: fn(default, *a)
+        *args, tpu=_staged(fn, impl.tpu, static), default=_staged(fn, impl.default, static)
     )
+
+
+def _staged(fn, impl: AbstractBlockImpl, static):
+    """`jax.jit` of `fn(impl, static, *args)`, one per key; `fn` itself when the key cannot
+    be hashed (a configuration holding a list, say), which costs a trace per call, never a
+    wrong result."""
+    try:
+        return _jitted(fn, impl, static)
+    except TypeError:  # unhashable: lru_cache refuses the key
+        return functools.partial(fn, impl, static)
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(fn, impl: AbstractBlockImpl, static):
+    return jax.jit(functools.partial(fn, impl, static))
 
 
 def merge_partials(out, lse, block_out, block_lse):
@@ -176,7 +200,7 @@ def _primal(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 
 
 def _forward(impl, options, *args):
-    return per_platform(impl, lambda i, *a: _forward_one(i, options, *a), *args)
+    return per_platform(impl, _forward_one, options, *args)
 
 
 def _forward_one(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
@@ -191,7 +215,7 @@ def _fwd(impl, options, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 
 
 def _bwd(impl, options, residuals, cotangents):
-    return per_platform(impl, lambda i, r, c: _bwd_one(i, options, r, c), residuals, cotangents)
+    return per_platform(impl, _bwd_one, options, residuals, cotangents)
 
 
 def _bwd_one(impl, options, residuals, cotangents):

@@ -18,6 +18,7 @@ Communication: `N-1` K/V hops forward; `N-1` K/V hops and `N-1` dK/dV hops backw
 theoretical minimum of a ring.
 """
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -145,10 +146,7 @@ def _query_tiles(config, q, positions, segment_ids, k_shape):
 
 
 def _ring_forward(config, *args):
-    def one(impl, *args):
-        return _ring_forward_one(config._replace(impl=impl), *args)
-
-    return per_platform(config.impl, one, *args)
+    return per_platform(config.impl, _with_impl(_ring_forward_one), config, *args)
 
 
 def _ring_forward_one(config, q, params, source, positions, segment_ids):
@@ -190,10 +188,19 @@ def _ring_fwd(config, q, params, source, positions, segment_ids):
 
 
 def _ring_bwd(config, residuals, dout):
-    def one(impl, residuals, dout):
-        return _ring_bwd_one(config._replace(impl=impl), residuals, dout)
+    return per_platform(config.impl, _with_impl(_ring_bwd_one), config, residuals, dout)
 
-    return per_platform(config.impl, one, residuals, dout)
+
+@functools.cache
+def _with_impl(fn):
+    """`fn(config, ...)` as `per_platform` calls it: `(impl, config, ...)`, that platform's
+    implementation put into the config (one wrapper per `fn`, so the TPU side's trace is
+    reused)."""
+
+    def one(impl, config, *args):
+        return fn(config._replace(impl=impl), *args)
+
+    return one
 
 
 def _ring_bwd_one(config, residuals, dout):

@@ -4,6 +4,7 @@ Timings are never asserted (the scripts print ratios); what is checked is that e
 still runs against the current API and that every PNG it promises is written and not blank.
 """
 
+import importlib.machinery
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import matplotlib.image
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))  # after site-packages: never shadows a package
 
 import _plots  # noqa: E402
 
@@ -71,3 +72,13 @@ def test_kernel_plot(tmp_path: Path) -> None:
     ]  # fmt: skip
     (path,) = _plots.kernels(rows, "TPU v5p: causal, bfloat16, heads 8", tmp_path)
     _check_png(path)
+
+
+def test_no_script_shadows_an_installed_module():
+    """A script runs with `benchmarks/` first on its path, so a script named like a module
+    a dependency imports replaces it there (`kernels.py` did, once transformers 5.25 began
+    importing the `kernels` package: every Hugging Face import in a benchmark failed)."""
+    elsewhere = [p for p in sys.path if Path(p).resolve() != (ROOT / "benchmarks").resolve()]
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        spec = importlib.machinery.PathFinder.find_spec(script.stem, elsewhere)
+        assert spec is None, f"benchmarks/{script.name} shadows {spec.origin}: rename it"

@@ -43,7 +43,7 @@ _PAD_KV_SEGMENT = _PAD_Q_SEGMENT + 1
 # (block_q, block_k) starting points per TPU generation (`jax.devices()[0].device_kind`):
 # a 512 x 1024 block of float32 scores is 2 MiB, which leaves room in the default scoped
 # VMEM (16 MiB on v5e, 32 MiB on v5p/v6e) for the score temporaries and double-buffered
-# inputs. Not tuned; `benchmarks/kernels.py` measures them.
+# inputs. Not tuned; `benchmarks/pallas_kernels.py` measures them.
 DEFAULT_BLOCK_SIZES = {
     "TPU v4": (512, 512),
     "TPU v5 lite": (512, 512),

@@ -22,10 +22,10 @@ v2-alpha-tpuv5-lite`):
     gcloud compute tpus tpu-vm scp --recurse . eqx-bench:~/eqx_longctx --zone=us-east5-a
     gcloud compute tpus tpu-vm ssh eqx-bench --zone=us-east5-a
     cd eqx_longctx && pip install -e ".[tpu]"
-    python benchmarks/kernels.py                        # 8K .. 128K tokens
-    python benchmarks/kernels.py --seqs 8192 32768 --heads 16 --block-q 512 --block-k 1024
-    python benchmarks/kernels.py --window 4096          # sliding window (splash: LocalMask)
-    python benchmarks/kernels.py --plot docs/img/benchmarks   # also writes kernels.png
+    python benchmarks/pallas_kernels.py                        # 8K .. 128K tokens
+    python benchmarks/pallas_kernels.py --seqs 8192 32768 --heads 16 --block-q 512 --block-k 1024
+    python benchmarks/pallas_kernels.py --window 4096          # sliding window (splash: LocalMask)
+    python benchmarks/pallas_kernels.py --plot docs/img/benchmarks   # also writes kernels.png
     gcloud compute tpus tpu-vm delete eqx-bench --zone=us-east5-a
 
 A v5p-8 VM has 4 chips; the script uses `jax.devices()[0]` only.
@@ -210,7 +210,7 @@ def main(argv=None) -> None:
     p.add_argument("--plot", metavar="DIR", help="on a TPU, also write DIR/kernels.png")
     args = p.parse_args(argv)
     if jax.devices()[0].platform != "tpu":
-        print(f"benchmarks/kernels.py needs a TPU for timings (found {jax.devices()[0]}); "
+        print(f"benchmarks/pallas_kernels.py needs a TPU for timings (found {jax.devices()[0]}); "
               "running the interpret-mode smoke test instead.")  # fmt: skip
         smoke()
         if args.plot:

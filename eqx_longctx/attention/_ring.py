@@ -18,7 +18,6 @@ Communication: `N-1` K/V hops forward; `N-1` K/V hops and `N-1` dK/dV hops backw
 theoretical minimum of a ring.
 """
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -146,10 +145,11 @@ def _query_tiles(config, q, positions, segment_ids, k_shape):
 
 
 def _ring_forward(config, *args):
-    return per_platform(config.impl, _with_impl(_ring_forward_one), config, *args)
+    return per_platform(config.impl, _ring_forward_one, config, *args)
 
 
-def _ring_forward_one(config, q, params, source, positions, segment_ids):
+def _ring_forward_one(impl, config, q, params, source, positions, segment_ids):
+    config = config._replace(impl=impl)  # the side `per_platform` runs
     # Queries are tiled once; the merged output and logsumexp stay block-major until the end.
     k0, v0 = jax.eval_shape(config.expand, params, source)
     qt = _query_tiles(config, q, positions, segment_ids, k0)
@@ -188,22 +188,11 @@ def _ring_fwd(config, q, params, source, positions, segment_ids):
 
 
 def _ring_bwd(config, residuals, dout):
-    return per_platform(config.impl, _with_impl(_ring_bwd_one), config, residuals, dout)
+    return per_platform(config.impl, _ring_bwd_one, config, residuals, dout)
 
 
-@functools.cache
-def _with_impl(fn):
-    """`fn(config, ...)` as `per_platform` calls it: `(impl, config, ...)`, that platform's
-    implementation put into the config (one wrapper per `fn`, so the TPU side's trace is
-    reused)."""
-
-    def one(impl, config, *args):
-        return fn(config._replace(impl=impl), *args)
-
-    return one
-
-
-def _ring_bwd_one(config, residuals, dout):
+def _ring_bwd_one(impl, config, residuals, dout):
+    config = config._replace(impl=impl)  # the side `per_platform` runs
     q, params, source, positions, segment_ids, out, lse = residuals
     delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
     # The query side is tiled once; the query gradient accumulates block-major over the hops.

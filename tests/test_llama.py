@@ -8,6 +8,7 @@ import sys
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -245,6 +246,39 @@ def test_llama3_rope_scaling_matches_numpy(preset):
     np.testing.assert_allclose(rope.frequencies()[-1], plain[-1] / s.factor, rtol=1e-12)
     band = (rope.frequencies() != plain) & (rope.frequencies() != plain / s.factor)
     assert band.any()  # some frequencies fall in the blended band
+
+
+def _trig_in_and_out_of_scans(jaxpr, inside=False, counts=None):
+    """`{(inside a scan?, primitive): count}` of the `sin` and `cos` equations of a jaxpr,
+    walking every sub-jaxpr (scans, checkpoints, jits, custom derivatives, conds)."""
+    counts = {} if counts is None else counts
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("sin", "cos"):
+            key = (inside, eqn.primitive.name)
+            counts[key] = counts.get(key, 0) + 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _trig_in_and_out_of_scans(sub, inside or eqn.primitive.name == "scan", counts)
+    return counts
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+def test_rope_tables_are_computed_once_per_stack_not_per_layer(family):
+    """A layer stack computes its RoPE tables once, outside the scan over layers, for the
+    forward and the backward's recomputation alike (`remat="full"`): no `sin` or `cos`
+    runs per layer. Each stack has one `sin` and one `cos`."""
+    if family == "llama":
+        model = make(dataclasses.replace(SMALL, remat="full"))
+        stacks = 1
+    else:
+        from models.deepseek import DeepSeek, DeepSeekConfig
+
+        config = DeepSeekConfig.from_preset("tiny", remat="full")
+        model = DeepSeek(config, key=jax.random.key(0))
+        stacks = len(model.layer_stacks())
+    tokens = random_tokens()
+    grad = eqx.filter_grad(lambda m: jnp.mean(m(tokens) ** 2))
+    counts = _trig_in_and_out_of_scans(jax.make_jaxpr(grad)(model).jaxpr)
+    assert counts == {(False, "sin"): stacks, (False, "cos"): stacks}, counts
 
 
 def test_rope_rotates_first_half_against_second_half():

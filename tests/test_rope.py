@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_longctx.nn import AbstractRopeScaling, Llama3RopeScaling, RoPE, YarnRopeScaling
+from eqx_longctx.nn import (
+    AbstractRopeScaling,
+    Llama3RopeScaling,
+    RoPE,
+    RotaryTables,
+    YarnRopeScaling,
+)
 from tests.helpers import assert_close
 
 D = 16
@@ -90,3 +96,33 @@ def test_rope_argument_errors():
         RoPE(D, 1e4, interleaved=1)
     with pytest.raises(ValueError, match="positive base theta"):
         RoPE(D, -1.0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_tables_rotate_as_the_positions_do(scaling, interleaved):
+    """`rope(x, rope.tables(positions))` is `rope(x, positions)`, bit for bit, and both the
+    float64 rotation."""
+    s = SCALINGS[scaling]
+    rope = RoPE(D, 10000.0, s, interleaved=interleaved)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3, D))
+    pos = jax.random.randint(jax.random.key(1), (2, 5), 0, 500)
+    tables = rope.tables(pos)
+    assert isinstance(tables, RotaryTables)
+    assert tables.cos.shape == tables.sin.shape == (2, 5, D // 2)
+    assert tables.cos.dtype == tables.sin.dtype == jnp.float32
+    np.testing.assert_array_equal(rope(x, tables), rope(x, pos))
+    freqs = rope.frequencies()
+    factor = 1.0 if s is None else s.rotary_factor()
+    assert_close(rope(x, tables), numpy_rope(x, pos, freqs, factor, interleaved), factor=5)
+
+
+def test_tables_of_other_tokens_or_width_are_refused():
+    rope = RoPE(D, 10000.0)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3, D))
+    other_tokens = rope.tables(jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"RotaryTables of shape \(2, 4, 8\) cannot rotate"):
+        rope(x, other_tokens)
+    other_width = RoPE(2 * D, 10000.0).tables(jnp.zeros((2, 5), jnp.int32))
+    with pytest.raises(ValueError, match=r"must be \[batch, seq, head_dim / 2\] = \(2, 5, 8\)"):
+        rope(x, other_width)

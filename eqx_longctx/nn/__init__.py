@@ -32,6 +32,7 @@ from ._norm import RMSNorm as RMSNorm
 from ._rope import AbstractRopeScaling as AbstractRopeScaling
 from ._rope import Llama3RopeScaling as Llama3RopeScaling
 from ._rope import RoPE as RoPE
+from ._rope import RotaryTables as RotaryTables
 from ._rope import YarnRopeScaling as YarnRopeScaling
 from ._transformer import REMAT_POLICIES as REMAT_POLICIES
 from ._transformer import DecoderBlock as DecoderBlock
@@ -67,6 +68,7 @@ __all__ = [
     "MultiHeadLatentAttention",
     "RMSNorm",
     "RoPE",
+    "RotaryTables",
     "SelfAttention",
     "SwiGLU",
     "YarnRopeScaling",

@@ -22,7 +22,7 @@ from ..attention import attention
 from ..attention._decode import decode_attention
 from ..attention._validate import check_options
 from ._norm import RMSNorm
-from ._rope import RoPE
+from ._rope import RoPE, RotaryTables
 
 
 @final
@@ -154,12 +154,16 @@ class SelfAttention(eqx.Module):
         return self.q_norm is not None
 
     def __call__(
-        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+        self,
+        x: Hidden,
+        positions: Positions | RotaryTables,
+        segment_ids: SegmentIds | None = None,
     ) -> Hidden:
         """**Arguments:**
 
         - `x`: `[batch, seq, embed]` (normalised) activations.
-        - `positions`: `[batch, seq]` integer positions for RoPE.
+        - `positions`: `[batch, seq]` integer positions for RoPE, or their tables
+          (`rotary_tables(positions)`).
         - `segment_ids`: `[batch, seq]` packed-document ids, or `None` (one document).
 
         **Returns:** `[batch, seq, embed]` in the dtype of `x`.
@@ -184,7 +188,14 @@ class SelfAttention(eqx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
+        if not isinstance(positions, RotaryTables):
+            positions = self.rope.tables(positions)  # once for the queries and the keys
         return self.rope(q, positions), self.rope(k, positions), v
+
+    def rotary_tables(self, positions: Positions) -> RotaryTables:
+        """**Returns:** this layer's RoPE tables at `positions`, which `__call__` accepts in
+        their place (`LayerStack` computes them once for all its layers)."""
+        return self.rope.tables(positions)
 
     def _attend(self, q, k, v, segment_ids):
         return attention(

@@ -28,7 +28,7 @@ from .._types import Hidden, Positions, SegmentIds
 from ..attention import latent_attention
 from ..attention._decode import decode_attention
 from ._norm import RMSNorm
-from ._rope import RoPE
+from ._rope import RoPE, RotaryTables
 
 
 @final
@@ -182,9 +182,10 @@ class MultiHeadLatentAttention(eqx.Module):
         return None if self.wq_a is None else self.wq_a.shape[-1]
 
     def queries(
-        self, x: Hidden, positions: Positions
+        self, x: Hidden, positions: Positions | RotaryTables
     ) -> Float[Array, "batch seq heads qk_head_dim"]:
-        """Queries of `x` (`[batch, seq, embed]`, normalised) at RoPE `positions`.
+        """Queries of `x` (`[batch, seq, embed]`, normalised) at RoPE `positions` (or their
+        `rotary_tables`).
 
         **Returns:** `[batch, seq, heads, qk_head_dim]` queries `[q_nope, rotated q_rope]`.
         """
@@ -199,14 +200,14 @@ class MultiHeadLatentAttention(eqx.Module):
         return jnp.concatenate([q_nope, self.rope(q_rope, positions)], axis=-1)
 
     def latent(
-        self, x: Hidden, positions: Positions
+        self, x: Hidden, positions: Positions | RotaryTables
     ) -> tuple[Float[Array, "batch seq kv_lora_rank"], Float[Array, "batch seq qk_rope_head_dim"]]:
         """What keys and values are made of: the only per-token state a strategy needs.
 
         **Arguments:**
 
         - `x`: `[batch, seq, embed]` (normalised) activations.
-        - `positions`: `[batch, seq]` RoPE positions.
+        - `positions`: `[batch, seq]` RoPE positions, or their `rotary_tables`.
 
         **Returns:** `(latent, k_rope)`: the RMS-normalised key/value latent
         `[batch, seq, kv_lora_rank]` and the rotated rotary key `[batch, seq,
@@ -242,12 +243,16 @@ class MultiHeadLatentAttention(eqx.Module):
         return LatentUpProjection(self.wkv_b, self.qk_nope_head_dim, self.qk_rope_head_dim)
 
     def __call__(
-        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+        self,
+        x: Hidden,
+        positions: Positions | RotaryTables,
+        segment_ids: SegmentIds | None = None,
     ) -> Hidden:
         """**Arguments:**
 
         - `x`: `[batch, seq, embed]` (normalised) activations.
-        - `positions`: `[batch, seq]` RoPE positions.
+        - `positions`: `[batch, seq]` RoPE positions, or their tables
+          (`rotary_tables(positions)`).
         - `segment_ids`: `[batch, seq]` packed-document ids, or `None` (one document).
 
         **Returns:** `[batch, seq, embed]` in the dtype of `x`.
@@ -257,6 +262,11 @@ class MultiHeadLatentAttention(eqx.Module):
         spec's mesh, or `segment_ids` is not `[batch, seq]` integers.
         """
         return self.prefill(x, positions, segment_ids)[0]
+
+    def rotary_tables(self, positions: Positions) -> RotaryTables:
+        """**Returns:** this layer's RoPE tables at `positions`, which `__call__` accepts in
+        their place (`LayerStack` computes them once for all its layers)."""
+        return self.rope.tables(positions)
 
     # ---- inference (eqx_longctx.inference): the cache holds the latent and rotary key ----
 
@@ -272,7 +282,10 @@ class MultiHeadLatentAttention(eqx.Module):
         return ((1, self.kv_lora_rank + self.qk_rope_head_dim),)
 
     def prefill(
-        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+        self,
+        x: Hidden,
+        positions: Positions | RotaryTables,
+        segment_ids: SegmentIds | None = None,
     ) -> tuple[Hidden, tuple[Array]]:
         """`__call__`, also returning what the KV cache keeps of these tokens.
 
@@ -281,6 +294,8 @@ class MultiHeadLatentAttention(eqx.Module):
         """
         # Context-parallel strategies move the latent (kv_lora_rank + qk_rope_head_dim per
         # token), not per-head K/V; each device up-projects the tokens it holds.
+        if not isinstance(positions, RotaryTables):
+            positions = self.rope.tables(positions)  # once for the queries and the keys
         latent = self.latent(x, positions)
         out = latent_attention(
             self.queries(x, positions),
@@ -308,8 +323,9 @@ class MultiHeadLatentAttention(eqx.Module):
         **Returns:** `(out, (latent,))`: the output and the new token's cache entry.
         """
         dtype = x.dtype
-        q = self.queries(x, positions)
-        new = jnp.concatenate(self.latent(x, positions), axis=-1)[:, :, None, :]
+        tables = self.rope.tables(positions)
+        q = self.queries(x, tables)
+        new = jnp.concatenate(self.latent(x, tables), axis=-1)[:, :, None, :]
         nope = self.qk_nope_head_dim
         w_uk, w_uv = self.wkv_b[..., :nope].astype(dtype), self.wkv_b[..., nope:].astype(dtype)
         q_latent = jnp.einsum("bshn,chn->bshc", q[..., :nope], w_uk)

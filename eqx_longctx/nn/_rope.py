@@ -26,6 +26,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jaxtyping import Array, Float
 
 from .._checks import check_bool, check_instance, check_int, check_real
 from .._types import Heads, Positions
@@ -240,6 +241,22 @@ class YarnRopeScaling(AbstractRopeScaling):
 
 
 @final
+class RotaryTables(eqx.Module):
+    """The cos and sin of every token's rotation angles, `[batch, seq, head_dim / 2]`
+    float32 each (the scaling's `rotary_factor` applied): what `RoPE` computes from
+    positions, computed once and passed in their place.
+
+    `RoPE.tables(positions)` makes them; `RoPE.__call__` and the attention layers accept
+    them wherever they take RoPE positions. `LayerStack` computes them once per forward for
+    all its layers (and the backward's recomputation), where each layer would otherwise
+    compute them again: libm's `sincosf` was 2.4% of the main job's CPU time.
+    """
+
+    cos: Float[Array, "batch seq half"]
+    sin: Float[Array, "batch seq half"]
+
+
+@final
 class RoPE(eqx.Module):
     """Rotary position embedding of queries or keys at explicit token positions.
 
@@ -308,17 +325,9 @@ class RoPE(eqx.Module):
             return self.scaling.frequencies(self.head_dim, self.theta)
         return _plain_frequencies(self.head_dim, self.theta)
 
-    def __call__(self, x: Heads, positions: Positions) -> Heads:
-        """Rotate each feature pair of frequency `i` by `positions * freq_i`.
-
-        **Arguments:**
-
-        - `x`: `[batch, seq, heads, head_dim]` queries or keys.
-        - `positions`: `[batch, seq]` integer positions (they restart at 0 in each packed
-          document, so RoPE sees the position inside the document).
-
-        **Returns:** the rotated `x`, same shape and dtype; the rotation runs in float32.
-        """
+    def tables(self, positions: Positions) -> RotaryTables:
+        """**Returns:** the cos and sin tables of `positions` (`[batch, seq]` integers), to
+        pass in their place to every rotation at those positions."""
         inv_freq = jnp.asarray(self.frequencies(), jnp.float32)
         angles = jnp.einsum("bs,f->bsf", positions.astype(jnp.float32), inv_freq)
         cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -326,9 +335,35 @@ class RoPE(eqx.Module):
         if factor != 1.0:
             cos, sin = factor * cos, factor * sin
         # The tables go through a barrier, so they are computed once per token and
-        # frequency: fused into the rotation, XLA:CPU computed them again for every head
-        # (libm's `sincosf` was 2.5% of the main job's step).
+        # frequency: fused into the rotation, XLA:CPU computed them again for every head.
         cos, sin = lax.optimization_barrier((cos, sin))
+        return RotaryTables(cos, sin)
+
+    def __call__(self, x: Heads, positions: Positions | RotaryTables) -> Heads:
+        """Rotate each feature pair of frequency `i` by `positions * freq_i`.
+
+        **Arguments:**
+
+        - `x`: `[batch, seq, heads, head_dim]` queries or keys.
+        - `positions`: `[batch, seq]` integer positions (they restart at 0 in each packed
+          document, so RoPE sees the position inside the document), or their
+          `RotaryTables` (`tables(positions)`).
+
+        **Returns:** the rotated `x`, same shape and dtype; the rotation runs in float32.
+
+        **Raises:** `ValueError` when `RotaryTables` do not match `x`'s batch and sequence
+        or this RoPE's `head_dim / 2` frequencies.
+        """
+        if not isinstance(positions, RotaryTables):
+            positions = self.tables(positions)
+        cos, sin = positions.cos, positions.sin
+        want = (*x.shape[:2], self.head_dim // 2)
+        if cos.shape != want:
+            raise ValueError(
+                f"RotaryTables of shape {cos.shape} cannot rotate x of shape {x.shape} with "
+                f"this RoPE (head_dim={self.head_dim}): they must be [batch, seq, head_dim / "
+                f"2] = {want}. Make them with this RoPE's tables(positions) for these tokens."
+            )
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         x32 = x.astype(jnp.float32)
         if self.interleaved:

@@ -23,6 +23,7 @@ from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention._decode import LayerCache
 from ._norm import RMSNorm
+from ._rope import RotaryTables
 
 REMAT_POLICIES = ("none", "full", "dots", "offload")
 """The rematerialisation policies of `LayerStack(remat=...)`, the model configs' `remat` and
@@ -40,13 +41,13 @@ class DecoderBlock(eqx.Module):
     """
 
     attn_norm: RMSNorm
-    attn: Callable[[Hidden, Positions, SegmentIds | None], Hidden]
+    attn: Callable[[Hidden, Positions | RotaryTables, SegmentIds | None], Hidden]
     mlp_norm: RMSNorm
     mlp: Callable[[Hidden], Hidden]
 
     def __init__(
         self,
-        attn: Callable[[Hidden, Positions, SegmentIds | None], Hidden],
+        attn: Callable[[Hidden, Positions | RotaryTables, SegmentIds | None], Hidden],
         mlp: Callable[[Hidden], Hidden],
         *,
         dim: int,
@@ -56,7 +57,9 @@ class DecoderBlock(eqx.Module):
         """**Arguments:**
 
         - `attn`: the attention sublayer, called as `attn(x, positions, segment_ids) -> x`
-          (e.g. `SelfAttention`, `MultiHeadLatentAttention`).
+          (e.g. `SelfAttention`, `MultiHeadLatentAttention`). One with a
+          `rotary_tables(positions)` method is passed those tables in place of the positions
+          by `LayerStack` (see `rotary_tables`).
         - `mlp`: the feed-forward sublayer, called as `mlp(x) -> x` (e.g. `SwiGLU`, `MoE`).
         - `dim`: model width (`embed`), the size the two RMSNorms normalise.
         - `norm_eps`: RMSNorm epsilon.
@@ -78,12 +81,16 @@ class DecoderBlock(eqx.Module):
         self.mlp = mlp
 
     def __call__(
-        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+        self,
+        x: Hidden,
+        positions: Positions | RotaryTables,
+        segment_ids: SegmentIds | None = None,
     ) -> Hidden:
         """**Arguments:**
 
         - `x`: `[batch, seq, embed]` residual stream.
-        - `positions`: `[batch, seq]` RoPE positions.
+        - `positions`: `[batch, seq]` RoPE positions, or their `rotary_tables` (passed on
+          to the attention as they are).
         - `segment_ids`: `[batch, seq]` packed-document ids, or `None`.
 
         **Returns:** the updated residual stream, same shape and dtype.
@@ -93,6 +100,13 @@ class DecoderBlock(eqx.Module):
         """
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         return x + self.mlp(self.mlp_norm(x))
+
+    def rotary_tables(self, positions: Positions) -> RotaryTables | None:
+        """**Returns:** the attention's RoPE tables at `positions` where it takes them in
+        place of the positions (it has a `rotary_tables` method, as `SelfAttention` and
+        `MultiHeadLatentAttention` do), else `None`."""
+        tables = getattr(self.attn, "rotary_tables", None)
+        return None if tables is None else tables(positions)
 
     def prefill(self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None):
         """`__call__`, also returning the attention's cache entry (`attn.prefill`)."""
@@ -199,6 +213,12 @@ class LayerStack(eqx.Module):
         `eqx_longctx.param_pspecs` for a weight that does not split over the mesh.
         """
         params, static = eqx.partition(self.layers, eqx.is_array)
+        # Layers whose attention takes RoPE tables in place of positions get them computed
+        # here, once for every layer and for the backward's recomputation (they are the
+        # same for all): in each layer they were 2.4% of the main job's CPU time (libm's
+        # sincosf). They are closed over; nothing else depends on them alone.
+        rotary = getattr(self.layers, "rotary_tables", None)
+        tables = None if rotary is None else rotary(positions)
 
         # Positions and segment ids go in as per-layer inputs, not closed over: under
         # differentiation JAX hoists whatever depends only on loop invariants out of the
@@ -209,7 +229,7 @@ class LayerStack(eqx.Module):
             layer = gather_for_compute(eqx.combine(layer_params, static), self.spec)
             if self.remat == "offload":
                 h = checkpoint_name(h, OFFLOAD_NAME)
-            return layer(h, positions, segment_ids), None
+            return layer(h, positions if tables is None else tables, segment_ids), None
 
         if self.remat == "full":
             body = jax.checkpoint(body, prevent_cse=False)
@@ -231,7 +251,8 @@ class LayerStack(eqx.Module):
         def per_layer(a):
             return None if a is None else jnp.broadcast_to(a, (self.n_layers, *a.shape))
 
-        x, _ = lax.scan(body, x, (params, per_layer(positions), per_layer(segment_ids)))
+        per_layer_positions = per_layer(positions) if tables is None else None
+        x, _ = lax.scan(body, x, (params, per_layer_positions, per_layer(segment_ids)))
         return x
 
     def _compute_layer(self, layer_params):

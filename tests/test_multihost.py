@@ -283,7 +283,9 @@ def test_peer_death_ends_survivor(tmp_path, victim):
 
     Process 1 lost: our heartbeat notices after --peer-timeout and process 0 exits with
     status 3 and a line naming process 1. Process 0 lost (the coordinator goes with it):
-    JAX's client notices at once and aborts process 1 with its own fatal log."""
+    process 1 is aborted at once by whichever notices first, JAX's client (its own fatal
+    log) or, when process 1 was inside a collective with process 0, gloo's TCP transport
+    (its `gloo::EnforceNotMet` on the broken connection; seen once in a loaded CI run)."""
     timeout = 10
     args = cli_flags(tmp_path / "run", "ring", steps=10_000, checkpoint_every=10_000)
     run = launch(tmp_path, args + ["--peer-timeout", str(timeout)])
@@ -308,7 +310,8 @@ def test_peer_death_ends_survivor(tmp_path, victim):
         assert elapsed < timeout + 20, (elapsed, out)
     else:
         assert code != 0, out
-        assert "JAX distributed service detected fatal errors" in out, out
+        noticed = ("JAX distributed service detected fatal errors", "gloo::EnforceNotMet")
+        assert any(line in out for line in noticed), out
         assert elapsed < 20, (elapsed, out)
     assert PEER_TIMEOUT + 2 < BOUND  # the default bound keeps the issue's promise
 

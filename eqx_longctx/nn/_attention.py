@@ -188,9 +188,8 @@ class SelfAttention(eqx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        if not isinstance(positions, RotaryTables):
-            positions = self.rope.tables(positions)  # once for the queries and the keys
-        return self.rope(q, positions), self.rope(k, positions), v
+        tables = self.rope.tables(positions)  # once for the queries and the keys
+        return self.rope(q, tables), self.rope(k, tables), v
 
     def rotary_tables(self, positions: Positions) -> RotaryTables:
         """**Returns:** this layer's RoPE tables at `positions`, which `__call__` accepts in

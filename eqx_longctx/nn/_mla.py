@@ -294,11 +294,10 @@ class MultiHeadLatentAttention(eqx.Module):
         """
         # Context-parallel strategies move the latent (kv_lora_rank + qk_rope_head_dim per
         # token), not per-head K/V; each device up-projects the tokens it holds.
-        if not isinstance(positions, RotaryTables):
-            positions = self.rope.tables(positions)  # once for the queries and the keys
-        latent = self.latent(x, positions)
+        tables = self.rope.tables(positions)  # once for the queries and the keys
+        latent = self.latent(x, tables)
         out = latent_attention(
-            self.queries(x, positions),
+            self.queries(x, tables),
             latent,
             self.up_projection(),
             spec=self.spec,

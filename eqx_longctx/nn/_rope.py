@@ -325,9 +325,12 @@ class RoPE(eqx.Module):
             return self.scaling.frequencies(self.head_dim, self.theta)
         return _plain_frequencies(self.head_dim, self.theta)
 
-    def tables(self, positions: Positions) -> RotaryTables:
+    def tables(self, positions: Positions | RotaryTables) -> RotaryTables:
         """**Returns:** the cos and sin tables of `positions` (`[batch, seq]` integers), to
-        pass in their place to every rotation at those positions."""
+        pass in their place to every rotation at those positions; tables given as
+        `positions` are returned as they are."""
+        if isinstance(positions, RotaryTables):
+            return positions
         inv_freq = jnp.asarray(self.frequencies(), jnp.float32)
         angles = jnp.einsum("bs,f->bsf", positions.astype(jnp.float32), inv_freq)
         cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -354,9 +357,8 @@ class RoPE(eqx.Module):
         **Raises:** `ValueError` when `RotaryTables` do not match `x`'s batch and sequence
         or this RoPE's `head_dim / 2` frequencies.
         """
-        if not isinstance(positions, RotaryTables):
-            positions = self.tables(positions)
-        cos, sin = positions.cos, positions.sin
+        tables = self.tables(positions)
+        cos, sin = tables.cos, tables.sin
         want = (*x.shape[:2], self.head_dim // 2)
         if cos.shape != want:
             raise ValueError(

@@ -63,6 +63,22 @@ def test_script_plots(script: str, tmp_path: Path) -> None:
         _check_png(tmp_path / f"{name}.png")
 
 
+def test_cp_shard_attention_prints_its_table() -> None:
+    # No figure: a table of three attentions. The script exits non-zero when ours and the
+    # plain masked softmax it times disagree beyond 1e-5.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    args = "--seq 64 --batch 1 --devices 2 --heads 4 --kv-heads 2 --repeats 1".split()
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/cp_shard_attention.py", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ")]
+    assert rows == ["attention", "ours", "plain", "8 keys"], proc.stdout
+    assert "causal pairs kept: " in proc.stdout, proc.stdout
+
+
 def test_kernel_plot(tmp_path: Path) -> None:
     # The kernel timings exist only on a TPU; the figure is drawn from a table of that shape.
     rows = [

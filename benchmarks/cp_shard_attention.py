@@ -10,8 +10,9 @@ script times that block for device 0, forward and forward+backward, three ways, 
   block costs beyond its arithmetic.
 
 It also prints the share of the block's (query, key) pairs that the causal mask keeps,
-the block's float32 products (QK^T and PV) as FLOP/s of a 2048^3 matmul measured in the
-same run, and the bound a block-sparse attention would meet: ours scaled by the kept share.
+how long the block's float32 products (QK^T and PV) would take at the rate of a 2048^3
+matmul measured in the same run, and the bound a block-sparse attention would meet: ours
+scaled by the kept share.
 The process runs on one core (its CPU affinity, on Linux, and
 `--xla_cpu_multi_thread_eigen=false` unless `XLA_FLAGS` is set), as each of 8 fake devices
 gets about a quarter of two cores; the matmul is measured on that core too.

@@ -64,8 +64,8 @@ def test_script_plots(script: str, tmp_path: Path) -> None:
 
 
 def test_cp_shard_attention_prints_its_table() -> None:
-    # No figure: a table of three attentions. The script exits non-zero when ours and the
-    # plain masked softmax it times disagree beyond 1e-5.
+    # No figure: a table of three attentions. The script exits non-zero when ours or the
+    # plain masked softmax it times differs from `reference_attention` by over 1e-5.
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     args = "--seq 64 --batch 1 --devices 2 --heads 4 --kv-heads 2 --repeats 1".split()
     proc = subprocess.run(

@@ -2,17 +2,20 @@
 
 Under the all-gather strategy with the zig-zag layout, each of `--devices` devices attends
 its `seq / devices` queries (chunks `i` and `2N-1-i`) to all `seq` gathered keys. This
-script times that block for device 0, forward and forward+backward, three ways, in one run:
+script times that block for device 0, forward and forward+backward, four ways, in one run:
 
-- *ours*: `eqx_longctx`'s block attention (the XLA implementation the strategies call);
+- *ours*: what the all-gather strategy runs at these lengths, zig-zag's causal halves
+  (`attention/_halves.py`: the early chunk's queries over the early keys, the late one's
+  over all, 3/4 of the block's pairs);
+- *one call*: the XLA block attention over the whole block (what it ran before);
 - *plain*: a masked softmax over the whole block, as MaxText's `attention=dot_product`;
-- *8 keys*: ours on only 8 of the keys, the same calls with almost no scores: what the
-  block costs beyond its arithmetic.
+- *8 keys*: one call on only 8 of the keys, the same calls with almost no scores: what
+  the block costs beyond its arithmetic.
 
-It also prints the share of the block's (query, key) pairs that the causal mask keeps,
-how long the block's float32 products (QK^T and PV) would take at the rate of a 2048^3
-matmul measured in the same run, and the bound a block-sparse attention would meet: ours
-scaled by the kept share.
+It also prints the share of the block's (query, key) pairs that the causal mask keeps and
+that ours computes, how long the block's float32 products (QK^T and PV) would take at the
+rate of a 2048^3 matmul measured in the same run, and the bound a block-sparse attention
+would meet: ours at its cost per computed pair, scaled to the kept ones.
 The process runs on one core (its CPU affinity, on Linux, and
 `--xla_cpu_multi_thread_eigen=false` unless `XLA_FLAGS` is set), as each of 8 fake devices
 gets about a quarter of two cores; the matmul is measured on that core too.
@@ -20,7 +23,7 @@ gets about a quarter of two cores; the matmul is measured on that core too.
     python benchmarks/cp_shard_attention.py                     # the vs_maxtext 8 x 256 shard
     python benchmarks/cp_shard_attention.py --seq 512 --batch 2 # the 16 x 512 one
 
-Ours and the plain softmax are both checked against `reference_attention` (device 0's rows
+Ours, one call and the plain softmax are all checked against `reference_attention` (device 0's rows
 of the whole sequence, float32); the script exits non-zero if either is off by over 1e-5.
 """
 
@@ -40,6 +43,7 @@ from eqx_longctx import reference_attention  # noqa: E402
 from eqx_longctx._layout import _order  # noqa: E402
 from eqx_longctx._timing import best_seconds  # noqa: E402
 from eqx_longctx.attention._block import BlockOptions, block_attention  # noqa: E402
+from eqx_longctx.attention._halves import zigzag_attention  # noqa: E402
 from eqx_longctx.attention._local import XlaBlockImpl  # noqa: E402
 
 
@@ -72,7 +76,12 @@ def main(argv=None) -> None:
     options = BlockOptions.make(True, None, None, d)
     impl = XlaBlockImpl()
 
-    def ours(q, k, v):
+    def ours(q, k, v):  # as the all-gather strategy calls it: one shard's queries, N shards' keys
+        return zigzag_attention(
+            impl, q, k, v, qp, kp, None, None, options, q_shards=1, kv_shards=args.devices
+        )
+
+    def one_call(q, k, v):
         return block_attention(impl, q, k, v, qp, kp, None, None, options)[0]
 
     def eight_keys(q, k, v):
@@ -94,32 +103,42 @@ def main(argv=None) -> None:
     rows = jnp.asarray(qpos)
     whole = jnp.zeros((b, s, h, d), jnp.float32).at[:, rows].set(q)
     want = reference_attention(whole, k[:, np.argsort(kpos)], v[:, np.argsort(kpos)])[:, rows]
-    err = max(float(jnp.abs(jax.jit(f)(q, k, v) - want).max()) for f in (ours, plain))
+    variants = {"ours": ours, "one call": one_call, "plain": plain, "8 keys": eight_keys}
+    checked = [variants[n] for n in ("ours", "one call", "plain")]
+    err = max(float(jnp.abs(jax.jit(f)(q, k, v) - want).max()) for f in checked)
     if not err <= 1e-5:  # a bug, not a timing
-        raise SystemExit(f"ours or the plain softmax differs from the oracle by {err:.2e}")
+        raise SystemExit(
+            f"ours, one call or the plain softmax differs from the oracle by {err:.2e}"
+        )
     times = {}
-    for name, f in (("ours", ours), ("plain", plain), ("8 keys", eight_keys)):
+    for name, f in variants.items():
         times[name] = (
             best_seconds(jax.jit(f), q, k, v, repeats=args.repeats),
             best_seconds(fwd_bwd(f), q, k, v, repeats=args.repeats),
         )
     kept = float(np.mean(qpos[:, None] >= kpos[None, :]))
+    computed = 0.75  # the early half's queries over half of the keys, the late half's over all
     products = 2 * 2 * b * h * sq * s * d  # QK^T and PV, the whole block
     print(
         f"device 0 of {args.devices} (zig-zag): {b} x {sq} queries, {s} keys, {h} heads / "
         f"{kvh} K/V, head_dim {d}, float32, one thread; max error against the oracle {err:.1e}"
     )
-    print(f"2048^3 matmul: {mm / 1e9:.1f} GFLOP/s; causal pairs kept: {kept:.0%} of the block")
+    print(
+        f"2048^3 matmul: {mm / 1e9:.1f} GFLOP/s; causal pairs kept: {kept:.0%} of the block, "
+        f"computed by ours: {computed:.0%}"
+    )
     print("| attention | forward | forward + backward | / ours (f+b) |")
     print("|---|---|---|---|")
     for name, (tf, tb) in times.items():
         print(f"| {name} | {tf * 1e3:.3f} ms | {tb * 1e3:.3f} ms | {tb / times['ours'][1]:.2f} |")
     tf, tb = times["ours"]
+    ours_products = products * computed
+    sparse = kept / computed  # a block-sparse attention at ours' cost per computed pair
     print(
-        f"ours' forward: the block's products alone at the matmul's rate would take "
-        f"{products / mm * 1e3:.3f} ms ({products / mm / tf:.0%} of it); a block-sparse "
-        f"attention at ours' cost per kept pair: forward {tf * kept * 1e3:.3f} ms, "
-        f"forward + backward {tb * kept * 1e3:.3f} ms"
+        f"ours' forward: its products alone at the matmul's rate would take "
+        f"{ours_products / mm * 1e3:.3f} ms ({ours_products / mm / tf:.0%} of it); a "
+        f"block-sparse attention at ours' cost per computed pair: forward "
+        f"{tf * sparse * 1e3:.3f} ms, forward + backward {tb * sparse * 1e3:.3f} ms"
     )
 
 

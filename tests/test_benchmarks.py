@@ -64,7 +64,7 @@ def test_script_plots(script: str, tmp_path: Path) -> None:
 
 
 def test_cp_shard_attention_prints_its_table() -> None:
-    # No figure: a table of three attentions. The script exits non-zero when ours or the
+    # No figure: a table of four attentions. The script exits non-zero when ours, one call or the
     # plain masked softmax it times differs from `reference_attention` by over 1e-5.
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     args = "--seq 64 --batch 1 --devices 2 --heads 4 --kv-heads 2 --repeats 1".split()
@@ -75,7 +75,7 @@ def test_cp_shard_attention_prints_its_table() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     rows = [line.split("|")[1].strip() for line in lines if line.startswith("| ")]
-    assert rows == ["attention", "ours", "plain", "8 keys"], proc.stdout
+    assert rows == ["attention", "ours", "one call", "plain", "8 keys"], proc.stdout
     assert "causal pairs kept: " in proc.stdout, proc.stdout
 
 

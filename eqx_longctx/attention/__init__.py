@@ -27,7 +27,7 @@ from ._impls import flash_attention as flash_attention
 from ._impls import lowering_impl
 from ._reference import reference_attention as reference_attention
 from ._ring import _kv_identity, ring_latent_attention
-from ._tiling_policy import ring_hops, tiling
+from ._tiling_policy import ring_hops, tiling, zigzag_halves
 from ._ulysses import ulysses_attention
 from ._usp import usp_attention
 from ._validate import (
@@ -309,17 +309,22 @@ def _context_parallel(
 
     block_impl = lowering_impl(impl, platform=spec.platform, tiling=tiling(spec, s))
     kw: dict[str, Any] = dict(impl=block_impl, options=options)
+    halves = zigzag_halves(spec, s, options.causal)
 
     def local(q, params, source, positions, segment_ids):
         if strategy == "all_gather":
             fn = all_gather_latent_attention
-            return fn(q, source, expand, params, positions, segment_ids, axis=axis, **kw)
+            return fn(
+                q, source, expand, params, positions, segment_ids, axis=axis, halves=halves, **kw
+            )
         if strategy == "ring":
             fn = ring_latent_attention
             return fn(q, source, expand, params, positions, segment_ids, axis=axis, hops=hops, **kw)
         k, v = expand(params, source)  # Ulysses splits heads of up-projected K/V
         if strategy == "ulysses":
-            return ulysses_attention(q, k, v, positions, segment_ids, axis=axis, **kw)
+            return ulysses_attention(
+                q, k, v, positions, segment_ids, axis=axis, halves=halves, **kw
+            )
         return usp_attention(
             q,
             k,

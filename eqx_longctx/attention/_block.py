@@ -57,6 +57,14 @@ class AbstractBlockImpl(eqx.Module):
         with callbacks (Pallas' TPU interpret mode with its race detector)."""
         return True
 
+    @property
+    def splits_zigzag_halves(self) -> bool:
+        """Whether a strategy whose call is made of whole zig-zag shards splits it into its
+        causal halves for this implementation (`_halves.py`: 3/4 of the score pairs, in two
+        calls of half the queries each). `False` here: an implementation that pads queries to
+        whole blocks (the Pallas kernels, to 128 rows) may lose more than the split saves."""
+        return False
+
     @abc.abstractmethod
     def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
         """**Returns:** the tiled query side (`qt`)."""

@@ -20,7 +20,7 @@ from ._cost import (
     strategy_cost,
 )
 from ._explain import Plan, gib, sec
-from ._tiling_policy import block_size, tile_bytes, token_positions
+from ._tiling_policy import block_size, tile_bytes, token_positions, zigzag_halves
 from ._validate import check_layout, check_options
 
 # Budget for one attention call's activations: this fraction of device memory when the
@@ -101,6 +101,7 @@ def plan(
     p = Problem(
         nb, nt, spec.context_parallel_size, batch, seq, q_heads, kv_heads, head_dim, dv, e,
         bool(causal), bool(segment_ids), block_size(spec, seq), tile_bytes(spec), window,
+        zigzag_halves(spec, seq, causal),
     )  # fmt: skip
     common = common_problem(spec, p)
     order = None if common else token_positions(spec, seq)

@@ -86,6 +86,7 @@ class Problem(NamedTuple):
     block: int  # flash tile size the dispatcher uses for this spec and length
     tile_bytes: int  # bytes of one block of float32 scores (heads are tiled to fit)
     window: int | None = None  # sliding window (causal only)
+    halves: bool = False  # all-gather and Ulysses split into zig-zag's causal halves
 
     @property
     def b(self) -> int:  # local batch
@@ -257,9 +258,20 @@ def _memory(name, p: Problem, nu: int, nr: int, r: int) -> tuple[int, int]:
         sq, hq, hk = (
             (ln, p.hq_l, p.hk_l) if name == "all_gather" else (s, p.hq_l // nu, p.hk_l * r // nu)
         )
-        tf = flash(b, sq, s, hq, hk, d, dv, e, False, gathered=True) + ids * s
+
+        def call(backward):
+            if not p.halves:
+                return flash(b, sq, s, hq, hk, d, dv, e, backward, gathered=True)
+            # the late half's call over every key, the early half's over a copy of the
+            # early keys (`_halves.py`), one after the other
+            early = b * (s // 2) * hk * (d + dv) * e
+            one = functools.partial(flash, b, sq // 2, hq=hq, hk=hk, d=d, dv=dv, e=e,
+                                    backward=backward, gathered=True)  # fmt: skip
+            return max(one(sk=s), one(sk=s // 2) + early)
+
+        tf = call(False) + ids * s
         out = b * sq * hq * dv * e  # the output, a residual of the backward
-        tt = flash(b, sq, s, hq, hk, d, dv, e, True, gathered=True) + ids * s + out
+        tt = call(True) + ids * s + out
     else:  # ring, or usp: the ring over heads / nu and tokens s / nr
         hq, hk, lr = p.hq_l // nu, p.hk_l * r // nu, s // nr
         # K/V + ids of the hop computed and the hop arriving (none on a ring of one device)
@@ -301,10 +313,18 @@ def _work(name, order, p: Problem, nu: int, nr: int) -> np.ndarray:
             seen &= qmin[:, None] - kmax[None, :] < p.window
         return int(seen.sum()) * bq * bk
 
+    def attend(qpos, kpos, q_shards, kv_shards):  # one call, or its causal halves
+        if not p.halves:
+            return count(qpos, kpos)
+        half = lambda x, m, i: x.reshape(m, 2, -1)[:, i].reshape(-1)  # noqa: E731
+        early_keys = half(kpos, kv_shards, 0)
+        return count(half(qpos, q_shards, 0), early_keys) + count(half(qpos, q_shards, 1), kpos)
+
     if name == "ulysses":  # every device: all tokens, heads / n
-        return np.full(n, count(order, order) * scale / n, dtype=np.float64)
+        return np.full(n, attend(order, order, n, n) * scale / n, dtype=np.float64)
     if name == "all_gather":
-        return np.array([count(shards[c], order) * scale for c in range(n)], dtype=np.float64)
+        work = [attend(shards[c], order, 1, n) * scale for c in range(n)]
+        return np.array(work, dtype=np.float64)
     # ring / usp: device (u, c) holds shards u'*nr + c for all u' (after the all-to-all)
     held = [shards[[u * nr + c for u in range(nu)]].reshape(-1) for c in range(nr)]
     per_c = [sum(count(held[c], held[j]) for j in range(nr)) * scale / nu for c in range(nr)]

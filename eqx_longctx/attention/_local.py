@@ -40,6 +40,10 @@ class XlaBlockImpl(AbstractBlockImpl):
 
     tiling: Tiling = eqx.field(static=True, default=DEFAULT_TILING)
 
+    @property
+    def splits_zigzag_halves(self) -> bool:
+        return True
+
     def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
         return QueryTiles.make(
             q, positions, segment_ids, kv_like, causal=options.causal, scale=options.scale,

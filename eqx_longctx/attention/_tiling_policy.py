@@ -26,6 +26,16 @@ def block_size(spec: ShardingSpec, seq: int) -> int:
     return min(chunk, DEFAULT_BLOCK_Q)
 
 
+def zigzag_halves(spec: ShardingSpec, seq: int, causal: bool) -> bool:
+    """Whether all-gather and Ulysses split their attention into zig-zag's causal halves
+    (`_halves.py`): a causal zig-zag layout whose chunks are too short for `block_size` to
+    align tiles with them (aligned tiles skip the same pairs). The XLA path splits; the
+    Pallas kernels decline (`AbstractBlockImpl.splits_zigzag_halves`)."""
+    if spec.load_balance != "zigzag" or not causal:
+        return False
+    return seq // (2 * spec.context_parallel_size) < MIN_ALIGNED_BLOCK
+
+
 def tile_bytes(spec: ShardingSpec) -> int:
     """Bytes one block of float32 scores may take on each device of the spec's mesh.
 

@@ -8,7 +8,8 @@ trades back. Two beyond-the-paper properties:
   K/V head is repeated `r = N / gcd(kv_heads, N)` times before the all-to-all, so every
   device receives the K/V heads its query heads use (for MQA that is one head per device).
 - Load-balanced layouts: token positions travel with the tokens (all-gathered), so the
-  causal mask stays correct whatever order the sequence is in.
+  causal mask stays correct whatever order the sequence is in. With a causal zig-zag
+  layout of short chunks the attention is split into its causal halves (`_halves.py`).
 """
 
 import math
@@ -18,6 +19,7 @@ from jax import lax
 
 from .._types import AxisName
 from ._block import AbstractBlockImpl, BlockOptions, block_attention
+from ._halves import zigzag_attention
 from ._pack import together
 
 
@@ -37,11 +39,13 @@ def ulysses_attention(
     impl: AbstractBlockImpl,
     options: BlockOptions,
     inner=None,
+    halves: bool = False,
 ):
     """Sequence-sharded in, sequence-sharded out; heads are sharded over `axis` inside.
 
     `inner(q, k, v, positions, segment_ids)` attends the head shard over the full sequence
-    gathered over `axis` (default: `impl`'s local attention; USP passes the ring).
+    gathered over `axis` (default: `impl`'s local attention, split into zig-zag's causal
+    halves when `halves`; USP passes the ring).
     """
     degree = lax.axis_size(axis)
     r = kv_repeats(k.shape[2], degree)
@@ -51,7 +55,10 @@ def ulysses_attention(
     gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     positions, segment_ids = together((positions, segment_ids), gather)
-    if inner is None:
+    if inner is None and halves:  # the whole sequence: every zig-zag shard, both sides
+        args = (q, k, v, positions, positions, segment_ids, segment_ids, options)
+        out = zigzag_attention(impl, *args, q_shards=degree, kv_shards=degree)
+    elif inner is None:
         out, _ = block_attention(
             impl, q, k, v, positions, positions, segment_ids, segment_ids, options
         )

@@ -119,3 +119,17 @@ def test_halves_compute_three_quarters_of_the_products(strategy, monkeypatch):
     monkeypatch.setattr(dispatcher, "zigzag_halves", lambda *a: False)
     whole = flops()
     assert 0.7 <= split / whole <= 0.82, (split, whole)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+def test_cost_model_counts_the_halves_where_they_run(strategy):
+    """`plan` prices 3/4 of the work where the XLA path splits, and the whole block for the
+    Pallas kernels, which keep one call."""
+    from eqx_longctx.attention._choose import plan
+
+    def compute(impl):
+        spec = ShardingSpec(make_mesh((2, 4), ("data", "context")), strategy, "zigzag", impl=impl)
+        shape = dict(batch=4, seq=256, q_heads=8, kv_heads=4, head_dim=32)
+        return plan(spec, **shape).costs[strategy].compute_s
+
+    assert compute("xla") == pytest.approx(0.75 * compute("pallas"))

@@ -11,7 +11,6 @@ import numpy as np
 
 from .._checks import check_bool, check_int, check_memory_budget, check_real, check_spec
 from .._sharding import ShardingSpec
-from ._block import AbstractBlockImpl, resolve_impl
 from ._cost import (
     DEFAULT_BYTES_PER_S,
     DEFAULT_FLOPS_PER_S,
@@ -21,6 +20,7 @@ from ._cost import (
     strategy_cost,
 )
 from ._explain import Plan, gib, sec
+from ._impls import make_impl
 from ._tiling_policy import block_size, tile_bytes, token_positions, zigzag_halves
 from ._validate import check_layout, check_options
 
@@ -33,13 +33,6 @@ DEFAULT_MEMORY_BUDGET = 4 * 2**30
 # time is within this fraction of the best: per-hop overheads (merges, synchronisation) of
 # ring and usp are not priced, so a saving smaller than this is not worth them.
 TIE_FRACTION = 0.05
-
-
-def _splits_halves(spec: ShardingSpec) -> bool:
-    """Whether the implementation `spec` runs on its platform splits zig-zag's causal halves
-    (the XLA path does; the Pallas kernels that `"auto"` runs on a TPU do not)."""
-    impl = resolve_impl(spec.impl, spec.platform)
-    return impl.splits_zigzag_halves if isinstance(impl, AbstractBlockImpl) else impl == "xla"
 
 
 @no_type_check  # validated eagerly, with errors that say what to fix
@@ -109,7 +102,9 @@ def plan(
     p = Problem(
         nb, nt, spec.context_parallel_size, batch, seq, q_heads, kv_heads, head_dim, dv, e,
         bool(causal), bool(segment_ids), block_size(spec, seq), tile_bytes(spec), window,
-        zigzag_halves(spec, seq, causal) and _splits_halves(spec),
+        # priced only where the implementation `spec` runs on its platform splits them
+        zigzag_halves(spec, seq, causal)
+        and make_impl(spec.impl, platform=spec.platform).splits_zigzag_halves,
     )  # fmt: skip
     common = common_problem(spec, p)
     order = None if common else token_positions(spec, seq)

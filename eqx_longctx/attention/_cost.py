@@ -36,6 +36,7 @@ import numpy as np
 
 from .._hlo import COLLECTIVES
 from .._sharding import ShardingSpec
+from ._halves import half
 from ._tiles import DEFAULT_BLOCK_Q, TILE_BYTES, head_tile
 from ._tiling_policy import cut_ring_hops
 
@@ -316,9 +317,8 @@ def _work(name, order, p: Problem, nu: int, nr: int) -> np.ndarray:
     def attend(qpos, kpos, q_shards, kv_shards):  # one call, or its causal halves
         if not p.halves:
             return count(qpos, kpos)
-        half = lambda x, m, i: x.reshape(m, 2, -1)[:, i].reshape(-1)  # noqa: E731
-        early_keys = half(kpos, kv_shards, 0)
-        return count(half(qpos, q_shards, 0), early_keys) + count(half(qpos, q_shards, 1), kpos)
+        early_q, late_q = (half(qpos[None], q_shards, i)[0] for i in (0, 1))
+        return count(early_q, half(kpos[None], kv_shards, 0)[0]) + count(late_q, kpos)
 
     if name == "ulysses":  # every device: all tokens, heads / n
         return np.full(n, attend(order, order, n, n) * scale / n, dtype=np.float64)

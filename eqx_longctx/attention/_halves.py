@@ -18,6 +18,7 @@ lowering, so a TPU program lowered on another host keeps one kernel call.
 """
 
 import functools
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
@@ -25,9 +26,9 @@ from jax import lax
 from ._block import AbstractBlockImpl, BlockOptions, PerPlatform, block_attention
 
 
-def half(x, shards: int, which: int):
+def half(x: Any, shards: int, which: int) -> Any:
     """The first (`which=0`) or second half of each of the `shards` equal shards of `x`'s
-    sequence axis (axis 1), in shard order; `None` stays `None`."""
+    sequence axis (axis 1), in shard order (a JAX or NumPy array); `None` stays `None`."""
     if x is None:
         return None
     b, s = x.shape[:2]
@@ -66,16 +67,14 @@ def zigzag_attention(
     """
     ids = () if q_seg is None else (q_seg, kv_seg)
     args = (q, k, v, q_pos, kv_pos, *ids)
-    run = functools.partial(_attend, options=options, q_shards=q_shards, kv_shards=kv_shards)
+    side = lambda impl: functools.partial(_attend, impl, options, q_shards, kv_shards)  # noqa: E731
     if isinstance(impl, PerPlatform):  # both sides stay differentiable functions
-        tpu, default = (functools.partial(run, i) for i in (impl.tpu, impl.default))
-        return lax.platform_dependent(*args, tpu=tpu, default=default)
-    return run(impl, *args)
+        return lax.platform_dependent(*args, tpu=side(impl.tpu), default=side(impl.default))
+    return side(impl)(*args)
 
 
-def _attend(impl, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None, **kw):
+def _attend(impl, options, q_shards, kv_shards, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None):
     """One implementation's side of `zigzag_attention`: the halves, or the call whole."""
-    options, q_shards, kv_shards = kw["options"], kw["q_shards"], kw["kv_shards"]
     if not (impl.splits_zigzag_halves and options.causal):
         return block_attention(impl, q, k, v, q_pos, kv_pos, q_seg, kv_seg, options)[0]
     early_k, early_v, early_pos, early_seg = (half(x, kv_shards, 0) for x in (k, v, kv_pos, kv_seg))

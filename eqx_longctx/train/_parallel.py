@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from eqx_longctx.data import place_batch
 
 from .._sharding import ShardingSpec
-from ._config import default_mesh, fsdp_axes_of, mesh_shape
+from ._placement_flags import default_mesh, fsdp_axes_of, mesh_shape
 
 
 class Placement:

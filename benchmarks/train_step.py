@@ -6,9 +6,6 @@ Configurations (each is `python -m eqx_longctx.train` with these flags, 8 fake C
 
 - `main`: the main job's defaults (tiny Llama, `--seq-len 256 --batch-size 8`, ring,
   zig-zag, the default mesh);
-- `main-whole-hops`: the same with zig-zag's causal halves off (the dispatcher's
-  `zigzag_halves` policy patched to say no): every ring hop one whole call, as before
-  the ring took the halves (`attention/_halves.RING_PLANS`);
 - `4k-ring`, `4k-all_gather`: `--seq-len 4096 --batch-size 2` under each strategy.
 
 For each, a `Trainer` runs `--steps` steps; a *step* is the loop's own time per step (from
@@ -26,10 +23,8 @@ heads x head_dim / 2 per layer x 2): no recomputation, no masked half. The refer
 """
 
 import argparse
-import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -42,11 +37,9 @@ import numpy as np  # noqa: E402
 
 from eqx_longctx.data import load_datasets  # noqa: E402
 from eqx_longctx.train import TrainConfig, Trainer  # noqa: E402
-from eqx_longctx.train._step_cache import _STEP_CACHE  # noqa: E402
 
 CONFIGS = {
     "main": dict(),
-    "main-whole-hops": dict(),
     "4k-ring": dict(seq_len=4096, batch_size=2, strategy="ring"),
     "4k-all_gather": dict(seq_len=4096, batch_size=2, strategy="all_gather"),
 }
@@ -79,27 +72,7 @@ def useful_flops(config, batch: int, seq: int) -> float:
     return float(dense + attention)
 
 
-@contextlib.contextmanager
-def _whole_hops():
-    """Zig-zag's causal halves off; the trainer's compiled steps are dropped on the way in
-    and out, so neither this run nor the next reuses the other's program."""
-    dispatcher = sys.modules["eqx_longctx.attention"]  # the package, not its function
-    policy = dispatcher.zigzag_halves
-    _STEP_CACHE.clear()
-    dispatcher.zigzag_halves = lambda *args: False
-    try:
-        yield
-    finally:
-        dispatcher.zigzag_halves = policy
-        _STEP_CACHE.clear()
-
-
 def run_config(name: str, changes: dict, args) -> dict:
-    with _whole_hops() if name == "main-whole-hops" else contextlib.nullcontext():
-        return _run_config(name, changes, args)
-
-
-def _run_config(name: str, changes: dict, args) -> dict:
     settings = dict(
         steps=args.warmup + args.steps, progress=False, eval_every=10**6,
         checkpoint_every=10**6, eval_batches=1, final_eval_batches=1, **changes,

@@ -319,10 +319,7 @@ def _context_parallel(
             )
         if strategy == "ring":
             fn = ring_latent_attention
-            return fn(
-                q, source, expand, params, positions, segment_ids, axis=axis, hops=hops,
-                halves=halves, **kw,
-            )  # fmt: skip
+            return fn(q, source, expand, params, positions, segment_ids, axis=axis, hops=hops, **kw)
         k, v = expand(params, source)  # Ulysses splits heads of up-projected K/V
         if strategy == "ulysses":
             return ulysses_attention(
@@ -337,7 +334,6 @@ def _context_parallel(
             ulysses_axis=spec.ulysses_axis,
             ring_axis=spec.context_axis,
             hops=hops,
-            halves=halves,
             **kw,
         )
 

@@ -24,7 +24,7 @@ by hop under its own `custom_vjp`.
 
 import abc
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -66,17 +66,15 @@ class AbstractBlockImpl(eqx.Module):
         return False
 
     @abc.abstractmethod
-    def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions) -> Any:
+    def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
         """**Returns:** the tiled query side (`qt`)."""
 
     @abc.abstractmethod
-    def attend(self, qt, k, v, kv_positions, kv_segment_ids) -> tuple[Any, Any]:
+    def attend(self, qt, k, v, kv_positions, kv_segment_ids):
         """**Returns:** `(out, lse)` of `qt` against this K/V block, native layout."""
 
     @abc.abstractmethod
-    def attend_backward(
-        self, qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq
-    ) -> tuple[Any, Any, Any]:
+    def attend_backward(self, qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq):
         """**Returns:** `(dq, dk, dv)`: the accumulator and this block's float32 dK, dV."""
 
     def attend_heads_major(self, qt, k, v, kv_positions, kv_segment_ids):

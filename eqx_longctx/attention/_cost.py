@@ -36,7 +36,7 @@ import numpy as np
 
 from .._hlo import COLLECTIVES
 from .._sharding import ShardingSpec
-from ._halves import ALL, EARLY, OWN, RING_PLANS, half, ring_hop_kind
+from ._halves import half
 from ._tiles import DEFAULT_BLOCK_Q, TILE_BYTES, head_tile
 from ._tiling_policy import cut_ring_hops
 
@@ -87,7 +87,7 @@ class Problem(NamedTuple):
     block: int  # flash tile size the dispatcher uses for this spec and length
     tile_bytes: int  # bytes of one block of float32 scores (heads are tiled to fit)
     window: int | None = None  # sliding window (causal only)
-    halves: bool = False  # every strategy splits its calls into zig-zag's causal halves
+    halves: bool = False  # all-gather and Ulysses split into zig-zag's causal halves
 
     @property
     def b(self) -> int:  # local batch
@@ -245,18 +245,6 @@ def _flash(
     return max(loop + dq + dkv, untile, retile)
 
 
-def _call(flash, halves, b, sq, sk, hq, hk, d, dv, e, backward, gathered=False) -> int:
-    """Peak temporaries of one attention call of `sq` queries over `sk` keys, or of its
-    causal halves one after the other (`_halves.py`): half the queries over every key, and
-    half over a copy of the early keys (the ring's hops, `_halves.RING_PLANS`, are no larger)."""
-    if not halves:
-        return flash(b, sq, sk, hq, hk, d, dv, e, backward, gathered=gathered)
-    early = b * (sk // 2) * hk * (d + dv) * e
-    one = functools.partial(flash, b, sq // 2, hq=hq, hk=hk, d=d, dv=dv, e=e,
-                            backward=backward, gathered=gathered)  # fmt: skip
-    return max(one(sk=sk), one(sk=sk // 2) + early)
-
-
 def _memory(name, p: Problem, nu: int, nr: int, r: int) -> tuple[int, int]:
     """Per-device bytes (arguments + outputs + peak temporaries): forward, forward+backward."""
     b, s, e, d, dv = p.b, p.seq, p.e, p.d, p.dv
@@ -272,7 +260,16 @@ def _memory(name, p: Problem, nu: int, nr: int, r: int) -> tuple[int, int]:
             (ln, p.hq_l, p.hk_l) if name == "all_gather" else (s, p.hq_l // nu, p.hk_l * r // nu)
         )
 
-        call = functools.partial(_call, flash, p.halves, b, sq, s, hq, hk, d, dv, e, gathered=True)
+        def call(backward):
+            if not p.halves:
+                return flash(b, sq, s, hq, hk, d, dv, e, backward, gathered=True)
+            # the late half's call over every key, the early half's over a copy of the
+            # early keys (`_halves.py`), one after the other
+            early = b * (s // 2) * hk * (d + dv) * e
+            one = functools.partial(flash, b, sq // 2, hq=hq, hk=hk, d=d, dv=dv, e=e,
+                                    backward=backward, gathered=True)  # fmt: skip
+            return max(one(sk=s), one(sk=s // 2) + early)
+
         tf = call(False) + ids * s
         out = b * sq * hq * dv * e  # the output, a residual of the backward
         tt = call(True) + ids * s + out
@@ -281,17 +278,12 @@ def _memory(name, p: Problem, nu: int, nr: int, r: int) -> tuple[int, int]:
         # K/V + ids of the hop computed and the hop arriving (none on a ring of one device)
         shard = (b * lr * hk * (d + dv) * e + ids * lr) * (nr > 1)
         acc = b * lr * hq * (dv + 1) * _F32  # merged output + logsumexp
-        hop = functools.partial(_call, flash, p.halves, b, lr, lr, hq, hk, d, dv, e)
-        tf = hop(False) + 2 * shard + acc
-        # backward: dq, the own shard's dK/dV and the travelling dK/dV (+ the shifted copy
-        # the scan carries; a ring of two has no scan step) in float32, residuals
-        kv_grads = 3 if nr > 2 else nr
-        grads = b * lr * hq * d * _F32 + kv_grads * b * lr * hk * (d + dv) * _F32
+        tf = flash(b, lr, lr, hq, hk, d, dv, e, False) + 2 * shard + acc
+        # backward: dq, the own shard's dK/dV and the travelling dK/dV (+ the shifted copy)
+        # in float32, residuals
+        grads = b * lr * hq * d * _F32 + (3 if nr > 1 else 1) * b * lr * hk * (d + dv) * _F32
         resid = b * lr * hq * (dv * e + 2 * _F32)
-        tt = hop(True) + 2 * shard + grads + resid
-        if p.halves:  # the forward's query halves and its joined out + lse (the backward
-            # tiles each half of q straight from the residual)
-            tf += b * lr * hq * (d * e + dv * e + _F32)
+        tt = flash(b, lr, lr, hq, hk, d, dv, e, True) + 2 * shard + grads + resid
         if name == "usp":  # q after the all-to-all lives through the ring (k, v are its
             # first shard); the backward also keeps k, v as residuals
             moved = b * lr * hq * d * e + ids * lr
@@ -333,20 +325,9 @@ def _work(name, order, p: Problem, nu: int, nr: int) -> np.ndarray:
     if name == "all_gather":
         work = [attend(shards[c], order, 1, n) * scale for c in range(n)]
         return np.array(work, dtype=np.float64)
-
-    def hop(qpos, kpos):  # one ring hop: one call, or the calls of its kind's plan
-        if not p.halves:
-            return count(qpos, kpos)
-        groups = [half(qpos[None], nu, i)[0] for i in (0, 1)]
-        keys = {ALL: kpos, EARLY: half(kpos[None], nu, 0)[0]}
-        kind = (
-            int(ring_hop_kind(qpos[None], kpos[None], np.where)) if nu == 1 else OWN
-        )  # `_ring._plans`
-        return sum(count(groups[g], keys[part]) for g, part in RING_PLANS[kind])
-
     # ring / usp: device (u, c) holds shards u'*nr + c for all u' (after the all-to-all)
     held = [shards[[u * nr + c for u in range(nu)]].reshape(-1) for c in range(nr)]
-    per_c = [sum(hop(held[c], held[j]) for j in range(nr)) * scale / nu for c in range(nr)]
+    per_c = [sum(count(held[c], held[j]) for j in range(nr)) * scale / nu for c in range(nr)]
     return np.array([per_c[c] for _ in range(nu) for c in range(nr)], dtype=np.float64)
 
 

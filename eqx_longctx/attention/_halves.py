@@ -11,8 +11,7 @@ The blockwise XLA path skips the same pairs by itself once its tiles are aligned
 chunks (`_tiling_policy.block_size`), which chunks shorter than `MIN_ALIGNED_BLOCK` tokens
 are not: one tile then covers every query of a device, and smaller tiles cost more per
 block than they skip. There (`_tiling_policy.zigzag_halves`) all-gather and Ulysses call
-`zigzag_attention`, and the ring and USP split each hop (`RING_PLANS`, below); each splits
-for implementations that ask for it
+`zigzag_attention`, which splits for implementations that ask for it
 (`AbstractBlockImpl.splits_zigzag_halves`: the XLA path, not the Pallas kernels, which pad
 each call's queries to 128 rows). A `PerPlatform` implementation chooses per platform at
 lowering, so a TPU program lowered on another host keeps one kernel call.
@@ -87,35 +86,3 @@ def _attend(impl, options, q_shards, kv_shards, q, k, v, q_pos, kv_pos, q_seg=No
     )
     out_b, _ = block_attention(impl, qb, k, v, qb_pos, kv_pos, qb_seg, kv_seg, options)
     return join(out_a, out_b, q_shards)
-
-
-# The ring's hops (`_ring.py`) under the same layout. Device `i` holds chunks `i` and
-# `2N-1-i`; the shard `j` it receives on a hop is its own (`j = i`), a lower one (`j < i`:
-# chunk `j` comes before both of `i`'s chunks and chunk `2N-1-j` after both), or a higher
-# one (`j > i`: chunk `j` comes after `i`'s early chunk and before its late one, chunk
-# `2N-1-j` before its late one). So under a causal mask:
-#
-#               early keys (chunk j)   late keys (chunk 2N-1-j)
-#   own         early + late queries   late queries
-#   lower       early + late queries   none
-#   higher      late queries           late queries
-#
-# and every hop but the own one computes half of its pairs. A plan lists the
-# (query half, keys) calls of a hop kind: query half 0 early, 1 late; keys `EARLY` the
-# shard's early half, `ALL` the whole shard.
-EARLY, ALL = 0, None
-NOTHING, OWN, LOWER, HIGHER = 0, 1, 2, 3
-RING_PLANS: tuple[tuple[tuple[int, int | None], ...], ...] = (
-    (),  # NOTHING: no query sees a key (a disjoint segment, say)
-    ((0, EARLY), (1, ALL)),  # OWN
-    ((0, EARLY), (1, EARLY)),  # LOWER
-    ((1, ALL),),  # HIGHER
-)
-
-
-def ring_hop_kind(q_pos, kv_pos, where=jnp.where):
-    """`OWN`, `LOWER` or `HIGHER`: the kind of a ring hop under the zig-zag layout, from the
-    first position of each shard (`[batch, seq/N]`; a shard's first token starts its early
-    chunk). `where`: `np.where` for host arrays (the cost model)."""
-    mine, theirs = q_pos[0, 0], kv_pos[0, 0]
-    return where(theirs == mine, OWN, where(theirs < mine, LOWER, HIGHER))

@@ -86,9 +86,6 @@ class QueryTiles(NamedTuple):
             self.q, k, self.positions, kv_positions, self.segment_ids, kv_segment_ids, t.block,
             t.kv_block, t.tile_bytes,
         )  # fmt: skip
-        # The queries' head tiles were fixed when they were tiled: keys shorter than the
-        # `kv` they were tiled for (the ring's halves) read them in the same tiles.
-        blocks = blocks._replace(hk_tile=self.blocks.hk_tile, g_tile=self.blocks.g_tile)
         return blocks, blocks.config(self.causal, self.scale, self.q.shape[-1], self.window)
 
     @property

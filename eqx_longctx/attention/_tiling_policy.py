@@ -27,11 +27,10 @@ def block_size(spec: ShardingSpec, seq: int) -> int:
 
 
 def zigzag_halves(spec: ShardingSpec, seq: int, causal: bool) -> bool:
-    """Whether the strategies split their attention calls (all-gather, Ulysses) or ring
-    hops (ring, USP) into zig-zag's causal halves (`_halves.py`): a causal zig-zag layout
-    whose chunks are too short for `block_size` to align tiles with them (aligned tiles
-    skip the same pairs). The XLA path splits; the Pallas kernels decline
-    (`AbstractBlockImpl.splits_zigzag_halves`)."""
+    """Whether all-gather and Ulysses split their attention into zig-zag's causal halves
+    (`_halves.py`): a causal zig-zag layout whose chunks are too short for `block_size` to
+    align tiles with them (aligned tiles skip the same pairs). The XLA path splits; the
+    Pallas kernels decline (`AbstractBlockImpl.splits_zigzag_halves`)."""
     if spec.load_balance != "zigzag" or not causal:
         return False
     return seq // (2 * spec.context_parallel_size) < MIN_ALIGNED_BLOCK

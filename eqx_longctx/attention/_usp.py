@@ -8,8 +8,6 @@ parallel degree is the product of the two axis sizes.
 
 import functools
 
-from jax import lax
-
 from ._block import AbstractBlockImpl, BlockOptions
 from ._ring import ring_attention
 from ._ulysses import ulysses_attention
@@ -27,15 +25,9 @@ def usp_attention(
     impl: AbstractBlockImpl,
     options: BlockOptions,
     hops: int | None = None,
-    halves: bool = False,
 ):
-    """Ulysses all-to-all over `ulysses_axis` around a ring over `ring_axis`; `halves`: the
-    layout is zig-zag's under a causal mask (the ring splits each hop into its causal halves,
-    `_ring.py`: after the all-to-all a device holds one zig-zag shard per Ulysses rank)."""
-    ring = functools.partial(
-        ring_attention, axis=ring_axis, impl=impl, options=options, hops=hops, halves=halves,
-        shards=lax.axis_size(ulysses_axis),
-    )  # fmt: skip
+    """Ulysses all-to-all over `ulysses_axis` around a ring over `ring_axis`."""
+    ring = functools.partial(ring_attention, axis=ring_axis, impl=impl, options=options, hops=hops)
     return ulysses_attention(
         q, k, v, positions, segment_ids, axis=ulysses_axis, impl=impl, options=options, inner=ring
     )

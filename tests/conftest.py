@@ -1,6 +1,7 @@
 """Test harness: 8 fake CPU devices, set before any array exists, and a quicker backend
 compile (inherited by every subprocess a test starts)."""
 
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
@@ -18,5 +19,28 @@ if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module.
+
+    A test worker compiles thousands of programs, and XLA:CPU maps each one's code into
+    memory. Kept in JAX's and the library's caches, they added up to the kernel's limit on
+    memory mappings (`vm.max_map_count`, 65,530 here) about 870 tests into a worker, and the
+    next compile crashed inside LLVM (a segfault or abort, with no message). Emptying the
+    caches between modules holds a worker well under the limit; a module rarely reuses
+    another's programs, so it costs little compile time.
+    """
+    yield
+    # Imported here, not at the top: jaxtyping's import hook must see the library first.
+    from eqx_longctx.attention._block import _jitted
+    from eqx_longctx.train._step_cache import _STEP_CACHE
+
+    jax.clear_caches()
+    _STEP_CACHE.clear()
+    _jitted.cache_clear()
+    gc.collect()

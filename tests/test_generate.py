@@ -45,7 +45,9 @@ DATA_ULYSSES_CONTEXT = ((2, 2, 2), ("data", "ulysses", "context"))
 
 @pytest.fixture(autouse=True)
 def _fresh_compile_cache():
-    """Many distinct executables in one process have run out of LLVM memory here."""
+    """Per test, on top of `conftest.py`'s per module. Many distinct executables in one
+    process had crashed XLA:CPU here; the cause found since is the kernel's limit on memory
+    mappings (`conftest._release_compiled_programs`)."""
     yield
     jax.clear_caches()
 

@@ -3,6 +3,7 @@
 import sys as _sys
 import types as _pytypes
 
+from ._caches import clear_caches as clear_caches
 from ._family import AttentionShape as AttentionShape
 from ._family import ModelFamily as ModelFamily
 from ._family import MoEShape as MoEShape

@@ -1,7 +1,6 @@
 """Test harness: 8 fake CPU devices, set before any array exists, and a quicker backend
 compile (inherited by every subprocess a test starts)."""
 
-import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
@@ -32,15 +31,11 @@ def _release_compiled_programs():
     memory. Kept in JAX's and the library's caches, they added up to the kernel's limit on
     memory mappings (`vm.max_map_count`, 65,530 here) about 870 tests into a worker, and the
     next compile crashed inside LLVM (a segfault or abort, with no message). Emptying the
-    caches between modules holds a worker well under the limit; a module rarely reuses
-    another's programs, so it costs little compile time.
+    caches between modules (`eqx_longctx.clear_caches`) holds a worker well under the
+    limit; a module rarely reuses another's programs, so it costs little compile time.
     """
     yield
     # Imported here, not at the top: jaxtyping's import hook must see the library first.
-    from eqx_longctx.attention._block import _jitted
-    from eqx_longctx.train._step_cache import _STEP_CACHE
+    from eqx_longctx import clear_caches
 
-    jax.clear_caches()
-    _STEP_CACHE.clear()
-    _jitted.cache_clear()
-    gc.collect()
+    clear_caches()

@@ -2,6 +2,18 @@
 compile (inherited by every subprocess a test starts)."""
 
 import os
+import subprocess
+import sys
+
+
+def _xla_accepts(flag: str) -> bool:
+    """Whether this jaxlib's XLA knows `flag`. XLA aborts a process whose `XLA_FLAGS` holds
+    a flag it does not know (JAX 0.12 has no `--xla_cpu_use_fusion_emitters`), so a child
+    process tries it (about 1.5 s, once per test process)."""
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -14,7 +26,10 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # The next largest part is XLA:CPU's MLIR fusion emitters; the older emitter they replace
 # compiles the same fusions sooner (that DeepSeek case: 20 -> 14 s; the ring oracle cases
 # 76 -> 58 s). Fusion decisions, buffers and collectives are XLA's and do not change.
-if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+# JAX 0.12's XLA has only the new emitters, and no flag to choose.
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _xla_accepts(
+    "--xla_cpu_use_fusion_emitters=false"
+):
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 import jax  # noqa: E402

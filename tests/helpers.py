@@ -121,11 +121,14 @@ def resolve_dotted(path: str):
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The XLA flags every test process compiles with (conftest.py sets them for this one):
-# LLVM's -O0 backend and the older fusion emitter, which compile the test programs in about
-# half the time. Child processes (CLIs, multi-process runs, doc blocks) get them too,
-# without the device count.
-CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# The XLA flags every test process compiles with (conftest.py sets them for this one, as
+# far as this jaxlib knows them): LLVM's -O0 backend and the older fusion emitter, which
+# compile the test programs in about half the time. Child processes (CLIs, multi-process
+# runs, doc blocks) get them too, without the device count.
+CHILD_XLA_FLAGS = " ".join(
+    f for f in os.environ.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count")
+)  # fmt: skip
 
 # Runs in a fresh process with argv[2] fake CPU devices. For each `[module, *flags]` it
 # parses the flags with that CLI's own parser and runs its checks up to the point where

@@ -174,8 +174,9 @@ def test_scan_over_layers_equals_python_loop():
 def test_remat_policies_give_same_loss_and_grads():
     """Bit for bit. XLA:CPU's default fusion emitters compile a rematerialized forward to
     the same code as the first; the older emitter the test processes use for speed
-    (conftest.py) does not, so the comparison runs in a child process with the default."""
-    if "--xla_cpu_use_fusion_emitters=true" not in os.environ["XLA_FLAGS"]:
+    (conftest.py, where this jaxlib has it) does not, so the comparison then runs in a
+    child process with the default."""
+    if "--xla_cpu_use_fusion_emitters=false" in os.environ["XLA_FLAGS"]:
         flags = CHILD_XLA_FLAGS.replace("fusion_emitters=false", "fusion_emitters=true")
         node = f"{__file__}::test_remat_policies_give_same_loss_and_grads"
         proc = subprocess.run(

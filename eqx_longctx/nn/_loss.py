@@ -157,8 +157,8 @@ def chunked_cross_entropy(
             f"loss_mask must have the targets' shape {tuple(targets.shape)}; got "
             f"{tuple(loss_mask.shape)}."
         )
-    count = jnp.sum(loss_mask.astype(jnp.float32))
     if spec is None:
+        count = jnp.sum(loss_mask.astype(jnp.float32))
         return _local_loss(hidden, weight, targets, loss_mask, chunk_tokens, ()), count
     if weight_pspec is None:
         weight_pspec = PartitionSpec(None, spec.tensor_axis)
@@ -168,16 +168,55 @@ def chunked_cross_entropy(
 
     def local(h, w, t, m):
         total = _local_loss(h, w, t, m, chunk_tokens, axes)
-        return jax.lax.psum(total, token_axes) if token_axes else total
+        # One reduction of the loss and the token count, after the loss (see `_in_order`).
+        sums = jnp.stack([total, jnp.sum(m.astype(jnp.float32))])
+        sums = jax.lax.psum(sums, token_axes) if token_axes else sums
+        return sums[0], sums[1]
 
     def run(h, w, t, m):
         mapped = jax.shard_map(
             local,
             mesh=spec.compute_mesh(),
             in_specs=(act, weight_pspec, tokens, tokens),
-            out_specs=PartitionSpec(),
+            out_specs=(PartitionSpec(), PartitionSpec()),
         )
+        h, w = _in_order(h, w)
         return mapped(h, w, t, m)
 
-    total = spec.auto_axes(run, PartitionSpec())(hidden, weight, targets, loss_mask)
-    return total, count
+    pair = (PartitionSpec(), PartitionSpec())
+    return spec.auto_axes(run, pair)(hidden, weight, targets, loss_mask)
+
+
+@jax.custom_vjp
+def _in_order(hidden, weight):
+    """The identity, whose backward hands on the hidden states' cotangent only after the
+    weight's is complete (a data dependence on it).
+
+    XLA:CPU (jaxlib 0.10) starts a device's collectives in program order but lets them
+    overlap, and each one blocks a thread of a pool sized to the device count while it
+    waits for its peers. A collective with no data dependence on a loop whose body holds
+    collectives (the layer stack's) can therefore run beside it, and the devices can run
+    out of threads and wait for each other for ever: Ulysses training on `data=2,context=4`
+    under full remat hung and aborted after 40 s in most runs. Here that collective is the
+    output weight gradient's reduction over the token axes, which the backward of the
+    layer stack (entered by the hidden states' cotangent) now waits for; in the forward the
+    token count is reduced together with the loss, after it. `tests/test_collective_order.py`
+    checks compiled steps for any such pair.
+    """
+    return hidden, weight
+
+
+def _in_order_fwd(hidden, weight):
+    return (hidden, weight), None
+
+
+def _in_order_bwd(_, cotangents):
+    d_hidden, d_weight = cotangents
+    # A data dependence, which XLA keeps (it drops optimization barriers before the runtime
+    # orders its work): `0 * x` is not folded for floats. The values are unchanged, but
+    # that a non-finite weight gradient makes the hidden one non-finite too; such a step
+    # is non-finite either way.
+    return d_hidden + 0 * d_weight[:1, :1].sum().astype(d_hidden.dtype), d_weight
+
+
+_in_order.defvjp(_in_order_fwd, _in_order_bwd)

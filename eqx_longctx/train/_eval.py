@@ -10,14 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from ._step import _BYTES, _LN2, _units, byte_ids_of, loss_fn
+from ._bits import LN2, batch_bytes, byte_ids_of
+from ._step import _BYTES, loss_fn
 
 
 @eqx.filter_jit
 def _eval_sums(model, batch, byte_ids) -> tuple[Float[Array, ""], ...]:
+    batch, num_bytes = batch_bytes(batch, byte_ids)
     loss, num_tokens = loss_fn(model, batch)
-    units = _units(loss, num_tokens, batch, byte_ids)
-    return loss * num_tokens, num_tokens, units.get("bytes", jnp.zeros((), jnp.float32))
+    if num_bytes is None:
+        num_bytes = jnp.zeros((), jnp.float32)
+    return loss * num_tokens, num_tokens, num_bytes
 
 
 def evaluate(
@@ -79,9 +82,9 @@ def evaluate(
             "split (more data or a larger val_fraction) or a smaller batch size."
         )
     loss = total / count
-    out = {"loss": loss, "bits_per_token": loss / _LN2, "tokens": count}
+    out = {"loss": loss, "bits_per_token": loss / LN2, "tokens": count}
     if byte_ids is not None:
-        out.update(bpb=total / _LN2 / max(num_bytes, 1.0), bytes=num_bytes)
+        out.update(bpb=total / LN2 / max(num_bytes, 1.0), bytes=num_bytes)
     return out
 
 

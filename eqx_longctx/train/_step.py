@@ -10,7 +10,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
@@ -19,9 +18,9 @@ from eqx_longctx.data import ByteTokenizer
 from eqx_longctx.nn import AbstractDecoder, chunked_cross_entropy
 from eqx_longctx.nn._loss import check_loss_chunk
 
+from ._bits import batch_bytes, byte_ids_of, units
 from ._offload import check_host_offload, to_device, to_host
 
-_LN2 = math.log(2.0)
 _BYTES = ByteTokenizer()
 
 TrainStep = Callable[[Any, optax.OptState, Any], tuple[Any, optax.OptState, dict[str, Array]]]
@@ -229,7 +228,10 @@ def loss_sum(
         # logits) asks for an output sharding (JAX 0.12); with Auto axes XLA picks it.
         cross_entropy = spec.auto_axes(cross_entropy, spec.token_pspec())
     ce = cross_entropy(logits.astype(jnp.float32), batch.targets)
-    return jnp.sum(ce * mask), jnp.sum(mask)
+    # One reduction of both, after the logits (a lone count could run beside the layers'
+    # loop: see `eqx_longctx.nn._loss._in_order`).
+    total, count = jnp.sum(jnp.stack([ce * mask, mask]), axis=(1, 2))
+    return total, count
 
 
 def micro_batches(batch, grad_accum: int):
@@ -281,36 +283,6 @@ def _learning_rate(opt_state) -> Float[Array, ""]:
     if isinstance(hyperparams, dict) and "learning_rate" in hyperparams:
         return jnp.asarray(hyperparams["learning_rate"], jnp.float32)
     return jnp.asarray(jnp.nan, jnp.float32)
-
-
-def byte_ids_of(tokenizer: Any) -> int | np.ndarray | None:
-    """How to count the bytes of text behind the targets, so that bits per byte can be
-    reported: the number of ids that are one byte each (ids `0..n-1`) when `tokenizer`'s
-    tokens are bytes (it has `byte_ids`, as `ByteTokenizer`); the bytes each id stands for
-    when it counts them (`token_bytes`, as `eqx_longctx.data.HFTokenizer`); else `None`
-    (bits per token only)."""
-    table = getattr(tokenizer, "token_bytes", None)
-    if isinstance(table, np.ndarray):
-        return table.astype(np.float32)
-    n = getattr(tokenizer, "byte_ids", None)
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
-
-
-def _units(loss, num_tokens, batch, byte_ids) -> dict[str, Array]:
-    """Bits per token and, when the bytes can be counted (`byte_ids_of`), bits per byte of
-    the loss-bearing text: all bits (end-of-document tokens included: a code must mark them
-    too) over the bytes."""
-    out = {"bits_per_token": loss / _LN2}
-    if byte_ids is not None:
-        mask = batch.loss_mask.astype(jnp.float32)
-        if isinstance(byte_ids, int):
-            per_target = (batch.targets < byte_ids).astype(jnp.float32)
-        else:
-            per_target = jnp.asarray(byte_ids)[batch.targets]
-        num_bytes = jnp.sum(mask * per_target)
-        out["bpb"] = loss * num_tokens / _LN2 / jnp.maximum(num_bytes, 1.0)
-        out["bytes"] = num_bytes
-    return out
 
 
 def make_train_step(
@@ -388,6 +360,7 @@ def make_train_step(
         if state_offloaded:
             opt_state = to_device(opt_state)
         params, static = eqx.partition(model, eqx.is_inexact_array)
+        batch, num_bytes = batch_bytes(batch, byte_ids)
 
         def loss_of_params(p):
             return loss_fn(eqx.combine(p, static), batch, loss_chunk=loss_chunk)
@@ -416,7 +389,7 @@ def make_train_step(
         new_opt_state = constrain(jax.tree.map(keep, new_opt_state, opt_state), opt_sh)
         metrics = {
             "loss": loss,
-            **_units(loss, num_tokens, batch, byte_ids),
+            **units(loss, num_tokens, num_bytes),
             "grad_norm": grad_norm,
             "lr": _learning_rate(new_opt_state),
             "tokens": num_tokens,

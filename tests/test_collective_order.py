@@ -6,9 +6,10 @@ collective with no data dependence on such a loop (the layer stack's `while`) ma
 it, in a different order on different devices, and the devices can then wait for each other
 for ever: Ulysses training on `data=2,context=4` under `remat="full"` hung and aborted after
 40 s ("Termination timeout ... all reduce") in most runs. The step's token count, byte count
-and output-head gradient were such collectives; they are now made to wait for (or to be
-waited for by) the loop. These tests read the compiled programs for any such pair, which
-the deadlock itself shows only now and then, and run Ulysses training to its end.
+and output-head gradient were such collectives, and under the ring the backward's first hop
+beside the recomputed forward's hops; they are now ordered against the loop. These tests
+read the compiled programs for any such pair, which the deadlock itself shows only now and
+then, and run Ulysses training to its end.
 """
 
 import dataclasses
@@ -123,6 +124,8 @@ STEPS = [
     ("data=2,context=4", "ulysses", {}),
     ("data=2,context=4", "all_gather", {"loss_chunk": 0}),
     ("data=2,context=4", "ulysses", {"grad_accum": 2}),
+    ("data=2,context=4", "ring", {}),
+    ("ulysses=2,context=4", "usp", {}),
 ]
 
 

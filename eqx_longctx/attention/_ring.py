@@ -228,7 +228,7 @@ def _ring_bwd_one(impl, config, residuals, dout):
         return (dq, dparams, incoming, _shift(acc, config.axis)), None
 
     hops = _hops(config)
-    own = (source, positions, segment_ids)
+    own = (source, _after(positions, lse), segment_ids)
     if hops > 1:
         incoming = _shift(own, config.axis)  # in flight while the own shard is computed
     # The own shard's dK/dV stay home; the travelling accumulator starts one device to the
@@ -249,6 +249,19 @@ def _ring_bwd_one(impl, config, residuals, dout):
         None,
         None,
     )
+
+
+def _after(positions, lse):
+    """`positions`, unchanged, but computed after `lse`: `lse > inf` is false for every
+    float (NaN included).
+
+    Under remat the forward is recomputed just before this backward, and the backward's
+    first hop needs only the residuals' source, so XLA may start that collective beside the
+    recomputed forward's loop of hops. XLA:CPU can deadlock the devices on such a pair (see
+    `eqx_longctx.nn._loss._in_order`); this puts the hop after the loop.
+    """
+    late = (lse.reshape(-1)[0] > jnp.inf).astype(positions.dtype)
+    return positions + late
 
 
 _ring, _ring_effects = custom_vjps(_ring_primal, _ring_fwd, _ring_bwd, (0,))

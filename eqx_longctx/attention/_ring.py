@@ -228,7 +228,9 @@ def _ring_bwd_one(impl, config, residuals, dout):
         return (dq, dparams, incoming, _shift(acc, config.axis)), None
 
     hops = _hops(config)
-    own = (source, _after(positions, lse), segment_ids)
+    # With 2 hops the forward has no loop of hops, and its one shift is this one (XLA
+    # merges the two); with more, this shift waits for the forward (`_after`).
+    own = (source, _after(positions, lse) if hops > 2 else positions, segment_ids)
     if hops > 1:
         incoming = _shift(own, config.axis)  # in flight while the own shard is computed
     # The own shard's dK/dV stay home; the travelling accumulator starts one device to the

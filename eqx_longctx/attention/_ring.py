@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._after import after
 from .._types import AxisName
 from ._block import (
     AbstractBlockImpl,
@@ -228,9 +229,10 @@ def _ring_bwd_one(impl, config, residuals, dout):
         return (dq, dparams, incoming, _shift(acc, config.axis)), None
 
     hops = _hops(config)
-    # With 2 hops the forward has no loop of hops, and its one shift is this one (XLA
-    # merges the two); with more, this shift waits for the forward (`_after`).
-    own = (source, _after(positions, lse) if hops > 2 else positions, segment_ids)
+    # Under remat the forward is recomputed just before this, and its loop of hops could run
+    # beside this first hop (`eqx_longctx._after`), so the hop waits for its logsumexp. With
+    # 2 hops the forward has no loop, and XLA merges its one shift with this one.
+    own = (source, after(positions, lse) if hops > 2 else positions, segment_ids)
     if hops > 1:
         incoming = _shift(own, config.axis)  # in flight while the own shard is computed
     # The own shard's dK/dV stay home; the travelling accumulator starts one device to the
@@ -251,19 +253,6 @@ def _ring_bwd_one(impl, config, residuals, dout):
         None,
         None,
     )
-
-
-def _after(positions, lse):
-    """`positions`, unchanged, but computed after `lse`: `lse > inf` is false for every
-    float (NaN included).
-
-    Under remat the forward is recomputed just before this backward, and the backward's
-    first hop needs only the residuals' source, so XLA may start that collective beside the
-    recomputed forward's loop of hops. XLA:CPU can deadlock the devices on such a pair (see
-    `eqx_longctx.nn._loss._in_order`); this puts the hop after the loop.
-    """
-    late = (lse.reshape(-1)[0] > jnp.inf).astype(positions.dtype)
-    return positions + late
 
 
 _ring, _ring_effects = custom_vjps(_ring_primal, _ring_fwd, _ring_bwd, (0,))

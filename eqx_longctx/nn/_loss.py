@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
+from .._after import after
 from .._sharding import ShardingSpec
 
 LOSS_CHUNK_BYTES = 128 * 2**20
@@ -168,7 +169,7 @@ def chunked_cross_entropy(
 
     def local(h, w, t, m):
         total = _local_loss(h, w, t, m, chunk_tokens, axes)
-        # One reduction of the loss and the token count, after the loss (see `_in_order`).
+        # One reduction of the loss and the token count, after the loss (see `eqx_longctx._after`).
         sums = jnp.stack([total, jnp.sum(m.astype(jnp.float32))])
         sums = jax.lax.psum(sums, token_axes) if token_axes else sums
         return sums[0], sums[1]
@@ -190,19 +191,9 @@ def chunked_cross_entropy(
 @jax.custom_vjp
 def _in_order(hidden, weight):
     """The identity, whose backward hands on the hidden states' cotangent only after the
-    weight's is complete (a data dependence on it).
-
-    XLA:CPU (jaxlib 0.10) starts a device's collectives in program order but lets them
-    overlap, and each one blocks a thread of a pool sized to the device count while it
-    waits for its peers. A collective with no data dependence on a loop whose body holds
-    collectives (the layer stack's) can therefore run beside it, and the devices can run
-    out of threads and wait for each other for ever: Ulysses training on `data=2,context=4`
-    under full remat hung and aborted after 40 s in most runs. Here that collective is the
-    output weight gradient's reduction over the token axes, which the backward of the
-    layer stack (entered by the hidden states' cotangent) now waits for; in the forward the
-    token count is reduced together with the loss, after it. `tests/test_collective_order.py`
-    checks compiled steps for any such pair.
-    """
+    weight's is complete: the weight gradient's reduction over the token axes could
+    otherwise run beside the layer stack's backward loop, which that cotangent enters
+    (`eqx_longctx._after`). In the forward the token count is reduced with the loss."""
     return hidden, weight
 
 
@@ -212,11 +203,7 @@ def _in_order_fwd(hidden, weight):
 
 def _in_order_bwd(_, cotangents):
     d_hidden, d_weight = cotangents
-    # A data dependence, which XLA keeps (it drops optimization barriers before the runtime
-    # orders its work): `0 * x` is not folded for floats. The values are unchanged, but
-    # that a non-finite weight gradient makes the hidden one non-finite too; such a step
-    # is non-finite either way.
-    return d_hidden + 0 * d_weight[:1, :1].sum().astype(d_hidden.dtype), d_weight
+    return after(d_hidden, d_weight), d_weight
 
 
 _in_order.defvjp(_in_order_fwd, _in_order_bwd)

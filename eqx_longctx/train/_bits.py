@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from .._after import after
+
 LN2 = math.log(2.0)
 
 
@@ -30,9 +32,7 @@ def batch_bytes(batch, byte_ids) -> tuple[Any, Float[Array, ""] | None]:
     to wait for that count (their values unchanged).
 
     The count is a reduction over the batch's devices that nothing else needs until the
-    end, so XLA:CPU (jaxlib 0.10) may run it beside the layer stack's loop and its
-    collectives, which can deadlock the devices (see `eqx_longctx.nn._loss._in_order`).
-    Adding `count < -1` (always false, as an int) to the positions puts it before them.
+    end, which XLA could otherwise run beside the layer stack's loop (`eqx_longctx._after`).
     """
     if byte_ids is None:
         return batch, None
@@ -42,8 +42,7 @@ def batch_bytes(batch, byte_ids) -> tuple[Any, Float[Array, ""] | None]:
     else:
         per_target = jnp.asarray(byte_ids)[batch.targets]
     num_bytes = jnp.sum(mask * per_target)
-    positions = batch.positions + (num_bytes < -1).astype(batch.positions.dtype)
-    return batch._replace(positions=positions), num_bytes
+    return batch._replace(positions=after(batch.positions, num_bytes)), num_bytes
 
 
 def units(loss, num_tokens, num_bytes) -> dict[str, Array]:

@@ -229,7 +229,7 @@ def loss_sum(
         cross_entropy = spec.auto_axes(cross_entropy, spec.token_pspec())
     ce = cross_entropy(logits.astype(jnp.float32), batch.targets)
     # One reduction of both, after the logits (a lone count could run beside the layers'
-    # loop: see `eqx_longctx.nn._loss._in_order`).
+    # loop: see `eqx_longctx._after`).
     total, count = jnp.sum(jnp.stack([ce * mask, mask]), axis=(1, 2))
     return total, count
 

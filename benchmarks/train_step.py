@@ -6,7 +6,15 @@ Configurations (each is `python -m eqx_longctx.train` with these flags, 8 fake C
 
 - `main`: the main job's defaults (tiny Llama, `--seq-len 256 --batch-size 8`, ring,
   zig-zag, the default mesh);
-- `4k-ring`, `4k-all_gather`: `--seq-len 4096 --batch-size 2` under each strategy.
+- `4k-ring`, `4k-all_gather`: `--seq-len 4096 --batch-size 2` under each strategy;
+- `vs-maxtext`: the configuration of `../shared/perf/maxtext/vs_maxtext.sh 256 8` (mesh
+  `data=2,context=4`, all_gather, zig-zag, `--remat full`, 8 x 256).
+
+With `--free-attention` each configuration runs a second time with the XLA block
+implementation's arithmetic replaced by a stand-in of the same shapes and dependences (a
+sum of the queries and a read of K and V; in the backward, of the output gradient): every
+projection, collective, recomputation and the optimizer stay. That row is the step a local
+attention that cost nothing would give, the floor of what attention work can win.
 
 For each, a `Trainer` runs `--steps` steps; a *step* is the loop's own time per step (from
 `metrics.jsonl`: fetching the batch, placing it, the jitted step and reading its metrics
@@ -20,9 +28,11 @@ heads x head_dim / 2 per layer x 2): no recomputation, no masked half. The refer
     python benchmarks/train_step.py
     python benchmarks/train_step.py --configs main --steps 40
     python benchmarks/train_step.py --plot docs/img/benchmarks    # also writes train_step.png
+    python benchmarks/train_step.py --configs vs-maxtext --free-attention --steps 25
 """
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -32,9 +42,12 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import eqx_longctx  # noqa: E402
+from eqx_longctx.attention._local import XlaBlockImpl  # noqa: E402
 from eqx_longctx.data import load_datasets  # noqa: E402
 from eqx_longctx.train import TrainConfig, Trainer  # noqa: E402
 
@@ -42,7 +55,44 @@ CONFIGS = {
     "main": dict(),
     "4k-ring": dict(seq_len=4096, batch_size=2, strategy="ring"),
     "4k-all_gather": dict(seq_len=4096, batch_size=2, strategy="all_gather"),
+    "vs-maxtext": dict(
+        mesh="data=2,context=4",
+        strategy="all_gather",
+        load_balance="zigzag",
+        remat="full",
+        seq_len=256,
+        batch_size=8,
+        model_overrides={"max_seq_len": 256},
+    ),
 }
+
+
+@contextlib.contextmanager
+def free_local_attention():
+    """Within: the XLA block implementation returns arrays of its real shapes made from a sum
+    of its inputs, so no scores are computed (see the module docstring). Compiled programs
+    are dropped on entry and exit, so none is shared with the real attention's."""
+    real_fwd, real_bwd = XlaBlockImpl.attend, XlaBlockImpl.attend_backward
+
+    def attend(self, qt, k, v, kv_positions, kv_segment_ids):
+        out, lse = eqx.filter_eval_shape(real_fwd, self, qt, k, v, kv_positions, kv_segment_ids)
+        c = jnp.sum(qt.qb) + k.reshape(-1)[0] + v.reshape(-1)[0]
+        return jnp.zeros(out.shape, out.dtype) + c, jnp.zeros(lse.shape, lse.dtype) + c
+
+    def attend_backward(self, qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq):
+        args = (self, qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq)
+        dq_s, dk_s, dv_s = eqx.filter_eval_shape(real_bwd, *args)
+        c = jnp.sum(dout) + lse.reshape(-1)[0] + delta.reshape(-1)[0]
+        grads = [jnp.zeros(s.shape, s.dtype) + c for s in (dk_s, dv_s)]
+        return (dq + c).astype(dq_s.dtype), *grads
+
+    eqx_longctx.clear_caches()
+    XlaBlockImpl.attend, XlaBlockImpl.attend_backward = attend, attend_backward
+    try:
+        yield
+    finally:
+        XlaBlockImpl.attend, XlaBlockImpl.attend_backward = real_fwd, real_bwd
+        eqx_longctx.clear_caches()
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -108,16 +158,26 @@ def run_config(name: str, changes: dict, args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument(
+        "--configs", nargs="+", default=["main", "4k-ring", "4k-all_gather"], choices=list(CONFIGS)
+    )
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=3, help="steps left out (compilation)")
     p.add_argument("--repeats", type=int, default=10, help="device-step and data repeats")
     p.add_argument("--plot", metavar="DIR", help="also write DIR/train_step.png")
+    p.add_argument("--free-attention", action="store_true",
+                   help="also run each configuration with the local attention's arithmetic "
+                   "taken out (the floor of what attention work can win)")  # fmt: skip
     args = p.parse_args(argv)
     peak = matmul_flops_per_s()
     print(f"== float32 matmul 2048^3 on one device: {peak / 1e9:.1f} GFLOP/s; load average "
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
-    rows = [run_config(name, CONFIGS[name], args) for name in args.configs]
+    rows = []
+    for name in args.configs:
+        rows.append(run_config(name, CONFIGS[name], args))
+        if args.free_attention:
+            with free_local_attention():
+                rows.append(run_config(f"{name}, free attention", CONFIGS[name], args))
     print("| config | batch x seq | step (median) | tokens/s | device step | data | other host "
           "| useful GFLOP/s (device step) | / matmul |")  # fmt: skip
     print("|" + "---|" * 9)
@@ -126,6 +186,11 @@ def main(argv=None) -> None:
         print(f"| {r['name']} | {r['batch']}x{r['seq']} | {r['step'] * 1e3:.0f} ms | "
               f"{r['tokens_per_s']:,.0f} | {r['device'] * 1e3:.0f} ms | {r['data'] * 1e3:.1f} ms "
               f"| {r['host'] * 1e3:.0f} ms | {rate / 1e9:.1f} | {rate / peak:.2f} |")  # fmt: skip
+    if args.free_attention:
+        for real, free in zip(rows[::2], rows[1::2], strict=True):
+            print(f"{real['name']}: free attention / real, step "
+                  f"{free['step'] / real['step']:.2f}, device step "
+                  f"{free['device'] / real['device']:.2f}")  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if args.plot:
         import _plots

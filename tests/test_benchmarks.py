@@ -30,7 +30,7 @@ SCRIPTS = {  # script: (toy arguments, the PNGs its --plot must write)
         ["generate"],
     ),
     "train_step": (
-        "--configs main --steps 2 --warmup 1 --repeats 1".split(),
+        "--configs main --free-attention --steps 2 --warmup 1 --repeats 1".split(),
         ["train_step"],
     ),
     "fsdp": (

@@ -159,6 +159,7 @@ def test_hf_under_ring_on_eight_devices_gives_the_same_tokens(hf_dir):
         (["--run-dir", "r", "--prompt", "x", "--top-p", "1.5"], r"--top-p must lie in \(0, 1\]"),
         (["--run-dir", "r", "--prompt", "x", "--top-p", "0"], "--top-p must be > 0"),
         (["--run-dir", "r", "--prompt", "x", "--top-k", "0"], "--top-k must be"),
+        (["--run-dir", "r", "--prompt", "x", "--seed", str(2**64)], "--seed must be below"),
         (["--run-dir", "r", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
         (["--run-dir", "r", "--prompt", "x", "--devices", "2", "--mesh", "context=4"], "--mesh"),
         (["--run-dir", "r", "--prompt", "x", "--strategy", "spiral"], "--strategy"),

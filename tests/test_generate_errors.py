@@ -104,6 +104,10 @@ BAD_GENERATE = [
     ("pad outside vocab", dict(G, pad_id=64), ValueError, "pad_id"),
     ("float prompts", dict(G, prompts=PROMPTS.astype(np.float32)), TypeError, "prompts"),
     ("token outside vocab", dict(G, prompts=PROMPTS + 60), ValueError, "prompts"),
+    ("no rows", dict(max_new_tokens=3, prompts=PROMPTS[:0]), ValueError, "prompts"),
+    ("temperature past float32", dict(G, temperature=1e39, key=jax.random.key(0)), ValueError,
+     "temperature must fit float32"),
+    ("on_token not callable", dict(G, on_token=5), TypeError, "on_token"),
 ]  # fmt: skip
 
 
@@ -138,6 +142,11 @@ def test_a_cache_of_another_model_or_spec_is_refused(llama):
     with pytest.raises(TypeError, match="KVCache"):
         el.prefill(llama, {"not": "a cache"}, PROMPTS)
     assert compile_counts() == before
+
+
+def test_a_cache_of_integers_is_refused(llama):
+    with pytest.raises(TypeError, match="floating-point"):
+        el.init_cache(llama, 2, MAX_LEN, dtype=np.int8)
 
 
 def test_decode_step_needs_a_prefilled_cache_with_room(llama):

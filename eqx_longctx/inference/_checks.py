@@ -86,22 +86,21 @@ def check_vocab(model: Any, tokens: np.ndarray, name: str) -> None:
 
 def check_prompts(model: Any, cache: Any, prompts: Any, lengths: Any):
     """Check a prefill's prompts and lengths (against `cache`, unless `None`); **returns**
-    `(tokens, lengths)` as NumPy int32 arrays, the tokens past each row's length set to 0."""
+    `(tokens, lengths)` as NumPy int32 arrays, the tokens past each row's length set to 0
+    and the columns past the longest row dropped (they are padding in every row, and a
+    prefill that kept them would spend cache slots on them)."""
     tokens = _ids(prompts, "prompts", 2)
     b, s = tokens.shape
-    if s < 1:
-        raise ValueError("prompts must hold at least one token per row; got prompt_len=0.")
+    if b < 1 or s < 1:
+        raise ValueError(
+            f"prompts must hold at least one row of at least one token; got shape {tokens.shape}."
+        )
     if cache is not None:
         check_owner(model, cache)
         if b != cache.batch:
             raise ValueError(
                 f"prompts has {b} rows but the cache was built for batch={cache.batch}. "
                 f"Build the cache with init_cache(model, {b}, max_len)."
-            )
-        if s > cache.max_len:
-            raise ValueError(
-                f"the prompt ({s} tokens) must fit the cache's max_len={cache.max_len}. Build "
-                "the cache with a larger max_len."
             )
     if lengths is None:
         lengths = np.full((b,), s, np.int32)
@@ -114,7 +113,14 @@ def check_prompts(model: Any, cache: Any, prompts: Any, lengths: Any):
                 f"lengths must lie in 1..prompt_len={s} (each row's prompt tokens); got "
                 f"lengths in [{lengths.min()}, {lengths.max()}]."
             )
-    tokens = np.where(np.arange(s)[None, :] < lengths[:, None], tokens, 0)
+    longest = int(lengths.max())
+    if cache is not None and longest > cache.max_len:
+        raise ValueError(
+            f"the prompt ({longest} tokens) must fit the cache's max_len={cache.max_len}. "
+            "Build the cache with a larger max_len."
+        )
+    tokens = tokens[:, :longest]
+    tokens = np.where(np.arange(longest)[None, :] < lengths[:, None], tokens, 0)
     check_vocab(model, tokens, "prompts")
     return tokens.astype(np.int32), lengths.astype(np.int32)
 
@@ -126,15 +132,22 @@ def check_step_tokens(model: Any, cache: Any, tokens: Any):
     if ids.shape != (cache.batch,):
         raise ValueError(f"tokens must be [batch={cache.batch}], one per row; got {ids.shape}.")
     check_vocab(model, ids, "tokens")
-    spec = cache.spec
-    n = 1 if spec is None else spec.context_parallel_size
-    used = int(cache.offset) + -(-(int(cache.step) + 1) // n)
+    check_room(cache, 1)
+    return ids.astype(np.int32)
+
+
+def check_room(cache: KVCache, steps: int) -> None:
+    """**Raises:** `ValueError` unless the prefilled `cache` has room for `steps` more
+    decoded tokens per row, in tokens (`max_len`) and in every device's slots. A decode
+    step's write past the last slot would not fail: it would overwrite a cached token."""
     longest = int(np.max(np.asarray(cache.lengths)))
     if longest < 1:
         raise ValueError("the cache is empty: call prefill(model, cache, prompts) first.")
-    if longest + 1 > cache.max_len or used > slots_per_device(spec, cache.max_len):
+    spec = cache.spec
+    n = 1 if spec is None else spec.context_parallel_size
+    used = int(cache.offset) + -(-(int(cache.step) + steps) // n)
+    if longest + steps > cache.max_len or used > slots_per_device(spec, cache.max_len):
         raise ValueError(
-            f"the cache is full: a row holds {longest} tokens and max_len={cache.max_len}. "
-            "Build the cache with a larger max_len."
+            f"the cache is full: a row holds {longest} tokens, {steps} more do not fit "
+            f"max_len={cache.max_len}. Build the cache with a larger max_len."
         )
-    return ids.astype(np.int32)

@@ -49,6 +49,14 @@ def _flag(convert: Callable[[str], Any], flag: str, check: Callable[[Any], Any])
     return parse
 
 
+def _seed(value: int) -> int:
+    """`--seed`: a PRNG seed, `0 <= seed < 2**63` (what `jax.random.key` takes)."""
+    check_int(value, "--seed", minimum=0)
+    if value >= 2**63:
+        raise ValueError(f"--seed must be below 2**63; got {value}. Use a smaller seed.")
+    return value
+
+
 def _prompt_ids(text: str) -> list[int]:
     """`--prompt-ids 1,2,3`: token ids, comma-separated, each an integer >= 0."""
     try:
@@ -134,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--seed",
-        type=_flag(int, "--seed", lambda v: check_int(v, "--seed", minimum=0)),
+        type=_flag(int, "--seed", _seed),
         default=0,
         help="the sampling key (with --temperature > 0)",
     )

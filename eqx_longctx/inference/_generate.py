@@ -1,6 +1,7 @@
 """`generate`: prefill, then one compiled step per new token that samples from the last
-logits and decodes the sampled token (sampling settings are traced, so every setting and
-every step reuses one compiled function)."""
+logits and decodes the sampled token. The temperature, `top_k` and `top_p` values are
+traced, so every step and every value reuses one compiled function; turning `top_k` /
+`top_p` filtering on or off is the one setting that compiles another."""
 
 import functools
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._checks import check_bool, check_int
-from ._checks import check_model, check_prompts
+from ._checks import check_model, check_prompts, check_room
 from ._run import _block_impl, decode_core, init_cache, prefill
 from ._sampling import _sample, check_sampling
 
@@ -116,6 +117,11 @@ def generate(
     new = check_int(max_new_tokens, "generate's max_new_tokens")
     check_sampling(temperature, top_k, top_p, key, owner="generate")
     return_logits = check_bool(return_logits, "generate's return_logits")
+    if on_token is not None and not callable(on_token):
+        raise TypeError(
+            f"generate's on_token must be None or a function on_token(step, tokens); got "
+            f"{type(on_token).__name__}."
+        )
     vocab = model.config.vocab_size
     eos = _token_id(eos_id, "eos_id", vocab, none_ok=True)
     pad = _token_id(pad_id, "pad_id", vocab, none_ok=False)
@@ -125,7 +131,7 @@ def generate(
     need = longest + new
     limit = model.config.max_seq_len
     if max_len is None:
-        max_len = max(s, need)
+        max_len = need
     max_len = check_int(max_len, "generate's max_len")
     if need > min(max_len, limit):
         raise ValueError(
@@ -135,10 +141,11 @@ def generate(
         )
     cache = init_cache(model, b, max_len)
     logits, cache = prefill(model, cache, tokens, lengths, impl=impl)
+    check_room(cache, new - 1)  # the last token is chosen, not decoded
     block_impl = _block_impl(model, impl)
     filtered = top_k is not None or top_p is not None
     settings = (
-        jnp.float32(temperature), jnp.int32(0 if top_k is None else top_k),
+        jnp.float32(temperature), jnp.int32(0 if top_k is None else min(top_k, vocab)),
         jnp.float32(1.0 if top_p is None else top_p), jnp.int32(eos), jnp.int32(pad),
     )  # fmt: skip
     key = jax.random.key(0) if key is None else key

@@ -74,14 +74,20 @@ def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KV
 
     **Returns:** the `KVCache`.
 
-    **Raises:** `TypeError` for a model that is not an `AbstractDecoder` with layer stacks
-    or arguments of the wrong type; `ValueError` for a batch or `max_len` that is not
-    positive, a `max_len` above `max_seq_len`, or a batch the spec's batch axes do not split.
+    **Raises:** `TypeError` for a model that is not an `AbstractDecoder` with layer stacks,
+    a `dtype` that is not floating-point, or arguments of the wrong type; `ValueError` for
+    a batch or `max_len` that is not positive, a `max_len` above `max_seq_len`, or a batch
+    the spec's batch axes do not split.
     """
     check_model(model)
     batch, max_len = check_cache(model, batch, max_len)
     spec = model.spec
     dtype = jnp.dtype(model.config.compute_dtype if dtype is None else dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"init_cache's dtype must be a floating-point dtype (the cached keys and values); "
+            f"got {dtype}. Use None (the model's compute dtype), jnp.bfloat16 or jnp.float32."
+        )
     n = _seq_shards(spec)
     per = slots_per_device(spec, max_len)
     stacks = []

@@ -72,6 +72,12 @@ def check_sampling(
         minimum=0.0,
         fix=" Use temperature=0.0 for greedy decoding, or a positive value such as 0.8.",
     )
+    if t > float(np.finfo(np.float32).max):
+        raise ValueError(
+            f"{owner}: temperature must fit float32 (at most 3.4e38); got {t}. Use a "
+            "temperature such as 0.8, or a large finite one such as 1e6 for near-uniform "
+            "sampling."
+        )
     if top_k is not None:
         check_int(
             top_k,

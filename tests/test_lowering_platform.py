@@ -121,6 +121,34 @@ def test_xla_impl_exported_for_tpu_has_no_kernels():
     assert _kernels(_grad(fwd), *_shapes()) == 0
 
 
+@pytest.mark.parametrize("strategy", [None, "all_gather", "ring"])
+def test_auto_runs_float16_under_jit_and_grad_off_tpu(strategy):
+    """The kernels take float32 and bfloat16 only: for float16, `"auto"` off a TPU is the XLA
+    path alone (tracing the kernels' side for a TPU export refused the dtype under `jit`,
+    `grad` and every spec, on a host that never runs them)."""
+    need_devices(8)
+    ks = jax.random.split(jax.random.PRNGKey(2), 3)
+    q, k, v = (jax.random.normal(kk, (2, 64, 2, 16), jnp.float16) for kk in ks)
+    spec = None
+    if strategy is not None:
+        spec = ShardingSpec(jax.make_mesh((2, 4), ("data", "context")), strategy, "none")
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, causal=True, spec=spec).astype(jnp.float32) ** 2)
+
+    out = jax.jit(lambda q, k, v: attention(q, k, v, causal=True, spec=spec))(q, k, v)
+    ref = oracle(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True)
+    assert out.dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-3, rtol=2e-3)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum(oracle(q, k, v, causal=True) ** 2), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v))
+    )
+    for g, w in zip(grads, want, strict=True):
+        assert g.dtype == jnp.float16
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("impl", ["pallas", "auto", "xla"])
 def test_what_runs_on_this_host_matches_the_oracle(impl):
     """On the CPU, `"auto"` runs the XLA path and `"pallas"` the interpreted kernels; a

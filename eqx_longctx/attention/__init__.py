@@ -307,7 +307,7 @@ def _context_parallel(
     axes = spec.sequence_axes
     axis = axes[0] if len(axes) == 1 else axes
 
-    block_impl = lowering_impl(impl, platform=spec.platform, tiling=tiling(spec, s))
+    block_impl = lowering_impl(impl, platform=spec.platform, tiling=tiling(spec, s), dtype=q.dtype)
     kw: dict[str, Any] = dict(impl=block_impl, options=options)
     halves = zigzag_halves(spec, s, options.causal)
 

@@ -65,13 +65,20 @@ def lowering_impl(
     platform: str,
     tiling: Tiling = DEFAULT_TILING,
     pallas_blocks: tuple[int | None, int | None] = (None, None),
+    dtype=None,
 ) -> AbstractBlockImpl:
     """`make_impl`, except that `impl="auto"` on a host that is not a TPU keeps both paths,
     the Pallas kernels for a TPU and the XLA path for any other platform
     (`PerPlatform`), and the one for the platform the program is lowered for runs. So a TPU
     program exported or lowered from a CPU host carries the kernels, while the host itself
-    runs the XLA path. On a TPU host `"auto"` is the kernels alone."""
+    runs the XLA path. On a TPU host `"auto"` is the kernels alone. For queries of a `dtype`
+    the kernels do not run (float16), `"auto"` off a TPU is the XLA path alone: tracing the
+    kernels' side would refuse the dtype on a host that never runs them."""
     if impl == "auto" and platform != "tpu":
+        from ..kernels._impl import KERNEL_DTYPES
+
+        if dtype is not None and jnp.dtype(dtype) not in KERNEL_DTYPES:
+            return make_impl("xla", platform=platform, tiling=tiling)
         # Blocks asked of the path that runs here may be any length; the kernels' must be
         # multiples of the lane width, so the TPU side rounds them up.
         bq, bk = (None if b is None else -(-int(b) // 128) * 128 for b in pallas_blocks)
@@ -168,7 +175,7 @@ def flash_attention(
     platform = jax.devices()[0].platform
     tiling = Tiling(block_q or DEFAULT_BLOCK_Q, tile_bytes, block_k or DEFAULT_BLOCK_K)
     block_impl = lowering_impl(
-        impl, platform=platform, tiling=tiling, pallas_blocks=(block_q, block_k)
+        impl, platform=platform, tiling=tiling, pallas_blocks=(block_q, block_k), dtype=q.dtype
     )
     options = BlockOptions.make(causal, window, scale, q.shape[-1])
     return block_attention(block_impl, q, k, v, *masks, options)

@@ -20,7 +20,7 @@ from ._flash_pallas import QuerySide, forward_sides, kv_side, query_side
 from ._flash_pallas_bwd import backward_sides
 from ._operands import pad_axis, rows_to_kernel
 
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernels run
 
 
 def _swap(x):
@@ -130,7 +130,7 @@ class PallasBlockImpl(AbstractBlockImpl):
         is not a positive multiple of 128, `options.window` is not a positive int or is
         set without `options.causal`, or `max_live_blocks` is not a positive int.
         """
-        if jnp.dtype(q.dtype) not in _DTYPES:
+        if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
             raise ValueError(
                 f"impl='pallas' runs float32 or bfloat16 inputs; got {q.dtype}. Cast q, k, v "
                 "with .astype(jnp.float32) (or bfloat16), or use impl='xla'."

@@ -176,6 +176,10 @@ def test_user_files(tmp_path):
     assert load_corpus(tmp_path, max_bytes=12 + 3 + 8) == ["alpha\n\nbeta\n", "gamma "]
     train, val = load_datasets(tmp_path / "a.txt", seq_len=8, separator="\n\n")
     assert {train.num_documents, val.num_documents} == {1}
+    # One file and no separator: its paragraphs are the documents (the CLI's --data FILE).
+    alone = load_datasets(tmp_path / "a.txt", seq_len=8)
+    assert [d.num_documents for d in alone] == [train.num_documents, val.num_documents]
+    np.testing.assert_array_equal(alone[0].tokens, train.tokens)
 
 
 def test_errors(tmp_path):

@@ -100,6 +100,7 @@ def test_checkpoint_round_trip(tmp_path, datasets):
     ckpt = Checkpointer(tmp_path / "checkpoints")
     fresh = Trainer(small_config(tmp_path / "fresh"), datasets=datasets)
     model, opt_state, meta = ckpt.restore(fresh.model, fresh.opt_state)
+    fresh.close()  # an open Trainer keeps its SIGTERM handler (test_preemption checks it)
     assert meta["step"] == 4 and meta["model_config"]["n_layers"] == 2
     assert_trees_equal(eqx.filter(model, eqx.is_array), eqx.filter(result.model, eqx.is_array))
     assert_trees_equal(opt_state, result.opt_state)

@@ -4,6 +4,7 @@ readable one; `--resume` refuses flags that change the run and names each differ
 
 import dataclasses
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -242,10 +243,17 @@ def test_flag_groups_cover_every_field():
             r"--batch-size 6 must be divisible by 4",
         ),
         (["--override", "depth=3"], r"--override must name LlamaConfig fields; .*\['depth'\]"),
+        (["--override", "sliding_window=abc"], r"--override sliding_window=abc: .*must be an int"),
+        (["--run-dir", ""], r"--run-dir must not be empty"),
+        (["--data", ""], r"--data must not be empty"),
+        (["--mesh", ""], r"--mesh must not be empty"),
+        (["--override", "max_seq_len=16"], r"max_seq_len=16 is shorter than --seq-len 64"),
+        (["--override", "vocab_size=3"], r"vocab_size=3 is smaller than the tokenizer's 259"),
     ],
 )
 def test_cli_bad_flag_is_one_line(tmp_path, capsys, flags, match):
-    status = main([*flags, "--run-dir", str(tmp_path / "run"), "--no-progress"])
+    run_dir = [] if "--run-dir" in flags else ["--run-dir", str(tmp_path / "run")]
+    status = main([*flags, *run_dir, "--seq-len", "64", "--no-progress"])
     out, err = capsys.readouterr()
     assert status == 2 and out == ""
     assert err.startswith("eqx-longctx-train: error: ") and err.count("\n") == 1, err
@@ -377,7 +385,7 @@ def test_resume_refuses_changed_flags(run_copy):
         "differs in 3: --seq-len: recorded 64, given 32; --lr: recorded 0.003, given 0.001; "
         "--seed: recorded 0, given 1." in message
     )
-    assert "Drop those flags (or pass the recorded values)" in message
+    assert "Pass the recorded values (--seq-len 64 --lr 0.003 --seed 0)" in message
     assert "or start a new --run-dir" in message
     assert (run_copy / "metrics.jsonl").read_bytes() == metrics
     assert Checkpointer(run_copy / "checkpoints").steps() == [4, 8]
@@ -454,3 +462,47 @@ def test_override_of_a_field_the_preset_leaves_none_parses():
 
     parsed = resolve_overrides("tiny", {"sliding_window": "64", "layer_types": "none"})
     assert parsed == {"sliding_window": 64, "layer_types": None}
+
+
+def test_override_parses_json_for_fields_the_preset_leaves_none():
+    from eqx_longctx.train._config import resolve_overrides
+
+    parsed = resolve_overrides(
+        "tiny",
+        {
+            "layer_types": '["sliding_attention", "full_attention"]',
+            "rope_scaling": '{"rope_type": "linear", "factor": 4.0}',
+            "sliding_window": "none",
+        },
+    )
+    assert parsed == {
+        "layer_types": ("sliding_attention", "full_attention"),
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "sliding_window": None,
+    }
+
+
+def test_overwrite_keeps_the_earlier_run_when_the_new_flags_fail(run_copy, datasets):
+    metrics = (run_copy / "metrics.jsonl").read_bytes()
+    for override in ({"max_seq_len": 16}, {"vocab_size": 3}):
+        bad = small_config(run_copy, overwrite=True, model_overrides=override)
+        with pytest.raises(ValueError, match="max_seq_len=16|vocab_size=3"):
+            Trainer(bad, datasets=datasets)
+    assert (run_copy / "metrics.jsonl").read_bytes() == metrics
+    assert Checkpointer(run_copy / "checkpoints").steps() == [4, 8]
+
+
+def test_a_run_dir_under_a_file_is_one_error(tmp_path, datasets):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        Trainer(small_config(tmp_path / "afile" / "run"), datasets=datasets)
+
+
+def test_resume_without_run_dir_takes_the_run_whose_checkpoints_changed_last(tmp_path, monkeypatch):
+    from eqx_longctx.train._config import default_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    for name, when in (("20990101-000000", 1_000), ("baseline", 2_000), ("aaa", 1_500)):
+        (tmp_path / "runs" / name / "checkpoints").mkdir(parents=True)
+        os.utime(tmp_path / "runs" / name / "checkpoints", (when, when))
+    assert default_run_dir(resume=True).name == "baseline"

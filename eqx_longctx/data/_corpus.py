@@ -156,7 +156,8 @@ def split_documents(
         raise ValueError(
             "A validation split holds out whole documents, so it needs at least 2 documents; "
             f"got {len(docs)} (val_fraction={val_fraction}). Point at a folder with more files, "
-            "or split a single file into documents with separator='\\n\\n'."
+            "or at a file of paragraphs separated by blank lines (load_datasets and "
+            "load_corpus split at another string with separator=...)."
         )
     num_val = min(max(1, round(val_fraction * len(docs))), len(docs) - 1)
     # A second word no epoch reaches keeps this stream apart from the epoch permutations.
@@ -183,7 +184,9 @@ def load_datasets(
     **Arguments:**
 
     - `path`, `max_bytes`, `suffixes`, `separator`: as in `load_corpus` (`None` reads the
-      Python standard library, `"hf:<dataset>[:<split>]"` a Hugging Face dataset).
+      Python standard library, `"hf:<dataset>[:<split>]"` a Hugging Face dataset). A
+      corpus of one document (a single file, no `separator`) is split at blank lines
+      (`"\n\n"`), so that whole documents can be held out for validation.
     - `seq_len`: tokens per row, at least 2.
     - `seed`: picks the validation documents and the training row order.
     - `val_fraction`: share of documents held out (see `split_documents`).
@@ -197,6 +200,8 @@ def load_datasets(
     """
     _check_seq_len(seq_len)
     docs = load_corpus(path, max_bytes=max_bytes, suffixes=suffixes, separator=separator)
+    if separator is None and len(docs) == 1:  # one file: its paragraphs are the documents
+        docs = _documents(docs, "\n\n", str(path))
     train_docs, val_docs = split_documents(docs, val_fraction=val_fraction, seed=seed)
     train = PackedDataset.from_documents(train_docs, seq_len, tokenizer, seed=seed)
     val = PackedDataset.from_documents(val_docs, seq_len, tokenizer, seed=seed)

@@ -1,6 +1,7 @@
 """What a training run is: every knob in one frozen dataclass, validated on construction."""
 
 import dataclasses
+import json
 import math
 import os
 import pathlib
@@ -22,16 +23,18 @@ NONFINITE_MODES = ("stop", "skip")
 
 
 def default_run_dir(resume: bool, root: str = "runs") -> pathlib.Path:
-    """A fresh `runs/<date>-<time>` directory, or for `resume` the newest run with checkpoints."""
+    """A fresh `runs/<date>-<time>` directory, or for `resume` the newest run with checkpoints
+    (the one whose `checkpoints/` changed last)."""
     base = pathlib.Path(root)
     if resume:
-        runs = sorted(d for d in base.glob("*") if (d / "checkpoints").is_dir())
+        runs = [d for d in base.glob("*") if (d / "checkpoints").is_dir()]
         if not runs:
             raise ValueError(
                 f"--resume without --run-dir continues the newest run under {base}/, but none "
                 "there has checkpoints. Pass --run-dir of the run to continue."
             )
-        return runs[-1]
+        # Newest by when its checkpoints last changed, not by name: runs may be renamed.
+        return max(runs, key=lambda d: ((d / "checkpoints").stat().st_mtime, d.name))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path, n = base / stamp, 1
     while path.exists():
@@ -279,6 +282,11 @@ def check_train_config(config: "TrainConfig") -> None:
                 f"{flag} must be a {kind.__name__}; got {type(value).__name__} {value!r}. "
                 f"Pass {fix}."
             )
+        if name in ("data", "run_dir", "mesh", "fsdp_axes", "init_hf") and value == "":
+            raise ValueError(
+                f"{flag} must not be empty; got {flag} ''. Leave the flag out for its "
+                "default, or pass a value."
+            )
     if not isinstance(config.model_overrides, Mapping) or not all(
         isinstance(k, str) for k in config.model_overrides
     ):
@@ -360,7 +368,32 @@ def build_model_config(config: TrainConfig, vocab_size: int):
     if config.remat is not None:
         changes["remat"] = config.remat
     changes.update(overrides)
-    return fam.config.from_preset(config.preset, **changes)
+    try:
+        model_config = fam.config.from_preset(config.preset, **changes)
+    except TypeError as e:
+        given = " ".join(f"{k}={v}" for k, v in config.model_overrides.items())
+        raise ValueError(f"--override {given}: {e}") from None
+    check_model_fits(model_config, config, vocab_size)
+    return model_config
+
+
+def check_model_fits(model_config: Any, config: TrainConfig, vocab_size: int | None) -> None:
+    """**Raises:** `ValueError` when the model cannot take the run's rows: `max_seq_len`
+    below `--seq-len`, or a vocabulary smaller than the tokenizer's `vocab_size` (`None`:
+    not checked here). Run before a fresh run deletes anything: tracing the first step
+    would fail only after it had."""
+    if model_config.max_seq_len < config.seq_len:
+        raise ValueError(
+            f"the model's max_seq_len={model_config.max_seq_len} is shorter than --seq-len "
+            f"{config.seq_len}. Raise it (--override max_seq_len={config.seq_len}) or pass a "
+            "shorter --seq-len."
+        )
+    if vocab_size is not None and model_config.vocab_size < vocab_size:
+        raise ValueError(
+            f"the model's vocab_size={model_config.vocab_size} is smaller than the "
+            f"tokenizer's {vocab_size} tokens. Drop --override vocab_size, or pass one of at "
+            f"least {vocab_size}."
+        )
 
 
 def resolve_overrides(
@@ -396,16 +429,16 @@ def resolve_overrides(
 
 def _coerce(value: Any, like: Any, name: str) -> Any:
     """Turn a CLI string into the type of the preset's value for that field (where that
-    value is None, e.g. `sliding_window`: an int, a float, `none`, or the string as is)."""
+    value is None, e.g. `sliding_window` or `rope_scaling`: `none`, a JSON value (a number,
+    a list as a tuple, an object), or the string as is)."""
     if isinstance(value, str) and like is None:
         if value.lower() == "none":
             return None
-        for parse in (int, float):
-            try:
-                return parse(value)
-            except ValueError:
-                pass
-        return value
+        try:  # numbers, and JSON lists / objects (layer_types, rope_scaling)
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        return tuple(parsed) if isinstance(parsed, list) else parsed
     if not isinstance(value, str) or isinstance(like, str):
         return value
     if isinstance(like, bool):

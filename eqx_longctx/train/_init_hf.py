@@ -21,7 +21,7 @@ import shutil
 from typing import Any
 
 from .._family import ModelFamily, family_names, model_family
-from ._config import TrainConfig, _coerce
+from ._config import TrainConfig, _coerce, check_model_fits
 from ._record import read_flags
 
 SOURCE_COPY = "init_hf"
@@ -111,6 +111,7 @@ def hf_start(config: TrainConfig, run_dir: pathlib.Path) -> HFStart | None:
         model_config = family.config_from_hf(source, **changes)
     except (ValueError, TypeError) as e:
         raise ValueError(f"--init-hf {source} with --override: {e}") from e
+    check_model_fits(model_config, config, None)  # the tokenizer checks the vocabulary
     tokenizer = _tokenizer(source, model_config.vocab_size)
     return HFStart(source, family, changes, model_config, tokenizer)
 

@@ -130,11 +130,12 @@ class Trainer:
         )  # fmt: skip
         # The layout of every weight: a dimension the mesh does not divide fails here.
         self._abstract_model = self.parallel.abstract_model(self._make_model)
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise ValueError(
-                f"run_dir must be a directory; got run_dir={str(self.run_dir)!r}, which is a "
-                "file. Pass another --run-dir."
-            )
+        for path in (self.run_dir, *self.run_dir.parents):
+            if path.exists() and not path.is_dir():
+                raise ValueError(
+                    f"run_dir must be a directory; got run_dir={str(self.run_dir)!r}, and "
+                    f"{str(path)!r} is a file. Pass another --run-dir."
+                )
         checkpoint_dir = check_checkpoint_dir(self.run_dir / "checkpoints")
         if config.resume and not checkpoint_dir.is_dir():
             raise ValueError(

@@ -137,6 +137,19 @@ def flag_differences(recorded: dict[str, Any], given: dict[str, Any]) -> list[st
     return out
 
 
+def _as_flag(name: str, value: Any) -> str:
+    """A recorded run flag as the command line passes it (`--seq-len 64`, `--no-progress`,
+    `--override n_layers=2`)."""
+    flag = flag_name(name)
+    if isinstance(value, bool):
+        return flag if value else f"(no {flag})"
+    if value is None:
+        return f"(no {flag})"
+    if isinstance(value, dict):
+        return " ".join(f"{flag} {k}={v}" for k, v in value.items()) or f"(no {flag})"
+    return f"{flag} {value}"
+
+
 def check_resume_flags(
     recorded: dict[str, Any] | None, config: TrainConfig, where: str, step: int
 ) -> bool:
@@ -167,10 +180,15 @@ def check_resume_flags(
     if done:
         diffs = [d for d in diffs if not d.startswith("--steps:")]
     if diffs:
+        normalised = run_flags(given)
+        names = [n for n in RUN_FLAGS if n in recorded and recorded[n] != normalised.get(n)]
+        if done:
+            names = [n for n in names if n != "steps"]
+        again = " ".join(_as_flag(n, recorded[n]) for n in names)
         raise ValueError(
             "--resume must continue a run with the flags it was started with; "
-            f"{where} differs in {len(diffs)}: {'; '.join(diffs)}. Drop those flags (or pass "
-            "the recorded values) to continue this run, or start a new --run-dir. "
+            f"{where} differs in {len(diffs)}: {'; '.join(diffs)}. Pass the recorded values "
+            f"({again}) to continue this run, or start a new --run-dir. "
             f"({', '.join(flag_name(f) for f in RESHARDABLE_FLAGS)} and the strides may "
             "change on resume.)"
         )

@@ -106,6 +106,25 @@ def check_int(
     return value
 
 
+def as_int32_ids(x: Any, name: str) -> Any:
+    """`x` (NumPy or a nested list) as a NumPy array, checked to fit int32 when it holds
+    integers: JAX, with 64-bit types off, would wrap larger ids silently (segment ids
+    `0` and `2**32` would then be one document). Other values are returned as they are.
+
+    **Raises:** `ValueError` for integers outside the int32 range.
+    """
+    arr = np.asarray(x)
+    if np.issubdtype(arr.dtype, np.integer) and arr.size:
+        low, high = arr.min(), arr.max()
+        info = np.iinfo(np.int32)
+        if low < info.min or high > info.max:
+            raise ValueError(
+                f"{name} must fit int32 (JAX compares the ids as int32); got ids in "
+                f"[{low}, {high}]. Renumber them, e.g. np.unique(ids, return_inverse=True)[1]."
+            )
+    return arr
+
+
 def check_real(
     value: Any, what: str, *, positive: bool = False, minimum: float | None = None, fix: str = ""
 ) -> float:

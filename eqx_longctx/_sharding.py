@@ -17,6 +17,16 @@ IMPLS = ("auto", "xla", "pallas")
 _DEFAULT_BATCH_AXIS = "data"
 
 
+class _DataIfPresent:
+    """`ShardingSpec`'s default `batch_axis`: `"data"` when the mesh has that axis."""
+
+    def __repr__(self) -> str:
+        return "'data' if the mesh has it, else None"
+
+
+_DATA_IF_PRESENT = _DataIfPresent()
+
+
 @final
 class ShardingSpec(eqx.Module):
     """How a long sequence is split over a device mesh, and how attention communicates.
@@ -33,8 +43,8 @@ class ShardingSpec(eqx.Module):
     - `load_balance`: token layout for causal balance: `"none"` (contiguous chunks),
       `"zigzag"` (device `i` holds chunks `i` and `2N-1-i` of `2N`) or `"striped"` (token `t`
       on device `t mod N`).
-    - `batch_axis`: mesh axis for the batch dimension, or `None`. Defaults to `"data"` when
-      the mesh has such an axis, else `None`.
+    - `batch_axis`: mesh axis for the batch dimension, or `None`. Left out, `"data"` when
+      the mesh has such an axis, else `None`; named, the mesh must have it.
     - `context_axis`: mesh axis the sequence is split over (the ring axis under `"usp"`).
     - `ulysses_axis`: the all-to-all axis; required by `"usp"`, allowed with `"auto"` (the
       sequence is then split over both axes, and a strategy other than USP runs over the
@@ -83,7 +93,7 @@ class ShardingSpec(eqx.Module):
         mesh: object,  # checked below, with an error that says how to build one
         strategy: str = "ring",
         load_balance: str = "zigzag",
-        batch_axis: str | None = _DEFAULT_BATCH_AXIS,
+        batch_axis: Any = _DATA_IF_PRESENT,
         context_axis: str = "context",
         ulysses_axis: str | None = None,
         tensor_axis: str | None = None,
@@ -97,8 +107,8 @@ class ShardingSpec(eqx.Module):
                 f"ShardingSpec needs a jax.sharding.Mesh; got {type(mesh).__name__}. Build one "
                 "with jax.make_mesh((data, context), ('data', 'context'))."
             )
-        if batch_axis == _DEFAULT_BATCH_AXIS and batch_axis not in mesh.axis_names:
-            batch_axis = None
+        if batch_axis is _DATA_IF_PRESENT:
+            batch_axis = _default_batch_axis(mesh)
         self.mesh = mesh
         self.strategy = strategy
         self.load_balance = load_balance
@@ -212,7 +222,9 @@ class ShardingSpec(eqx.Module):
             )
 
     def replace(self, **changes: Any) -> "ShardingSpec":
-        """**Returns:** a copy with the given fields changed (and validated again).
+        """**Returns:** a copy with the given fields changed (and validated again). With a new
+        `mesh` and no `batch_axis`, a batch axis that was its old mesh's default (`"data"`
+        when that mesh had it, else `None`) becomes the new mesh's; any other stays.
 
         **Raises:** `TypeError` for a name that is not a field; otherwise as the constructor.
         """
@@ -225,8 +237,10 @@ class ShardingSpec(eqx.Module):
             raise TypeError(f"ShardingSpec.replace: unknown fields {sorted(unknown)}.")
         kwargs = {f: getattr(self, f) for f in fields}
         kwargs.update(changes)
-        if "mesh" in changes and "batch_axis" not in changes and self.batch_axis is None:
-            kwargs["batch_axis"] = _DEFAULT_BATCH_AXIS
+        if "mesh" in changes and "batch_axis" not in changes:
+            # A batch axis that is its old mesh's default follows the new mesh's default.
+            if self.batch_axis == _default_batch_axis(self.mesh):
+                kwargs["batch_axis"] = _DATA_IF_PRESENT
         return ShardingSpec(**kwargs)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -402,3 +416,7 @@ def _rules_tuple(rules: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
             raise TypeError(f"ShardingSpec: rules keys are logical axis names; got {name!r}.")
         out.append((name, _axes_tuple(f"rules[{name!r}]", axes)))
     return tuple(sorted(out))
+
+
+def _default_batch_axis(mesh: Mesh) -> str | None:
+    return _DEFAULT_BATCH_AXIS if _DEFAULT_BATCH_AXIS in mesh.axis_names else None

@@ -257,6 +257,8 @@ CALL_ERRORS = [
      r"segment_ids must have the \[batch, seq\] shape of the tokens, \(2, 16\); got \(2, 16, 1\)"),
     (False, dict(tokens=TOKENS, segment_ids={"a": 1}), TypeError,
      r"segment_ids must be a \[batch, seq\] array of integers .*got dict"),
+    (False, dict(tokens=TOKENS, segment_ids=np.full((BATCH, SEQ), 2**32, np.int64)), ValueError,
+     r"segment_ids must fit int32 .*got ids in \[4294967296, 4294967296\]"),
     (True, dict(tokens=TOKENS[:1]), ValueError,
      r"the batch is split over 'data' \(2\): 2 devices, so the batch of the tokens must be "
      r"divisible by 2; got batch=1\. Use a batch of 2"),

@@ -117,6 +117,10 @@ BAD = [
     ("spec tensor_axis int", lambda: _spec(tensor_axis=1), TypeError, "tensor_axis must be a mesh"),
     ("spec axis not in mesh", lambda: _spec(batch_axis="batch"), ValueError, "is not an axis"),
     ("spec axis twice", lambda: _spec(batch_axis="context"), ValueError, "used twice"),
+    ("spec data axis named, not in mesh", lambda: _spec(names=("batch", "context"),
+     batch_axis="data"), ValueError, "batch_axis='data' is not an axis"),
+    ("attention segment ids past int32", lambda: attention(Q, KV, KV, segment_ids=np.array(
+        [[0] * 4 + [2**32] * 4] * 2, np.int64)), ValueError, "segment_ids must fit int32"),
     ("spec usp needs ulysses", lambda: _spec("usp"), ValueError, "needs ulysses_axis"),
     ("spec mesh tuple", lambda: ShardingSpec((2, 4)), ValueError, "needs a jax.sharding.Mesh"),
     ("to_layout axis range", lambda: _layout(el.to_layout, np.zeros((2, 16)), axis=2),
@@ -163,6 +167,17 @@ BAD = [
 def test_bad_input_raises(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_spec_replace_keeps_a_batch_axis_given_and_moves_a_default_one():
+    given = _spec(batch_axis=None)
+    assert given.batch_axis is None and given.replace(mesh=given.mesh).batch_axis is None
+    assert given.replace(mesh=given.mesh, impl="xla").batch_axis is None
+    ring_only = _spec(shape=(8,), names=("context",))
+    assert ring_only.batch_axis is None
+    assert ring_only.replace(mesh=_spec().mesh).batch_axis == "data"
+    assert _spec().replace(mesh=ring_only.mesh).batch_axis is None
+    assert _spec(names=("batch", "context")).batch_axis is None
 
 
 def test_every_entry_point_is_in_the_table():

@@ -155,7 +155,8 @@ def latent_attention(
       "kv_lora_rank heads nope_plus_v"]`) or a function (then no `tensor_axis`).
     - `spec`, `causal`, `window`, `segment_ids`, `scale`, `impl`: as in `attention`.
 
-    **Returns:** `[batch, seq, q_heads, v_head_dim]` in the dtype of `q` (layout order).
+    **Returns:** `[batch, seq, q_heads, v_head_dim]` (layout order) in the common dtype of
+    `q` and the arrays `up_project` returns (mixed float dtypes are promoted).
 
     **Raises:** as `attention`; also `TypeError` when `up_project` is not callable or
     returns non-float arrays, and `ValueError` when it does not return a pair `(k, v)`, a

@@ -137,7 +137,8 @@ def flash_attention(
     - `tile_bytes`: bytes one block of float32 scores may take on the XLA path (heads are
       tiled to fit).
 
-    **Returns:** `(out, lse)`: out `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
+    **Returns:** `(out, lse)`: out `[batch, seq, q_heads, v_head_dim]` in the common dtype
+    of `q`, `k`, `v` (mixed float dtypes are promoted) and
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no
     key get `out = 0` and `lse = -inf`.
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import check_bool, check_int, check_real, check_spec
+from .._checks import as_int32_ids, check_bool, check_int, check_real, check_spec
 
 
 def as_float_arrays(where: str, **arrays):
@@ -41,7 +41,7 @@ def as_ids(x, name: str):
     if x is None:
         return None
     if not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
-        x = jnp.asarray(x)
+        x = jnp.asarray(as_int32_ids(x, name))
     if not np.issubdtype(x.dtype, np.integer):
         raise ValueError(
             f"{name} must be integers (one id per token); got dtype {x.dtype}. Cast with "

@@ -1,10 +1,12 @@
 """Validation and defaults for a decoder's `(tokens, positions, segment_ids)`, shared by
 every model family: clear `ValueError`s instead of XLA shape errors."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
+from .._checks import as_int32_ids
 from .._layout import check_sequence_length, layout_order
 from .._sharding import ShardingSpec
 
@@ -94,14 +96,20 @@ def check_shapes(
 
 
 def _as_array(x, name: str):
-    """`x` as a JAX array (NumPy arrays and nested lists of ints just work)."""
+    """`x` as a JAX array (NumPy arrays and nested lists of ints just work; integer ids must
+    fit int32)."""
+    if isinstance(x, jax.Array | Tracer):
+        return x
     try:
-        return jnp.asarray(x)
+        arr = np.asarray(x)
+        out = jnp.asarray(arr)
     except (TypeError, ValueError) as e:
         raise TypeError(
             f"{name} must be a [batch, seq] array of integers (JAX or NumPy); got "
             f"{type(x).__name__}, which jnp.asarray cannot convert ({e})."
         ) from None
+    as_int32_ids(arr, name)
+    return out
 
 
 def prepare_inputs(

@@ -506,3 +506,13 @@ def test_resume_without_run_dir_takes_the_run_whose_checkpoints_changed_last(tmp
         (tmp_path / "runs" / name / "checkpoints").mkdir(parents=True)
         os.utime(tmp_path / "runs" / name / "checkpoints", (when, when))
     assert default_run_dir(resume=True).name == "baseline"
+
+
+def test_help_states_each_default_once():
+    from eqx_longctx.inference._cli import build_parser as generate_parser
+    from eqx_longctx.train._cli import build_parser as train_parser
+
+    for parser in (train_parser(), generate_parser()):
+        text = " ".join(parser.format_help().split())
+        assert not re.search(r"default[^()]*\)\s*\(default: ", text), text
+        assert "(default: the preset's)" in text or parser.prog != "eqx-longctx-train"

@@ -32,6 +32,7 @@ from .._family import family_names
 from ..train._cli import UsageError, _Parser, add_placement_flags
 from ..train._config import mesh_shape
 from ..train._exit import error_line
+from ..train._placement_flags import DefaultsHelpFormatter
 
 PROG = "eqx-longctx-generate"
 TOKENIZER_FILE = "tokenizer.json"
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Print a model's continuation of a prompt as it is generated: from a "
         "training run's newest checkpoint (--run-dir) or a Hugging Face checkpoint (--hf).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument(

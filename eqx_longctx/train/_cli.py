@@ -16,6 +16,7 @@ from .._family import ENTRY_POINT_GROUP, family_names
 from ._config import TrainConfig
 from ._distributed import PEER_TIMEOUT
 from ._exit import EXIT_PREEMPTED, PROG, error_line, exit_now, preempted_line
+from ._placement_flags import DefaultsHelpFormatter
 from ._processes import INIT_TIMEOUT
 
 
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "non-finite loss, 2 invalid flags or nothing to resume from, 3 another process of "
         f"the run was lost, {EXIT_PREEMPTED} preempted by SIGTERM (every process saved a "
         "checkpoint at the same step: rerun with --resume), 130 Ctrl-C",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--model",

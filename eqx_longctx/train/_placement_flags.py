@@ -1,11 +1,21 @@
 """The placement flags of a run: `--mesh` and `--devices` (the axis sizes), `--fsdp-axes`
 and `--host-offload`, parsed and checked with errors that name the flag and the fix."""
 
+import argparse
 import math
 from collections.abc import Mapping
 
 from .._mesh import parse_mesh
 from ._offload import HOST_OFFLOADS
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each flag's default, unless its help already says what the default is
+    (`"(default: the preset's)"` would otherwise be followed by `"(default: None)"`)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
 
 
 def mesh_shape(mesh: str | None, devices: int) -> dict[str, int]:

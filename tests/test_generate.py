@@ -195,6 +195,20 @@ def test_eos_pads_its_row_and_leaves_the_others_alone():
     np.testing.assert_array_equal(out[1], tokens[1])
 
 
+def test_several_eos_ids_stop_each_row_at_its_first():
+    tokens, _ = reference("llama")
+    eos0 = next(v for v in tokens[0] if v not in tokens[1])
+    eos1 = next(v for v in tokens[1] if v not in tokens[0])
+    pad = next(v for v in range(LLAMA.vocab_size) if v not in (eos0, eos1))
+    stops = [int(eos0), int(eos1)]
+    out = np.asarray(el.generate(build("llama"), PROMPTS, lengths=LENGTHS, max_new_tokens=NEW,
+                                 max_len=MAX_LEN, eos_id=stops, pad_id=pad))  # fmt: skip
+    for row, eos in ((0, eos0), (1, eos1)):
+        first = list(tokens[row]).index(eos)
+        np.testing.assert_array_equal(out[row, : first + 1], tokens[row, : first + 1])
+        assert (out[row, first + 1 :] == pad).all(), out
+
+
 # ---- compile once ------------------------------------------------------------------------
 
 

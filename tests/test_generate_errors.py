@@ -101,6 +101,7 @@ BAD_GENERATE = [
     ("length > prompt", dict(G, lengths=np.array([14, 9])), ValueError, "lengths"),
     ("eos outside vocab", dict(G, eos_id=64), ValueError, "eos_id"),
     ("eos negative", dict(G, eos_id=-1), ValueError, "eos_id"),
+    ("one of several eos outside vocab", dict(G, eos_id=[3, 64]), ValueError, "eos_id"),
     ("pad outside vocab", dict(G, pad_id=64), ValueError, "pad_id"),
     ("float prompts", dict(G, prompts=PROMPTS.astype(np.float32)), TypeError, "prompts"),
     ("token outside vocab", dict(G, prompts=PROMPTS + 60), ValueError, "prompts"),

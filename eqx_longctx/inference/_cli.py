@@ -263,7 +263,7 @@ def _generate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         top_p=args.top_p,
         key=key,
-        eos_id=next(iter(eos)) if len(eos) == 1 else None,
+        eos_id=sorted(eos),
         on_token=printer,
     )
     printer.finish()

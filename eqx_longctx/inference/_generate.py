@@ -4,7 +4,7 @@ traced, so every step and every value reuses one compiled function; turning `top
 `top_p` filtering on or off is the one setting that compiles another."""
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -24,7 +24,7 @@ def _choose(logits, done, key, step, settings, *, filtered: bool):
     tokens = _sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p,
                      filtered=filtered)  # fmt: skip
     out = jnp.where(done, pad, tokens).astype(jnp.int32)
-    return out, done | (tokens == eos)
+    return out, done | jnp.any(tokens[:, None] == eos[None, :], axis=-1)
 
 
 @eqx.filter_jit
@@ -69,7 +69,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     key: Any = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
     max_len: int | None = None,
     return_logits: bool = False,
@@ -93,7 +93,8 @@ def generate(
       whose probability reaches `top_p` (nucleus), before sampling; `None` = off.
     - `key`: a PRNG key, required when sampling; a fixed key gives the same tokens on one
       device and under any spec (each row and step draws from its own fold of it).
-    - `eos_id`: after a row emits it, the rest of that row is `pad_id`; `None` = never stop.
+    - `eos_id`: a stop token, or several (Llama 3's instruct models have three): after a
+      row emits one, the rest of that row is `pad_id`; `None` = never stop.
     - `pad_id`: the token that fills a row after its `eos_id`.
     - `max_len`: the cache's length in tokens (default: the longest prompt plus
       `max_new_tokens`).
@@ -123,7 +124,10 @@ def generate(
             f"{type(on_token).__name__}."
         )
     vocab = model.config.vocab_size
-    eos = _token_id(eos_id, "eos_id", vocab, none_ok=True)
+    if eos_id is None or isinstance(eos_id, (list, tuple, np.ndarray)):
+        eos = [_token_id(i, "eos_id", vocab, none_ok=False) for i in eos_id or ()] or [-1]
+    else:
+        eos = [_token_id(eos_id, "eos_id", vocab, none_ok=False)]
     pad = _token_id(pad_id, "pad_id", vocab, none_ok=False)
     tokens, lengths = check_prompts(model, None, prompts, lengths)
     b, s = tokens.shape
@@ -146,7 +150,7 @@ def generate(
     filtered = top_k is not None or top_p is not None
     settings = (
         jnp.float32(temperature), jnp.int32(0 if top_k is None else min(top_k, vocab)),
-        jnp.float32(1.0 if top_p is None else top_p), jnp.int32(eos), jnp.int32(pad),
+        jnp.float32(1.0 if top_p is None else top_p), jnp.asarray(eos, jnp.int32), jnp.int32(pad),
     )  # fmt: skip
     key = jax.random.key(0) if key is None else key
     done = jnp.zeros((b,), bool)

@@ -103,13 +103,17 @@ class HFTensor:
 
 @final
 class SafetensorsCheckpoint:
-    """The tensors of a checkpoint directory: one `model.safetensors`, or the shards listed
-    by `model.safetensors.index.json`. Use as a context manager; files open lazily."""
+    """The tensors of a checkpoint directory: one `model.safetensors`, or else the shards
+    listed by `model.safetensors.index.json` (transformers' order). Use as a context
+    manager; files open lazily."""
 
     def __init__(self, path: str | os.PathLike):
         path = checkpoint_dir(path)
         index = os.path.join(path, INDEX_FILE)
-        if os.path.isfile(index):
+        single = os.path.join(path, SINGLE_FILE)
+        # As transformers: one model.safetensors wins over an index (save_pretrained leaves
+        # an old index behind when it rewrites a sharded checkpoint as one file).
+        if os.path.isfile(index) and not os.path.isfile(single):
             contents = read_json(index, "shard index")
             weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
@@ -126,9 +130,9 @@ class SafetensorsCheckpoint:
                 )
             self.files = {name: os.path.join(path, file) for name, file in weight_map.items()}
             self.source = index
-        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        elif os.path.isfile(single):
             self.files = None  # filled on open, from the file's own header
-            self.source = os.path.join(path, SINGLE_FILE)
+            self.source = single
         else:
             found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             raise ValueError(
@@ -282,7 +286,11 @@ def load_params(
             "config.json implies. Check that the checkpoint is complete and that config.json "
             "belongs to it."
         )
-    extra = {n for n in present - set(expected) if n not in tied}
+    # Tensors with no elements carry no weights (transformers writes a DeepSeek's shared
+    # experts as [dim, 0] when n_shared_experts=0).
+    extra = {
+        n for n in present - set(expected) if n not in tied and 0 not in checkpoint.shape(n)
+    }
     if extra:
         raise ValueError(
             f"checkpoint {checkpoint.source} has tensor(s) {_listing(extra)} that the model "

@@ -38,15 +38,15 @@ def randomize_biases_and_norms(model):
 
 
 def model_builder(families, small, **config_attrs):
-    """`build_hf(family, seed=0)` of a parity test module: a random float32 transformers
-    causal LM of `families[family]` (`(config class name, extra config fields, ...)`) over
-    the `small` config fields, with `config_attrs` set on the config (e.g.
+    """`build_hf(family, seed=0, **changes)` of a parity test module: a random float32
+    transformers causal LM of `families[family]` (`(config class name, extra config fields,
+    ...)`) over the `small` config fields and `changes`, with `config_attrs` set on the config (e.g.
     `_attn_implementation="eager"`), and `randomize_biases_and_norms`."""
 
-    def build_hf(family: str, seed: int = 0):
+    def build_hf(family: str, seed: int = 0, **changes):
         torch, transformers = hf_modules()
         cls_name, extra = families[family][:2]
-        config = getattr(transformers, cls_name)(**small, **extra)
+        config = getattr(transformers, cls_name)(**{**small, **extra, **changes})
         for name, value in config_attrs.items():
             setattr(config, name, value)
         torch.manual_seed(seed)

@@ -132,6 +132,16 @@ def test_round_trip_through_transformers(checkpoints, tokens, tmp_path, family):
     assert max_diff(hf_logits(reloaded, tokens), ref) <= ATOL
 
 
+def test_no_shared_experts_matches_transformers(tmp_path, tokens):
+    """With `n_shared_experts=0` transformers writes the shared experts as `[dim, 0]`
+    tensors: they hold no weights and are not refused as unknown."""
+    reference = build_hf("v3-q-lora-noaux", n_shared_experts=0)
+    reference.save_pretrained(tmp_path)
+    model = from_hf(tmp_path)
+    assert model.config.n_shared_experts == 0
+    assert max_diff(forward(model, tokens), hf_logits(reference, tokens)) <= ATOL
+
+
 def test_multi_token_prediction_layers_are_skipped(v3_copy):
     """DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` extra layers (MTP)."""
     extra = {"model.layers.3.eh_proj.weight": np.ones((64, 128), "f4")}

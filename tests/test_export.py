@@ -58,12 +58,41 @@ def test_export_after_init_hf(checkpoints, corpus, tmp_path, family):  # noqa: F
     out = tmp_path / "hf"
     assert export_run(tmp_path / "run", out) == (2 if family == "llama" else 0)
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert names == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
     tokens = np.random.default_rng(2).integers(0, VOCAB, (2, CONTEXT)).astype(np.int32)
     logits, _ = transformers_logits(out, tokens)
     assert_close(forward(model, tokens), logits)
+
+
+def test_export_keeps_stop_tokens_and_chat_files(checkpoints, corpus, tmp_path):  # noqa: F811
+    """A source with several stop tokens and no pad id (as Llama 3 instruct checkpoints),
+    a chat template and a generation config: the export writes them back as they were."""
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(checkpoints["llama"][0], source)
+    config = json.loads((source / "config.json").read_text())
+    config.update(eos_token_id=[2, 3], pad_token_id=None)
+    (source / "config.json").write_text(json.dumps(config))
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (source / "chat_template.jinja").write_text(template)
+    generation = {"eos_token_id": [2, 3], "temperature": 0.6, "do_sample": True}
+    (source / "generation_config.json").write_text(json.dumps(generation))
+    trainer = Trainer(train_config("llama", source, corpus, tmp_path / "run"))
+    try:
+        checkpoint_now(trainer)
+    finally:
+        trainer.close()
+    out = tmp_path / "hf"
+    export_run(tmp_path / "run", out)
+    written = json.loads((out / "config.json").read_text())
+    assert written["eos_token_id"] == [2, 3] and "pad_token_id" not in written
+    assert (out / "chat_template.jinja").read_text() == template
+    assert json.loads((out / "generation_config.json").read_text()) == generation
+    _, transformers = hf_helpers.hf_modules()
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [2, 3]
 
 
 def test_export_of_a_fresh_run_and_errors(tmp_path, corpus, capsys):  # noqa: F811
@@ -87,7 +116,12 @@ def test_export_of_a_fresh_run_and_errors(tmp_path, corpus, capsys):  # noqa: F8
     tokens = np.random.default_rng(3).integers(0, 259, (1, 32)).astype(np.int32)
     assert_close(forward(model, tokens), transformers_logits(tmp_path / "hf", tokens)[0])
     capsys.readouterr()
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "tokenizer.json").write_text("{}")  # another model's: AutoTokenizer would load it
     for flags, match in [
+        (["--run-dir", str(tmp_path / "run"), "--out", str(stale)],
+         "already holds tokenizer.json, which this export would not replace"),
         (["--run-dir", str(tmp_path / "none"), "--out", str(tmp_path / "x")], "does not exist"),
         (["--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "y"), "--step", "7"],
          "--step must be a saved step"),
@@ -97,6 +131,7 @@ def test_export_of_a_fresh_run_and_errors(tmp_path, corpus, capsys):  # noqa: F8
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("eqx-longctx-export: error: "), lines
         assert match in lines[0]
+    assert sorted(p.name for p in stale.iterdir()) == ["tokenizer.json"]  # nothing written
 
 
 def recipe() -> tuple[list[str], list[str]]:

@@ -107,6 +107,16 @@ def test_sharded_checkpoint(tmp_path, tokens):
     assert max_diff(forward(from_hf(tmp_path), tokens), hf_logits(model, tokens)) <= ATOL
 
 
+def test_one_file_wins_over_a_leftover_index(tmp_path, tokens):
+    """As in transformers: saving a sharded checkpoint again as one file leaves its index
+    behind (the shards go), and `model.safetensors` is what loads."""
+    model = build_hf("llama-gqa-llama3-untied")
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert max_diff(forward(from_hf(tmp_path), tokens), hf_logits(model, tokens)) <= ATOL
+
+
 @pytest.mark.parametrize("family,strategy,shape", CONTEXT_PARALLEL)
 def test_context_parallel_logits_match_transformers(checkpoints, tokens, family, strategy, shape):
     path, ref = checkpoints[family]

@@ -201,7 +201,11 @@ def test_resume_after_init_hf(checkpoints, corpus, tmp_path):
     flags = json.loads((tmp_path / "whole" / "flags.json").read_text())
     assert flags["init_hf"] == str(path.resolve())
     copy = tmp_path / "whole" / "init_hf"
-    assert sorted(p.name for p in copy.iterdir()) == ["config.json", "tokenizer.json"]
+    assert sorted(p.name for p in copy.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+    ]
     records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").open()]
     assert all(r["bpb"] > 0 for r in records if "loss" in r)
 

@@ -2,8 +2,9 @@
 training run as a Hugging Face checkpoint directory.
 
 The run's family writes the weights and `config.json` (its `to_hf`; the library never
-names a family). A run started with `--init-hf` also gets the tokenizer files of its
-source checkpoint (the run's copy of them) and that checkpoint's special token ids, so
+names a family). A run started with `--init-hf` also gets the tokenizer, generation-config and
+chat-template files of its source checkpoint (the run's copy of them) and that
+checkpoint's special token ids, so
 `transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`
 both load the result.
 """
@@ -45,6 +46,8 @@ def export_run(
     from ._read_run import read_run_model
 
     run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
+    copy = run_dir / SOURCE_COPY if (run_dir / SOURCE_COPY).is_dir() else None
+    _check_no_stale_files(out, copy)
     # Read on one device, whatever the mesh that trained it.
     run = read_run_model(
         run_dir, lambda config, _: Placement(1, vocab_size=config.vocab_size), reader="export",
@@ -55,21 +58,55 @@ def export_run(
     return run.step
 
 
-def _add_tokenizer(out: pathlib.Path, tokenizer, copy: pathlib.Path | None) -> None:
-    """Write the special token ids into `config.json`, and copy an `--init-hf` run's
-    tokenizer files."""
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _source_files() -> tuple[str, ...]:
     from eqx_longctx.data._hf_tokenizer import TOKENIZER_FILES
 
+    from ._init_hf import SOURCE_EXTRAS
+
+    return (*TOKENIZER_FILES, *SOURCE_EXTRAS)
+
+
+def _check_no_stale_files(out: pathlib.Path, copy: pathlib.Path | None) -> None:
+    """**Raises:** `ValueError` when `out` holds tokenizer or generation files that the
+    export would not replace: transformers would load them beside the exported model."""
+    if not out.is_dir():
+        return
+    ours = {n for n in _source_files() if copy is not None and (copy / n).is_file()}
+    stale = sorted(n for n in _source_files() if (out / n).exists() and n not in ours)
+    if stale:
+        raise ValueError(
+            f"--out {out} already holds {', '.join(stale)}, which this export would not "
+            "replace: transformers would load them with the exported model (another "
+            "tokenizer, other stop tokens). Export to an empty directory or remove them."
+        )
+
+
+def _add_tokenizer(out: pathlib.Path, tokenizer, copy: pathlib.Path | None) -> None:
+    """Write the special token ids into `config.json`: an `--init-hf` run's source
+    checkpoint's, as that checkpoint wrote them (a list of stop tokens, no pad id), else the
+    tokenizer's; and copy an `--init-hf` run's tokenizer, generation and chat-template
+    files."""
     file = out / "config.json"
     config = json.loads(file.read_text())
-    for key, value in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id),
-                       ("pad", tokenizer.pad_id)):  # fmt: skip
-        if value is not None:
-            config[f"{key}_token_id"] = int(value)
+    if copy is not None and (copy / "config.json").is_file():
+        source = json.loads((copy / "config.json").read_text())
+        for key in _SPECIAL_IDS:
+            if source.get(key) is not None:
+                config[key] = source[key]
+            else:
+                config.pop(key, None)
+    else:
+        for key, value in zip(_SPECIAL_IDS, (tokenizer.bos_id, tokenizer.eos_id,
+                                             tokenizer.pad_id), strict=True):  # fmt: skip
+            if value is not None:
+                config[key] = int(value)
     file.write_text(json.dumps(config, indent=2, sort_keys=True))
     if copy is None:
         return
-    for name in TOKENIZER_FILES:
+    for name in _source_files():
         if (copy / name).is_file():
             shutil.copyfile(copy / name, out / name)
 

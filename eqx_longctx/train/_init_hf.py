@@ -28,6 +28,9 @@ SOURCE_COPY = "init_hf"
 """The folder of a run directory that holds its copy of the source checkpoint's
 `config.json` and tokenizer files."""
 CONFIG_FILE = "config.json"
+SOURCE_EXTRAS = ("generation_config.json", "chat_template.jinja", "chat_template.json")
+"""Files of a source checkpoint besides its tokenizer that a run keeps and its export
+writes back: how transformers generates from it (stop tokens) and its chat template."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +132,7 @@ def keep_source(run_dir: pathlib.Path, start: HFStart | None) -> None:
     if start is None:
         return
     copy.mkdir(parents=True)
-    for name in (CONFIG_FILE, *TOKENIZER_FILES):
+    for name in (CONFIG_FILE, *TOKENIZER_FILES, *SOURCE_EXTRAS):
         if (start.source / name).is_file():
             shutil.copyfile(start.source / name, copy / name)
 

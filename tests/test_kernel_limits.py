@@ -1,6 +1,7 @@
 """Limits of the TPU the Pallas kernels respect without a TPU to hit them: the block
 schedule read by scalar prefetch fits in SMEM (batch rows split over several kernel calls
-when it would not; a clear error when one row alone would not)."""
+when it would not, and a row's queries over several pieces; a clear error when one query
+block alone would not)."""
 
 import jax
 import jax.numpy as jnp
@@ -78,10 +79,57 @@ def test_batch_rows_split_over_calls_when_the_schedule_overflows_smem(monkeypatc
     np.testing.assert_allclose(split[0][0], oracle(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_over_smem_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(_blocks, "_SMEM_BUDGET", 16)
+@pytest.mark.parametrize("segmented", [False, True])
+def test_queries_go_in_pieces_when_one_rows_schedule_overflows_smem(monkeypatch, segmented):
+    """With the budget cut to two query blocks' schedules against 4 key blocks, each row's
+    512 queries run in 2 pieces per pass, one row a call: the same output and logsumexp as
+    one call, and gradients (dK, dV summed over the pieces) to float32 rounding; the oracle
+    agrees."""
+    q, k, v = _case(2, seq=512, seed=1)
+    seg = None
+    if segmented:
+        seg = jnp.asarray(np.repeat([[0, 1, 1, 2]], 128, axis=1).repeat(2, 0), jnp.int32)
+
+    def results():
+        def run(q, k, v):
+            return flash_attention(q, k, v, causal=True, impl="pallas", block_q=128,
+                                   block_k=128, q_segment_ids=seg, kv_segment_ids=seg)  # fmt: skip
+
+        def loss(q, k, v):
+            out, lse = run(q, k, v)
+            return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        return jax.jit(run)(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+
+    whole = results()
+    calls = []
+    original = _blocks.call_kernel
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(_blocks, "_SMEM_BUDGET", 2 * 4 * 4 * 2)  # 2 of the 4 query blocks
+    for module in ("_flash_pallas", "_flash_pallas_bwd"):
+        monkeypatch.setattr(f"eqx_longctx.kernels.{module}.call_kernel", counting)
+    split = results()
+    # 2 pieces x 2 rows (a piece's schedule is the budget: one row a call) x (forward;
+    # forward again, dQ, dK/dV)
+    assert len(calls) == 2 * 2 * (1 + 1 + 2)
+    (out, lse), (out_whole, lse_whole) = split[0], whole[0]
+    np.testing.assert_array_equal(out, out_whole)
+    np.testing.assert_array_equal(lse, lse_whole)
+    for a, b in zip(split[1], whole[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    want = oracle(q, k, v, causal=True, segment_ids=seg)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_query_block_over_smem_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(_blocks, "_SMEM_BUDGET", 8)  # one query block against 2 key blocks: 16
     q, k, v = _case(1)
-    with pytest.raises(ValueError, match=r"block schedule needs .* KiB of SMEM per batch row"):
+    match = r"block schedule needs .* KiB of SMEM for one block of 128 queries against 256 keys"
+    with pytest.raises(ValueError, match=match):
         flash_attention(q, k, v, causal=True, impl="pallas", block_q=128, block_k=128)
 
 

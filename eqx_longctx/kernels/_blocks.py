@@ -291,18 +291,29 @@ def smem_rows(cfg: Config, sq: int, sk: int) -> int:
     return _SMEM_BUDGET // smem_bytes(cfg._replace(max_live_blocks=None), 1, sq, sk)
 
 
+def query_chunk(cfg: Config, sq: int, sk: int) -> int:
+    """The most query rows (a multiple of `block_q`, at most `sq` padded) whose one-row
+    schedule against `sk` keys fits in SMEM: a longer call runs its queries in pieces of
+    this many (`QuerySide.chunks`); 0 when not even one query block fits."""
+    per_block = smem_bytes(cfg._replace(max_live_blocks=None), 1, cfg.block_q, sk)
+    padded = -(-sq // cfg.block_q) * cfg.block_q
+    return min(_SMEM_BUDGET // per_block * cfg.block_q, padded)
+
+
 def check_smem(cfg: Config, batch: int, sq: int, sk: int) -> None:
-    """**Raises:** `ValueError` when not even one batch row's block schedule fits in SMEM
-    (more rows than fit are split over several kernel calls, `by_batch_rows`)."""
-    if smem_rows(cfg, sq, sk) >= 1:
+    """**Raises:** `ValueError` when not even one query block's schedule against the `sk`
+    keys fits in SMEM (more rows than fit go in several kernel calls, `by_batch_rows`, and
+    more queries in pieces, `query_chunk`)."""
+    del batch
+    if query_chunk(cfg, sq, sk) >= 1:
         return
     raise ValueError(
-        f"the Pallas kernels' block schedule needs {smem_bytes(cfg, 1, sq, sk) / 2**10:.0f} "
-        f"KiB of SMEM per batch row for {sq} queries and {sk} keys in {cfg.block_q} x "
-        f"{cfg.block_k} blocks; the limit is {_SMEM_BUDGET // 2**10} KiB (half of the "
-        f"TensorCore's {SMEM_BYTES // 2**20} MiB). Use larger blocks (block_q, block_k), a "
-        "context-parallel spec that splits the sequence, a bound on the live blocks "
-        "(max_live_blocks) for a windowed call, or impl='xla'."
+        f"the Pallas kernels' block schedule needs "
+        f"{smem_bytes(cfg, 1, cfg.block_q, sk) / 2**10:.0f} KiB of SMEM for one block of "
+        f"{cfg.block_q} queries against {sk} keys in blocks of {cfg.block_k}; the limit is "
+        f"{_SMEM_BUDGET // 2**10} KiB (half of the TensorCore's {SMEM_BYTES // 2**20} MiB). "
+        "Use a larger block_k, a context-parallel spec that splits the sequence, a bound on "
+        "the live blocks (max_live_blocks) for a windowed call, or impl='xla'."
     )
 
 

@@ -61,6 +61,7 @@ from ._blocks import (
     check_inputs,
     kv_ids,
     make_config,
+    query_chunk,
     query_ids,
     schedule,
     visible,
@@ -72,8 +73,10 @@ from ._operands import (
     KvOperand,
     Side,
     kv_operand,
+    lanes,
     out_struct,
     pad_axis,
+    sublanes,
 )
 from ._vmem import kernel_vmem
 
@@ -169,6 +172,20 @@ class QuerySide(NamedTuple):
     qh: jax.Array
     ids: Side
     seq: int
+
+    def chunks(self, rows: int) -> "list[QuerySide]":
+        """This side cut along its padded sequence into pieces of `rows` rows (a multiple of
+        `block_q`; the last may be shorter), each with its ids and its unpadded length.
+        Padding is only at the end and shorter than a block, so every piece has real rows."""
+        out = []
+        for lo in range(0, self.qh.shape[2], rows):
+            hi = lo + rows
+            pos = self.ids.pos[:, lo:hi]
+            seg = None if self.ids.seg is None else self.ids.seg[:, lo:hi]
+            tiles = (None, None) if seg is None else (lanes(seg), sublanes(seg))
+            ids = Side(pos, seg, lanes(pos), sublanes(pos), *tiles)
+            out.append(QuerySide(self.qh[:, :, lo:hi], ids, min(self.seq, hi) - lo))
+        return out
 
 
 def query_side(cfg: Config, qh, q_positions, q_segment_ids) -> QuerySide:
@@ -292,9 +309,18 @@ def _heads_major_like(x):
 
 def forward_sides(cfg: Config, qs: QuerySide, kvs: KvSide):
     """Forward of prepared sides: `(out [b, h, sq, dv], lse [b, h, sq])`, heads-major,
-    padding cut. Batch rows go in as many calls as keep the schedule in SMEM."""
-    return by_batch_rows(cfg, functools.partial(_forward_rows, cfg), qs.qh.shape[2],
-                         kvs.k.seq, qs, kvs)  # fmt: skip
+    padding cut. Batch rows go in as many calls as keep the schedule in SMEM, and queries in
+    as many pieces (each row's output and logsumexp are its own: the pieces concatenate)."""
+    rows = query_chunk(cfg, qs.qh.shape[2], kvs.k.seq)
+    parts = [
+        by_batch_rows(
+            cfg, functools.partial(_forward_rows, cfg), part.qh.shape[2], kvs.k.seq, part, kvs
+        )  # fmt: skip
+        for part in qs.chunks(rows)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(jnp.concatenate(xs, axis=2) for xs in zip(*parts, strict=True))
 
 
 def _forward_rows(cfg, qs: QuerySide, kvs: KvSide):

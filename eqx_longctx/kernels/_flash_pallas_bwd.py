@@ -43,6 +43,7 @@ from ._blocks import (
     call_kernel,
     check_inputs,
     make_config,
+    query_chunk,
     schedule,
     visible,
     with_fallback,
@@ -287,9 +288,19 @@ def backward_sides(cfg: Config, qs: QuerySide, kvs: KvSide, do, lse, delta, dq_i
     """Backward of prepared sides, with `do`, `lse`, `delta`, `dq_in` padded as
     `backward_padded` takes them. **Returns:** float32 `(dq_in + dq, dk, dv)`: `dq` padded
     heads-major, `dk`, `dv` in `kvs`' layouts, padded. Batch rows go in as many calls as
-    keep the schedule in SMEM."""
-    return by_batch_rows(cfg, functools.partial(_backward_rows, cfg), qs.qh.shape[2],
-                         kvs.k.seq, qs, kvs, do, lse, delta, dq_in)  # fmt: skip
+    keep the schedule in SMEM, and queries in as many pieces (their dQ concatenate, their
+    dK and dV add up)."""
+    rows = query_chunk(cfg, qs.qh.shape[2], kvs.k.seq)
+    parts = []
+    for lo, part in zip(range(0, qs.qh.shape[2], rows), qs.chunks(rows), strict=True):
+        piece = slice(lo, lo + rows)  # do, dq_in [b, h, s, d]; lse, delta [b, h, 8, s]
+        rows_of = (do[:, :, piece], lse[..., piece], delta[..., piece], dq_in[:, :, piece])
+        parts.append(by_batch_rows(cfg, functools.partial(_backward_rows, cfg),
+                                   part.qh.shape[2], kvs.k.seq, part, kvs, *rows_of))  # fmt: skip
+    if len(parts) == 1:
+        return parts[0]
+    dqs, dks, dvs = zip(*parts, strict=True)
+    return jnp.concatenate(dqs, axis=2), sum(dks[1:], dks[0]), sum(dvs[1:], dvs[0])
 
 
 def _backward_rows(cfg, qs, kvs, do, lse, delta, dq_in):

@@ -40,6 +40,7 @@ class StackActivations(NamedTuple):
     # rematerialised layer rebuilds in its backward
     layer_input: int  # the `[batch, seq, embed]` input of one layer
     moe: bool  # the layer has a mixture of experts
+    shared: int = 0  # bytes the stack keeps once for all its layers (RoPE's tables)
 
 
 def stacks(model: Any) -> dict[str, LayerStack]:
@@ -78,21 +79,38 @@ def stack_activations(
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     out = []
     by_policy: dict[str, dict[str, int]] = {}
+    shared: dict[str, int] = {}
     for remat in ("none", "dots", "full"):
         model = eqx.filter_eval_shape(
             family.model, dataclasses.replace(local, remat=remat), key=jax.random.key(0)
         )
         for path, stack in stacks(model).items():
-            by_policy.setdefault(path, {})[remat] = _saved_bytes(stack, x, ids)
+            tables = _stack_tables(stack, ids)
+            by_policy.setdefault(path, {})[remat] = _saved_bytes(stack, x, ids, tables)
+            shared[path] = sum(math.prod(t.shape) * t.dtype.itemsize for t in tables)
     for path, n in counts.items():
-        saved = dict(by_policy[_local_path(path, by_policy)])
+        local_path = _local_path(path, by_policy)
+        saved = dict(by_policy[local_path])
         layer_input = math.prod(x.shape) * dtype.itemsize
         # "offload" keeps the layer inputs in host memory and recomputes the rest, as "full"
         saved["offload"] = saved["full"] - layer_input
         host = {r: layer_input if r == "offload" else 0 for r in REMATS}
         moe = any(isinstance(m, MoE) for m in jax.tree.leaves(full_stacks[path], is_leaf=_is_moe))
-        out.append(StackActivations(path, n, saved, host, saved["none"], layer_input, moe))
+        out.append(
+            StackActivations(
+                path, n, saved, host, saved["none"], layer_input, moe, shared[local_path]
+            )  # fmt: skip
+        )
     return out
+
+
+def _stack_tables(stack: LayerStack, ids) -> list:
+    """The avals of the RoPE tables `stack` computes once for all its layers (none when
+    its attention takes positions)."""
+    rotary = getattr(stack.layers, "rotary_tables", None)
+    if rotary is None:
+        return []
+    return jax.tree.leaves(eqx.filter_eval_shape(rotary, ids))
 
 
 def _is_moe(x: Any) -> bool:
@@ -114,17 +132,24 @@ def _local_path(path: str, by_policy: dict) -> str:
     )
 
 
-def _saved_bytes(stack: LayerStack, x, ids) -> int:
+def _saved_bytes(stack: LayerStack, x, ids, tables: list) -> int:
+    """Bytes one layer of `stack` (a stack of one layer) saves for its backward, without
+    the stack's `tables`: those are kept once for every layer (`StackActivations.shared`),
+    which a stack of one layer cannot tell from its own."""
     params, static = eqx.partition(stack, lambda a: isinstance(a, jax.ShapeDtypeStruct))
 
     def layer(params, x, positions, segment_ids):
         return eqx.combine(params, static)(x, positions, segment_ids)
 
+    once = [(tuple(t.shape), jnp.dtype(t.dtype)) for t in tables]
     total = 0
     for aval, why in _compat.saved_residuals(layer, params, x, ids, ids):
         if _compat.is_argument_residual(why) and not _compat.is_argument_residual(why, "x"):
             continue  # weights (counted as parameters), positions and segment ids (batch)
         shape, dtype = getattr(aval, "shape", ()), getattr(aval, "dtype", jnp.float32)
+        if (tuple(shape), jnp.dtype(dtype)) in once:
+            once.remove((tuple(shape), jnp.dtype(dtype)))
+            continue
         total += math.prod(shape) * jnp.dtype(dtype).itemsize
     return total
 

@@ -291,7 +291,7 @@ def plan_train_step(
                 # backward needs beyond the local kernel's residuals.
                 saved_weights = gathered[s.path] * dtype.itemsize // param_itemsize  # as cast
                 extra = saved_weights + kept + ep * s.moe if remat == "none" else 0
-                acts += s.n_layers * (s.saved[remat] + extra)
+                acts += s.n_layers * (s.saved[remat] + extra) + s.shared
                 host += s.n_layers * s.host[remat]
                 # Differentiating a layer: its gathered weights and their unreduced
                 # gradient, the activations it rebuilds when rematerialised, attention.

@@ -78,6 +78,19 @@ def test_prediction_is_within_tolerance_of_compiled(case):
     assert decode.aliased == plan.memory.cache
 
 
+def test_the_plans_strategy_is_the_one_the_prefill_runs():
+    """Under "auto" the prefill runs what `resolve_strategy` picks (forward and backward
+    weighed: an attention call cannot know it is not differentiated); the plan priced ring
+    while the compiled prefill ran Ulysses."""
+    config = LlamaConfig.from_preset("tiny", max_seq_len=4096)
+    spec = _spec({"data": 2, "context": 4}, strategy="auto")
+    plan = plan_generate("llama", config, spec, batch=2, seq=4096)
+    prefill, _ = compile_generate(_model("llama", config, spec), batch=2, seq=4096)
+    text = prefill.as_text()
+    ran = "ulysses" if " all-to-all(" in text else "ring" if "collective-permute" in text else "?"
+    assert plan.problem["strategy"] == ran, (plan.problem["strategy"], ran)
+
+
 @pytest.mark.parametrize(
     "family,shape,window,load_balance,tensor,cache_dtype",
     [

@@ -262,9 +262,11 @@ def _attention_forward(spec, batch, seq, heads, dtype, config) -> tuple[int, str
     if spec is None:  # one device: the local kernel, priced on a mesh of one
         mesh = jax.make_mesh((1,), ("context",), devices=jax.devices()[:1])
         spec = ShardingSpec(mesh, batch_axis=None)
+    # The choice is the runtime's (`resolve_strategy`): an attention call cannot know it
+    # will not be differentiated, so "auto" weighs forward and backward even in a prefill.
     result = plan_attention(
         spec, batch=batch, seq=seq, q_heads=hq, kv_heads=hk, head_dim=d, v_head_dim=dv,
-        dtype=dtype, window=window, backward=False, where="plan_generate",
+        dtype=dtype, window=window, backward=True, where="plan_generate",
     )  # fmt: skip
     cost = result.costs[result.strategy]
     nt = spec.axis_size(spec.tensor_axis)

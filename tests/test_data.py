@@ -170,6 +170,7 @@ def test_user_files(tmp_path):
     (tmp_path / "e.txt").write_text("  \n")  # blank: dropped
     assert load_corpus(tmp_path) == ["alpha\n\nbeta\n", "gamma 😀"]
     assert load_corpus(tmp_path, suffixes=(".md",)) == ["gamma 😀"]
+    assert load_corpus(tmp_path, suffixes=".md") == ["gamma 😀"]  # one suffix, not a substring
     assert load_corpus(tmp_path, separator="\n\n") == ["alpha", "beta\n", "gamma 😀"]
     assert load_corpus(tmp_path / "a.txt") == ["alpha\n\nbeta\n"]
     # The budget (a.txt, e.txt, 8 bytes of b.md) cuts mid-emoji: the partial character goes.
@@ -200,6 +201,14 @@ def test_errors(tmp_path):
     (tmp_path / "one.txt").write_text("a single document")
     with pytest.raises(ValueError, match=r"at least 2 documents; got 1.*separator"):
         load_datasets(tmp_path / "one.txt", seq_len=8)
+    with pytest.raises(ValueError, match=r"needs a path; got path=''"):
+        load_corpus("")
+    with pytest.raises(ValueError, match="non-empty separator"):
+        load_corpus(tmp_path / "one.txt", separator="")
+    with pytest.raises(TypeError, match=r"docs\[1\] of type int"):
+        pack_documents(["abc", 5], 8)
+    with pytest.raises(TypeError, match="got one str"):
+        pack_documents("hello", 8)
     with pytest.raises(ValueError, match="strictly between 0 and 1; got val_fraction=1"):
         split_documents(["a", "b"], val_fraction=1.0)
     for make in (

@@ -66,3 +66,12 @@ def test_hub_load_failure_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(ValueError, match=r"could not load .* 'nobody/none' \(split 'val'\).*"):
         load_corpus("hf:nobody/none:val")
+
+
+def test_a_text_column_that_is_not_text_is_a_clear_error(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    ints = tmp_path / "ints"
+    datasets.Dataset.from_dict({"text": [1, 2]}).save_to_disk(str(ints))
+    with pytest.raises(ValueError, match=r"'text' column of int, not text \(row 0\)"):
+        load_corpus(f"hf:{ints}")

@@ -52,7 +52,7 @@ def load_corpus(
     path: str | os.PathLike | None = None,
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
-    suffixes: tuple[str, ...] | None = None,
+    suffixes: str | tuple[str, ...] | None = None,
     separator: str | None = None,
 ) -> list[str]:
     """Read a corpus of text documents.
@@ -66,7 +66,8 @@ def load_corpus(
       `"text"` column; this needs the `datasets` package.
     - `max_bytes`: stop once this many bytes are read (the last file is cut short).
     - `suffixes`: in a folder, read only files ending in one of these (e.g.
-      `(".txt", ".md")`); `None` tries every file. Binary and non-UTF-8 files are skipped.
+      `(".txt", ".md")`, or one as a string); `None` tries every file. Binary and
+      non-UTF-8 files are skipped.
     - `separator`: split every file into documents at this string (`"\\n\\n"` for
       paragraphs, `"\\n"` for lines); `None` keeps one document per file.
 
@@ -74,7 +75,8 @@ def load_corpus(
 
     The documents as strings; blank documents are dropped.
 
-    **Raises:** `ValueError` when `max_bytes < 1`, `path` does not exist, or no non-blank
+    **Raises:** `ValueError` when `max_bytes < 1`, `path` is empty or does not exist,
+    `separator` is empty, or no non-blank
     UTF-8 text is found; for `"hf:..."` also when the source has an empty name or split, the
     `datasets` package is not installed, a saved `DatasetDict` lacks the split, the Hub
     dataset cannot be loaded, or the rows have no `"text"` column and not exactly one string
@@ -84,6 +86,18 @@ def load_corpus(
         raise ValueError(
             f"load_corpus needs max_bytes >= 1; got max_bytes={max_bytes}. "
             f"Pass a positive byte budget (default {DEFAULT_MAX_BYTES})."
+        )
+    if isinstance(suffixes, str):  # one suffix: ".txt" would match ".t" and "" by substring
+        suffixes = (suffixes,)
+    if path is not None and not os.fspath(path):
+        raise ValueError(
+            "load_corpus needs a path; got path='' (which would read the current folder). "
+            "Pass a file or folder, or path=None for the Python standard library."
+        )
+    if separator is not None and (not isinstance(separator, str) or not separator):
+        raise ValueError(
+            f"load_corpus needs a non-empty separator string or None; got separator="
+            f"{separator!r}. Pass e.g. separator='\\n\\n' for paragraphs."
         )
     if isinstance(path, str) and path.startswith(HF_PREFIX):
         texts = read_hf(path, max_bytes)
@@ -176,7 +190,7 @@ def load_datasets(
     val_fraction: float = 0.05,
     max_bytes: int = DEFAULT_MAX_BYTES,
     tokenizer: Tokenizer | None = None,
-    suffixes: tuple[str, ...] | None = None,
+    suffixes: str | tuple[str, ...] | None = None,
     separator: str | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Read a corpus, hold out validation documents and pack both splits.

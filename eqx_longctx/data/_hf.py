@@ -91,7 +91,14 @@ def read_hf(source: str, budget: int) -> list[str]:
         if budget <= 0:
             break
         column = _text_column(row, name) if column is None else column
-        raw = (row[column] or "").encode("utf-8")[:budget]
+        value = row[column]
+        if value is not None and not isinstance(value, str):
+            raise ValueError(
+                f"the Hugging Face dataset {name!r} has a {column!r} column of "
+                f"{type(value).__name__}, not text (row {len(texts)}). Point at a dataset "
+                "whose 'text' column holds strings, or rename the text column to 'text'."
+            )
+        raw = (value or "").encode("utf-8")[:budget]
         texts.append(codecs.getincrementaldecoder("utf-8")().decode(raw, final=False))
         budget -= len(raw)
     return texts

@@ -10,7 +10,7 @@ appears exactly once as a token and once as a target.
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, final
+from typing import Any, NamedTuple, final, no_type_check
 
 import jax
 import numpy as np
@@ -136,12 +136,24 @@ def _pack(docs: Sequence[np.ndarray], seq_len: int, tokenizer: Tokenizer):
     return _fill(plan, range(plan.num_rows), streams.__getitem__, tokenizer)
 
 
-def _encode_all(docs: Sequence[str | bytes], tokenizer: Tokenizer | None):
+def _encode_all(docs: Any, tokenizer: Tokenizer | None):
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     if len(docs) == 0:
         raise ValueError(
             "Packing needs at least one document; got an empty list. "
             "Check the corpus (load_corpus) or the split that produced it."
+        )
+    if isinstance(docs, str | bytes):
+        raise TypeError(
+            "docs must be a sequence of documents (str or bytes); got one "
+            f"{type(docs).__name__}, which would pack each character as a document. Pass "
+            "[text]."
+        )
+    bad = next((i for i, d in enumerate(docs) if not isinstance(d, str | bytes)), None)
+    if bad is not None:
+        raise TypeError(
+            f"every document must be str or bytes; got docs[{bad}] of type "
+            f"{type(docs[bad]).__name__}. Convert it with str(...)."
         )
     _pad_id(tokenizer)  # an HFTokenizer without its special ids cannot pack
     if isinstance(tokenizer, HFTokenizer):
@@ -161,6 +173,7 @@ def _pad_id(tokenizer: Tokenizer) -> int:
     return pad
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def pack_documents(
     docs: Sequence[str | bytes], seq_len: int, tokenizer: Tokenizer | None = None
 ) -> Batch:
@@ -176,7 +189,8 @@ def pack_documents(
 
     A `Batch` of numpy arrays of shape `[num_rows, seq_len]` holding every row.
 
-    **Raises:** `ValueError` when `seq_len < 2`, `docs` is empty, or an `HFTokenizer` lacks
+    **Raises:** `TypeError` when `docs` is one string or holds something other than str
+    or bytes; `ValueError` when `seq_len < 2`, `docs` is empty, or an `HFTokenizer` lacks
     a BOS, EOS or padding id or cannot encode a document.
     """
     _check_seq_len(seq_len)

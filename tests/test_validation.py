@@ -386,6 +386,12 @@ def test_fuzz_context_parallel_or_raise(strategy, layout, b, s, heads, seed):
         (["--memory-budget-gib", "-3"], "--memory-budget-gib: must be a finite number > 0"),
         (["--tflops", "0"], "--tflops: must be a finite number > 0; got 0"),
         (["--gbps", "fast"], "--gbps: 'fast' is not a number"),
+        (
+            ["--seq", "1000", "--mesh", "context=8"],
+            "ring, usp: seq=1000 not divisible by 16",
+        ),
+        (["--kv-heads", "5", "--mesh", "context=8"], "q_heads=32 not a multiple of kv_heads=5"),
+        (["--mesh", "data=2,context=4", "--batch", "3"], "batch=3 not divisible"),
     ],
 )
 def test_planner_cli_bad_input_is_one_line(argv, match, capsys):

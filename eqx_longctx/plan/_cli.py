@@ -192,6 +192,18 @@ def _run(args) -> None:
     if args.gbps is not None:
         extra["bytes_per_s"] = args.gbps * 1e9
     result = plan(spec, backward=not args.forward_only, **shape, **extra)
+    chosen = result.costs[result.strategy]
+    if not (chosen.feasible and chosen.runnable):
+        why: dict[str, list[str]] = {}
+        for c in result.costs.values():
+            if c.reason:
+                why.setdefault(c.reason, []).append(c.strategy)
+        reasons = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in why.items())
+        raise ValueError(
+            f"no strategy can run these shapes (--batch {args.batch}, --seq {args.seq}, "
+            f"--heads {args.heads}, --kv-heads {args.kv_heads or args.heads}) on --mesh "
+            f"{args.mesh}: {reasons}."
+        )
     print(result.explain())
     if args.strategy != "auto" and spec.ulysses_axis is None:
         auto = plan(

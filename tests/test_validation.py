@@ -392,6 +392,15 @@ def test_fuzz_context_parallel_or_raise(strategy, layout, b, s, heads, seed):
         ),
         (["--kv-heads", "5", "--mesh", "context=8"], "q_heads=32 not a multiple of kv_heads=5"),
         (["--mesh", "data=2,context=4", "--batch", "3"], "batch=3 not divisible"),
+        (["--json"], "--json: not used: without --model"),
+        (
+            ["--model", "llama", "--preset", "tiny", "--heads", "8"],
+            "--heads: not used: with --model the attention's shapes come from the model's config",
+        ),
+        (
+            ["--model", "llama", "--preset", "tiny", "--generate", "--loss-chunk", "4"],
+            "--loss-chunk: not used: --generate plans inference",
+        ),
     ],
 )
 def test_planner_cli_bad_input_is_one_line(argv, match, capsys):

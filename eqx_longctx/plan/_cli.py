@@ -140,6 +140,7 @@ def main(argv=None) -> None:
                      help="default: the compute dtype")  # fmt: skip
     args = p.parse_args(argv)
     try:
+        _check_used(p, args)
         if args.generate:
             _run_generate(args)
             return
@@ -153,6 +154,39 @@ def main(argv=None) -> None:
             _run(args)
     except (ValueError, TypeError) as e:
         p.error(str(e))
+
+
+# Flags only the attention planner reads (without --model the shapes are these flags'),
+# and flags only the train-step planner reads (with --model; those of the trainer).
+_ATTENTION_ONLY = (
+    "heads", "kv_heads", "head_dim", "v_head_dim", "dtype", "no_causal", "window",
+    "segment_ids", "forward_only", "check", "context_axis", "ulysses_axis", "tensor_axis",
+)  # fmt: skip
+_STEP_ONLY = (
+    "preset", "train", "fsdp_axes", "remat", "override", "compile", "json", "grad_accum",
+    "host_offload", "loss_chunk",
+)  # fmt: skip
+
+
+def _check_used(p: argparse.ArgumentParser, args) -> None:
+    """**Raises:** `ValueError` for a flag the chosen planner would ignore (the attention
+    planner, `--model`'s train step, or `--generate`), naming it and the mode."""
+
+    def given(names) -> list[str]:
+        return ["--" + n.replace("_", "-") for n in names if getattr(args, n) != p.get_default(n)]
+
+    if args.generate:
+        unused = given((*_ATTENTION_ONLY, "grad_accum", "host_offload", "loss_chunk",
+                        "tflops", "gbps"))  # fmt: skip
+        mode = "--generate plans inference of --model's config"
+    elif args.model is None:
+        unused = given(_STEP_ONLY)
+        mode = "without --model the planner prices one attention call (add --model for a step)"
+    else:
+        unused = given(_ATTENTION_ONLY)
+        mode = "with --model the attention's shapes come from the model's config"
+    if unused:
+        raise ValueError(f"{', '.join(unused)}: not used: {mode}. Drop them.")
 
 
 def _run(args) -> None:

@@ -209,6 +209,8 @@ def test_errors(tmp_path):
         pack_documents(["abc", 5], 8)
     with pytest.raises(TypeError, match="got one str"):
         pack_documents("hello", 8)
+    with pytest.raises(ValueError, match="seed must be >= 0; got -1"):
+        split_documents(["a", "b"], seed=-1)
     with pytest.raises(ValueError, match="strictly between 0 and 1; got val_fraction=1"):
         split_documents(["a", "b"], val_fraction=1.0)
     for make in (

@@ -158,6 +158,8 @@ BAD = [
     ("plan shape keyword", lambda: el.choose_strategy(_spec(), Q, KV, batch=2), TypeError,
      r"choose_strategy got unknown keyword argument\(s\) 'batch'; it takes causal, window, .*"
      r"\(the shapes and dtype come from q, k, v\)"),
+    ("plan batch mismatch", lambda: el.choose_strategy(_spec(), Q, KV[:1]), ValueError,
+     r"choose_strategy: q, k, v need the same batch size; got q=2, k=1"),
     ("plan list q", lambda: el.choose_strategy(_spec(), Q.tolist(), KV), TypeError,
      r"choose_strategy needs q, k, v as arrays or jax.ShapeDtypeStructs .* got q of type list"),
 ]  # fmt: skip

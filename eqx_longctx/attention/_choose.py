@@ -22,7 +22,7 @@ from ._cost import (
 from ._explain import Plan, gib, sec
 from ._impls import make_impl
 from ._tiling_policy import block_size, tile_bytes, token_positions, zigzag_halves
-from ._validate import check_layout, check_options
+from ._validate import check_attention_inputs, check_layout, check_options
 
 # Budget for one attention call's activations: this fraction of device memory when the
 # device reports it, else the constant (a quarter of a 16 GiB chip). The rest holds weights,
@@ -209,6 +209,10 @@ def choose_strategy(spec: ShardingSpec, q: Any, k: Any, v: Any = None, **kwargs)
                 f"jnp.asarray({name}), or jax.ShapeDtypeStruct(shape, dtype) to allocate nothing."
             )
     check_layout(where, **arrays)
+    try:  # the shapes attention() would accept, so that the plan is of a call that can run
+        check_attention_inputs(q, k, k if v is None else v, None)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     b, s, hq, d = q.shape
     dv = d if v is None else v.shape[-1]
     shape = dict(batch=b, seq=s, q_heads=hq, kv_heads=k.shape[2], head_dim=d, v_head_dim=dv)

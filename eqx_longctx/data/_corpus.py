@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._checks import check_int
 from ._hf import PREFIX as HF_PREFIX
 from ._hf import read_hf
 from ._packing import PackedDataset, Tokenizer, _check_seq_len
@@ -161,6 +162,7 @@ def split_documents(
     **Raises:** `ValueError` unless `0 < val_fraction < 1` and `docs` holds at least 2
     documents.
     """
+    check_int(seed, "split_documents' seed", minimum=0, fix=" Pass e.g. seed=0.")
     if not 0 < val_fraction < 1:
         raise ValueError(
             f"val_fraction must lie strictly between 0 and 1; got val_fraction={val_fraction}. "

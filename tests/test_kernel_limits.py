@@ -46,51 +46,11 @@ def _case(batch, seq=256, seed=0):
     return q, k, v
 
 
-def test_batch_rows_split_over_calls_when_the_schedule_overflows_smem(monkeypatch):
-    """With the budget cut to two rows' schedules, batch 5 runs as 3 kernel calls per
-    pass and gives the same output, logsumexp and gradients as one call (and the oracle)."""
-    q, k, v = _case(5)
+def _whole_then_split(monkeypatch, budget: int, q, k, v, seg=None):
+    """The kernels' outputs `(out, lse)` and gradients as one call, then with the SMEM
+    budget cut to `budget` bytes; **returns** `(whole, split, kernel calls of split)`."""
 
     def results():  # new functions each time, so jit traces (and counts kernel calls) again
-        def run(q, k, v):
-            return flash_attention(q, k, v, causal=True, impl="pallas", block_q=128, block_k=128)
-
-        def loss(q, k, v):
-            out, lse = run(q, k, v)
-            return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
-        return jax.jit(run)(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
-
-    whole = results()
-    calls = []
-    original = _blocks.call_kernel
-
-    def counting(*args):
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(_blocks, "_SMEM_BUDGET", 2 * 2 * 4 * 2 * 2)
-    for module in ("_flash_pallas", "_flash_pallas_bwd"):
-        monkeypatch.setattr(f"eqx_longctx.kernels.{module}.call_kernel", counting)
-    split = results()
-    assert len(calls) == 3 + 3 * (1 + 2)  # forward; then forward again, dQ and dK/dV
-    for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole), strict=True):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(split[0][0], oracle(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("segmented", [False, True])
-def test_queries_go_in_pieces_when_one_rows_schedule_overflows_smem(monkeypatch, segmented):
-    """With the budget cut to two query blocks' schedules against 4 key blocks, each row's
-    512 queries run in 2 pieces per pass, one row a call: the same output and logsumexp as
-    one call, and gradients (dK, dV summed over the pieces) to float32 rounding; the oracle
-    agrees."""
-    q, k, v = _case(2, seq=512, seed=1)
-    seg = None
-    if segmented:
-        seg = jnp.asarray(np.repeat([[0, 1, 1, 2]], 128, axis=1).repeat(2, 0), jnp.int32)
-
-    def results():
         def run(q, k, v):
             return flash_attention(q, k, v, causal=True, impl="pallas", block_q=128,
                                    block_k=128, q_segment_ids=seg, kv_segment_ids=seg)  # fmt: skip
@@ -109,13 +69,36 @@ def test_queries_go_in_pieces_when_one_rows_schedule_overflows_smem(monkeypatch,
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(_blocks, "_SMEM_BUDGET", 2 * 4 * 4 * 2)  # 2 of the 4 query blocks
+    monkeypatch.setattr(_blocks, "_SMEM_BUDGET", budget)
     for module in ("_flash_pallas", "_flash_pallas_bwd"):
         monkeypatch.setattr(f"eqx_longctx.kernels.{module}.call_kernel", counting)
-    split = results()
-    # 2 pieces x 2 rows (a piece's schedule is the budget: one row a call) x (forward;
-    # forward again, dQ, dK/dV)
-    assert len(calls) == 2 * 2 * (1 + 1 + 2)
+    return whole, results(), len(calls)
+
+
+def test_batch_rows_split_over_calls_when_the_schedule_overflows_smem(monkeypatch):
+    """With the budget cut to two rows' schedules, batch 5 runs as 3 kernel calls per
+    pass and gives the same output, logsumexp and gradients as one call (and the oracle)."""
+    q, k, v = _case(5)
+    whole, split, calls = _whole_then_split(monkeypatch, 2 * 2 * 4 * 2 * 2, q, k, v)
+    assert calls == 3 + 3 * (1 + 2)  # forward; then forward again, dQ and dK/dV
+    for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(split[0][0], oracle(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_queries_go_in_pieces_when_one_rows_schedule_overflows_smem(monkeypatch, segmented):
+    """With the budget cut to two query blocks' schedules against 4 key blocks, each row's
+    512 queries run in 2 pieces per pass, one row a call: the same output and logsumexp as
+    one call, and gradients (dK, dV summed over the pieces) to float32 rounding; the oracle
+    agrees."""
+    q, k, v = _case(2, seq=512, seed=1)
+    seg = None
+    if segmented:
+        seg = jnp.asarray(np.repeat([[0, 1, 1, 2]], 128, axis=1).repeat(2, 0), jnp.int32)
+    budget = 2 * 4 * 4 * 2  # 2 of the 4 query blocks against 4 key blocks, one row
+    whole, split, calls = _whole_then_split(monkeypatch, budget, q, k, v, seg)
+    assert calls == 2 * 2 * (1 + 1 + 2)  # pieces x rows x (forward; forward, dQ, dK/dV)
     (out, lse), (out_whole, lse_whole) = split[0], whole[0]
     np.testing.assert_array_equal(out, out_whole)
     np.testing.assert_array_equal(lse, lse_whole)

@@ -124,7 +124,7 @@ def generate(
             f"{type(on_token).__name__}."
         )
     vocab = model.config.vocab_size
-    if eos_id is None or isinstance(eos_id, (list, tuple, np.ndarray)):
+    if eos_id is None or isinstance(eos_id, (list, tuple)) or np.ndim(eos_id) == 1:
         eos = [_token_id(i, "eos_id", vocab, none_ok=False) for i in eos_id or ()] or [-1]
     else:
         eos = [_token_id(eos_id, "eos_id", vocab, none_ok=False)]

@@ -124,10 +124,10 @@ def generate(
             f"{type(on_token).__name__}."
         )
     vocab = model.config.vocab_size
-    if eos_id is None or isinstance(eos_id, (list, tuple)) or np.ndim(eos_id) == 1:
-        eos = [_token_id(i, "eos_id", vocab, none_ok=False) for i in eos_id or ()] or [-1]
-    else:
-        eos = [_token_id(eos_id, "eos_id", vocab, none_ok=False)]
+    several: Any = () if eos_id is None else eos_id
+    if not (isinstance(several, (list, tuple)) or np.ndim(several) == 1):
+        several = [several]
+    eos = [_token_id(i, "eos_id", vocab, none_ok=False) for i in several] or [-1]
     pad = _token_id(pad_id, "pad_id", vocab, none_ok=False)
     tokens, lengths = check_prompts(model, None, prompts, lengths)
     b, s = tokens.shape

@@ -288,9 +288,7 @@ def load_params(
         )
     # Tensors with no elements carry no weights (transformers writes a DeepSeek's shared
     # experts as [dim, 0] when n_shared_experts=0).
-    extra = {
-        n for n in present - set(expected) if n not in tied and 0 not in checkpoint.shape(n)
-    }
+    extra = {n for n in present - set(expected) if n not in tied and 0 not in checkpoint.shape(n)}
     if extra:
         raise ValueError(
             f"checkpoint {checkpoint.source} has tensor(s) {_listing(extra)} that the model "

@@ -48,9 +48,7 @@ def _step_jit(static, arrays, cache):
     return out, done, logits, cache
 
 
-def _token_id(value: Any, name: str, vocab: int, *, none_ok: bool) -> int:
-    if value is None and none_ok:
-        return -1
+def _token_id(value: Any, name: str, vocab: int) -> int:
     value = check_int(value, f"generate's {name}", minimum=None)
     if not 0 <= value < vocab:
         raise ValueError(
@@ -127,8 +125,8 @@ def generate(
     several: Any = () if eos_id is None else eos_id
     if not (isinstance(several, (list, tuple)) or np.ndim(several) == 1):
         several = [several]
-    eos = [_token_id(i, "eos_id", vocab, none_ok=False) for i in several] or [-1]
-    pad = _token_id(pad_id, "pad_id", vocab, none_ok=False)
+    eos = [_token_id(i, "eos_id", vocab) for i in several] or [-1]
+    pad = _token_id(pad_id, "pad_id", vocab)
     tokens, lengths = check_prompts(model, None, prompts, lengths)
     b, s = tokens.shape
     longest = int(lengths.max())

@@ -46,15 +46,15 @@ def export_run(
     from ._read_run import read_run_model
 
     run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
-    copy = run_dir / SOURCE_COPY if (run_dir / SOURCE_COPY).is_dir() else None
-    _check_no_stale_files(out, copy)
     # Read on one device, whatever the mesh that trained it.
     run = read_run_model(
         run_dir, lambda config, _: Placement(1, vocab_size=config.vocab_size), reader="export",
         step=step, settings=dict(devices=1, mesh=None, fsdp_axes=None),
     )  # fmt: skip
+    copy = None if run.start is None else run_dir / SOURCE_COPY
+    _check_no_stale_files(out, copy)  # before anything is written
     model_family(run.train.model).to_hf(run.model, out)
-    _add_tokenizer(out, run.tokenizer, None if run.start is None else run_dir / SOURCE_COPY)
+    _add_tokenizer(out, run.tokenizer, copy)
     return run.step
 
 

@@ -6,6 +6,9 @@ holds (`--generate`).
   choice of strategy and remat policy under a memory budget).
 - `_activations.py`: what one layer saves for the backward pass, asked of JAX at the shapes
   one device computes with.
+- `_step_time.py`: the step's time (every layer's matmuls and attention), its model FLOPs
+  and the MFU they imply; `_chips.py`: `Chip` and `CHIPS`, the accelerators' published
+  FLOP/s, HBM and link bandwidth (`--chip`).
 - `_explain.py`: the plan's table and JSON record.
 - `_compile.py`: the check against XLA: one attention call, the trainer's own step under
   the trainer's `Placement`, or the prefill and decode step, compiled for abstract arrays;
@@ -18,6 +21,8 @@ The model is known only through its `eqx_longctx.ModelFamily`; the per-call atte
 model and chooser it builds on are `eqx_longctx.attention`'s (`choose_strategy`, `explain`).
 """
 
+from ._chips import CHIPS as CHIPS
+from ._chips import Chip as Chip
 from ._cli import main as main
 from ._compile import CompiledBytes as CompiledBytes
 from ._compile import compile_generate as compile_generate
@@ -32,6 +37,8 @@ from ._step_plan import StepPlan as StepPlan
 from ._step_plan import plan_train_step as plan_train_step
 
 __all__ = [
+    "CHIPS",
+    "Chip",
     "CompiledBytes",
     "GenerateMemory",
     "GeneratePlan",

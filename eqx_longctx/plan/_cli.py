@@ -5,10 +5,14 @@ planned on a laptop.
 
 - With `--model`, the whole train step (`eqx_longctx.plan_train_step`): parameters, gradients,
   AdamW state, activations under each remat policy, attention temporaries, logits and
-  loss, per device, for every strategy the mesh can run; and the fastest (strategy,
-  remat) that fits `--memory-budget-gib`. The model config and the placement are the
-  trainer's (`eqx_longctx.train`: `--override FIELD=VALUE`, `--mesh`, `--strategy`,
-  `--load-balance`, `--fsdp-axes` mean what they mean to `python -m eqx_longctx.train`).
+  loss, per device, for every strategy the mesh can run; the step's time (every layer's
+  matmuls and attention), its model FLOPs and the MFU they imply; and the fastest
+  (strategy, remat) that fits `--memory-budget-gib`. `--chip v5p` (v5e, v6e, tpu7x, h100,
+  h200) prices it at that chip's peak bfloat16 FLOP/s and link bandwidth, with its HBM as
+  the budget; `--tflops`, `--gbps` and `--memory-budget-gib` win over it. The model config
+  and the placement are the trainer's (`eqx_longctx.train`: `--override FIELD=VALUE`,
+  `--mesh`, `--strategy`, `--load-balance`, `--fsdp-axes` mean what they mean to
+  `python -m eqx_longctx.train`).
   `--compile` compiles the trainer's step under that placement on abstract arrays and
   prints XLA's memory analysis beside the prediction; `--json` prints one JSON object
   instead of the table.
@@ -20,7 +24,7 @@ planned on a laptop.
   communication, balance and time, and the one `"auto"` picks; `--check` compiles each.
 
     python -m eqx_longctx.plan --model llama --preset llama3.1-8b --seq 1048576 --batch 4 \\
-        --mesh fsdp=4,context=16 --train --memory-budget-gib 95
+        --mesh fsdp=4,context=16 --train --chip v5p
     python -m eqx_longctx.plan --model llama --preset tiny --seq 8192 --batch 2 \\
         --mesh fsdp=2,context=4 --train --remat full --compile --json
     python -m eqx_longctx.plan --model llama --preset llama3.1-8b --generate --seq 1048576 \\
@@ -46,6 +50,7 @@ from .._sharding import ShardingSpec
 from ..attention._choose import plan
 from ..attention._cost import STRATEGY_ORDER
 from ._activations import REMATS
+from ._chips import CHIPS, as_chip
 from ._compile import compile_train_step, compiled_attention, compiled_bytes, trainer_run
 
 
@@ -118,6 +123,11 @@ def main(argv=None) -> None:
     p.add_argument("--memory-budget-gib", type=_positive, default=None)
     p.add_argument("--tflops", type=_positive, default=None, help="device FLOP/s / 1e12")
     p.add_argument("--gbps", type=_positive, default=None, help="link bytes/s / 1e9")
+    p.add_argument(
+        "--chip", default=None, metavar="NAME",
+        help=f"price on a chip ({', '.join(CHIPS)}): its peak bf16 FLOP/s, link bytes/s and "
+        "HBM (the default budget); --tflops, --gbps, --memory-budget-gib win over it",
+    )  # fmt: skip
     p.add_argument("--context-axis", default="context")
     p.add_argument("--ulysses-axis", default=None, help="default: 'ulysses' under usp")
     p.add_argument("--tensor-axis", default=None)
@@ -141,6 +151,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     try:
         _check_used(p, args)
+        if args.chip is not None:
+            as_chip(args.chip)  # an unknown name is one line, before any planning
         if args.generate:
             _run_generate(args)
             return
@@ -177,7 +189,7 @@ def _check_used(p: argparse.ArgumentParser, args) -> None:
 
     if args.generate:
         unused = given((*_ATTENTION_ONLY, "grad_accum", "host_offload", "loss_chunk",
-                        "tflops", "gbps"))  # fmt: skip
+                        "tflops", "gbps", "chip"))  # fmt: skip
         mode = "--generate plans inference of --model's config"
     elif args.model is None:
         unused = given(_STEP_ONLY)
@@ -219,6 +231,12 @@ def _run(args) -> None:
         segment_ids=args.segment_ids,
     )
     extra = {}
+    chip = None if args.chip is None else as_chip(args.chip)
+    if chip is not None:  # the flags below win over the chip's figures
+        extra = dict(
+            memory_budget_bytes=chip.device_hbm_bytes, flops_per_s=chip.device_flops_per_s,
+            bytes_per_s=chip.hop_bytes_per_s(spec.context_parallel_size),
+        )  # fmt: skip
     if args.memory_budget_gib is not None:
         extra["memory_budget_bytes"] = int(args.memory_budget_gib * 2**30)
     if args.tflops is not None:
@@ -341,7 +359,7 @@ def _run_step(args) -> None:
     result = plan_train_step(
         run.family, run.config, spec, batch=args.batch, seq=args.seq, remats=remats,
         memory_budget_bytes=budget, grad_accum=args.grad_accum, loss_chunk=args.loss_chunk,
-        host_offload=host_offload_of(settings.host_offload), **extra,
+        host_offload=host_offload_of(settings.host_offload), chip=args.chip, **extra,
     )  # fmt: skip
     result.problem["preset"] = args.preset
     row = result.chosen
@@ -365,5 +383,5 @@ def _run_step(args) -> None:
                 f"predicted {row.device / 2**20:.1f} MiB, ratio {row.device / compiled.device:.2f}"
             )
     sys.stdout.flush()
-    if result.chosen is None and budget is not None:
-        raise ValueError(result.reason)
+    if result.chosen is None and result.problem["memory_budget_bytes"] is not None:
+        raise ValueError(result.reason)  # the budget given, or the chip's HBM

@@ -27,17 +27,31 @@ def step_table(plan: Any) -> str:
         f"{pr['local_batch']} x {pr['local_seq']} tokens; parameters {pr['param_dtype']}, "
         f"compute {pr['compute_dtype']}; bytes per device",
     ]
-    head = ("strategy", "remat", *(title for _, title in _COLUMNS), "device", "host", "time")
+    head = (
+        "strategy", "remat", *(title for _, title in _COLUMNS), "device", "host", "FLOPs/dev",
+        "time", "(attn time)", "MFU",
+    )  # fmt: skip
     rows: list[tuple[str, ...]] = [head]
     for r in plan.rows:
         cells = [r.strategy, r.remat, *(gib(getattr(r, name)) for name, _ in _COLUMNS)]
-        rows.append((*cells, gib(r.device), gib(r.host), sec(r.time_s)))
+        rows.append((
+            *cells, gib(r.device), gib(r.host), f"{r.flops:.3g}", sec(r.time_s),
+            sec(r.attention_s), f"{r.mfu:.1%}",
+        ))  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
     for row in rows:
         lines.append("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
     lines.append(
         "device = params + grads + opt state + batch + activations + max(layer bwd, logits) "
         "(opt state only at the update when offloaded); host = offloaded activations and state"
+    )
+    chip = f" ({pr['chip']})" if pr.get("chip") else ""
+    lines.append(
+        f"time = every layer's matmuls and attention (recomputation and exposed communication "
+        f"included) on the busiest device at {pr['flops_per_s'] / 1e12:.4g} TFLOP/s and "
+        f"{pr['bytes_per_s'] / 1e9:.4g} GB/s per link{chip}; model FLOPs per step "
+        f"{pr['model_flops']:.3g} (6 x active params x tokens + causal attention, no "
+        f"recomputation); MFU = model FLOPs / (time x {pr['devices']} devices x FLOP/s)"
     )
     budget = pr["memory_budget_bytes"]
     where = f"budget {gib(budget)}" if budget is not None else "no budget"
@@ -58,6 +72,9 @@ def step_record(plan: Any, row: Any, compiled: Any = None) -> dict:
         remat=None if row is None else row.remat,
         predicted_bytes_per_device=None if row is None else row.device,
         predicted_host_bytes=None if row is None else row.host,
+        predicted_time_s=None if row is None else row.time_s,
+        predicted_flops_per_device=None if row is None else row.flops,
+        predicted_mfu=None if row is None else row.mfu,
         compiled_bytes_per_device=None if compiled is None else compiled.device,
         compiled_host_bytes=None if compiled is None else compiled.host,
         compiled=None if compiled is None else compiled._asdict(),
@@ -73,6 +90,9 @@ def step_record(plan: Any, row: Any, compiled: Any = None) -> dict:
                 device=r.device,
                 host=r.host,
                 time_s=r.time_s,
+                attention_s=r.attention_s,
+                flops=r.flops,
+                mfu=r.mfu,
                 breakdown=r.breakdown(),
             )  # fmt: skip
             for r in plan.rows

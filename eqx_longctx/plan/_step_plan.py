@@ -29,6 +29,10 @@ The peak is parameters + gradients + optimizer state + batch + activations + the
 the layer backward and the logits. The parameters and optimizer state passed in are donated
 (the trainer's step does so), so the updated ones take no extra memory.
 
+Each row also has the step's time on the busiest device, every layer's matmuls and attention
+(`_step_time.py`), at the FLOP/s and link bytes/s given or of a `chip` (`_chips.py`), and
+the MFU that time implies; the choice is the fastest row that fits.
+
 The model is known only through its `eqx_longctx.ModelFamily`: the planner asks it for the
 model, the local config one device computes with, the attention and routed-experts shapes
 and the active parameters.
@@ -56,7 +60,9 @@ from ..attention._explain import gib
 from ..attention._validate import check_tensor_heads
 from ..nn._loss import check_loss_chunk, loss_chunk_tokens, vocab_axes
 from ._activations import REMATS, stack_activations, stacks
+from ._chips import Chip, as_chip
 from ._explain import step_table
+from ._step_time import mfu, model_flops, stack_windows, step_time
 
 _F32 = 4
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment ids (int32), loss mask (float32)
@@ -70,11 +76,6 @@ LOGIT_COPIES = 2.5
 # dots (0.92 / 0.94). (The 2 used before was fitted while the attention's forward loops were
 # still partially evaluated under remat, which added stored scores to every compiled step.)
 MOE_BACKWARD = 1.5
-# What each policy runs again in the backward pass: the layer's matmuls ("full" and
-# "offload" run each layer's forward twice; "dots" keeps the projections) and the attention
-# (its custom backward keeps nothing a policy can save, so every policy but "none" reruns it).
-RECOMPUTE_MATMULS = {"none": 0, "dots": 0, "offload": 1, "full": 1}
-RECOMPUTE_ATTENTION = {"none": 0, "dots": 1, "offload": 1, "full": 1}
 
 
 class StepMemory(NamedTuple):
@@ -88,11 +89,14 @@ class StepMemory(NamedTuple):
     batch: int
     activations: int  # saved for the backward pass, all layers
     layer_backward: int  # working set of the layer being differentiated
-    attention: int  # attention temporaries (part of layer_backward)
+    attention: int  # attention temporaries (part of layer_backward; the largest stack's)
     logits: int  # logits, softmax and their gradient
     host: int  # in host memory: offloaded activations, and state offloaded between steps
-    time_s: float  # rough step time, to rank the choices (see `_time`)
+    time_s: float  # the step's time: every layer's matmuls and attention (`_step_time`)
     offloaded_opt_state: int = 0  # the optimizer state's bytes kept in host memory
+    flops: float = 0.0  # FLOPs the busiest device runs in the step, recomputation included
+    attention_s: float = 0.0  # every layer's attention, communication included (in time_s)
+    mfu: float = 0.0  # the plan's model FLOPs / (time_s x devices x FLOP/s)
 
     @property
     def device(self) -> int:
@@ -129,6 +133,12 @@ class StepPlan:
     chosen: StepMemory | None
     reason: str
 
+    @property
+    def model_flops(self) -> float:
+        """Model FLOPs of one step, all devices: 6 per active parameter and token plus the
+        causal attention's forward and backward, without recomputation (what MFU counts)."""
+        return self.problem["model_flops"]
+
     def row(self, strategy: str, remat: str) -> StepMemory:
         """**Returns:** the prediction for one (strategy, remat).
 
@@ -160,11 +170,12 @@ def plan_train_step(
     remats: tuple[str, ...] = REMATS,
     strategies: tuple[str, ...] | None = None,
     memory_budget_bytes: int | float | None = None,
-    flops_per_s: float = DEFAULT_FLOPS_PER_S,
-    bytes_per_s: float = DEFAULT_BYTES_PER_S,
+    flops_per_s: float | None = None,
+    bytes_per_s: float | None = None,
     grad_accum: int = 1,
     loss_chunk: int | None = None,
     host_offload: tuple[str, ...] = (),
+    chip: str | Chip | None = None,
 ) -> StepPlan:
     """Predict the per-device memory of a train step; choose a strategy and remat policy.
 
@@ -180,9 +191,11 @@ def plan_train_step(
     - `remats`: the remat policies to plan, among `"none"`, `"dots"`, `"offload"`, `"full"`.
     - `strategies`: the strategies to plan, among `"all_gather"`, `"ulysses"`, `"ring"`,
       `"usp"` (default: the spec's, or under `"auto"` every one this mesh can run).
-    - `memory_budget_bytes`: per-device budget in bytes, `> 0`; `None` picks the fastest
-      row.
-    - `flops_per_s`, `bytes_per_s`: roofline constants for the time estimate.
+    - `memory_budget_bytes`: per-device budget in bytes, `> 0`; `None`: the `chip`'s HBM
+      per device, or without a chip the fastest row.
+    - `flops_per_s`, `bytes_per_s`: a device's FLOP/s and one link's bytes/s (one
+      direction) for the time; `None`: the `chip`'s, or without a chip the attention cost
+      model's defaults (100 TFLOP/s, 50 GB/s).
     - `grad_accum`: `K` micro-batches per step (`eqx_longctx.train.make_train_step`): the
       activations, attention, logits and layer work are one micro-batch's (`batch / K`
       rows), plus a float32 gradient accumulator; the batch and the time are the step's.
@@ -193,20 +206,24 @@ def plan_train_step(
       update (after the backward has freed the activations); `"params"` keeps the
       parameters there between steps (the step brings them whole, so the device peak is
       unchanged). Both count in the host column.
+    - `chip`: a `Chip` or the name of one in `eqx_longctx.plan.CHIPS` (`"v5p"`, `"v5e"`,
+      `"v6e"`, `"tpu7x"`, `"h100"`, `"h200"`): its peak bfloat16 FLOP/s, link bytes/s and
+      HBM per device stand in for the three arguments above left `None`.
 
     **Returns:** a `StepPlan`; when nothing fits the budget its `chosen` is `None` and its
     `reason` names what would fit.
 
-    **Raises:** `ValueError` for an unknown `family` name, an unknown name in `strategies` or
-    `remats`, or an empty one; for a `grad_accum` that is not an int `>= 1` or does not
-    divide `batch`; when `batch` (or a micro-batch) does not split over the batch axes or
-    `seq` over its sequence shards (`2N` chunks under `"zigzag"`); when the heads do not
-    divide over the `tensor_axis` (multi-head latent attention's too); when a weight
-    dimension does not split over its mesh axes (as `eqx_longctx.param_pspecs`); or when a
-    strategy in `strategies` cannot run these shapes. `TypeError` when `family` is neither
-    a name nor a `ModelFamily`, `spec` is not a `ShardingSpec`, or `strategies` or `remats`
-    is not a tuple of names; `TypeError` or `ValueError` for `memory_budget_bytes`,
-    `flops_per_s` or `bytes_per_s` that is not a finite number `> 0`.
+    **Raises:** `ValueError` for an unknown `family` or `chip` name, an unknown name in
+    `strategies` or `remats`, or an empty one; for a `grad_accum` that is not an int `>= 1`
+    or does not divide `batch`; when `batch` (or a micro-batch) does not split over the
+    batch axes or `seq` over its sequence shards (`2N` chunks under `"zigzag"`); when the
+    heads do not divide over the `tensor_axis` (multi-head latent attention's too); when a
+    weight dimension does not split over its mesh axes (as `eqx_longctx.param_pspecs`); or
+    when a strategy in `strategies` cannot run these shapes. `TypeError` when `family` is
+    neither a name nor a `ModelFamily`, `chip` neither a name nor a `Chip`, `spec` is not a
+    `ShardingSpec`, or `strategies` or `remats` is not a tuple of names; `TypeError` or
+    `ValueError` for `memory_budget_bytes`, `flops_per_s` or `bytes_per_s` that is not a
+    finite number `> 0`.
     """
     where = "plan_train_step"
     fam = as_family(family, where)
@@ -215,6 +232,16 @@ def plan_train_step(
     if strategies is not None:
         fix = " Or leave strategies=None to plan every strategy this mesh can run."
         strategies = check_names(strategies, where, "strategies", "strategy", STRATEGY_ORDER, fix)
+    if chip is not None:
+        chip = as_chip(chip, f"{where}: chip")
+        if memory_budget_bytes is None:
+            memory_budget_bytes = chip.device_hbm_bytes
+        if flops_per_s is None:
+            flops_per_s = chip.device_flops_per_s
+        if bytes_per_s is None:
+            bytes_per_s = chip.hop_bytes_per_s(spec.context_parallel_size)
+    flops_per_s = DEFAULT_FLOPS_PER_S if flops_per_s is None else flops_per_s
+    bytes_per_s = DEFAULT_BYTES_PER_S if bytes_per_s is None else bytes_per_s
     budget = check_memory_budget(memory_budget_bytes, where)
     check_loss_chunk(loss_chunk)
     from ..train._offload import check_host_offload  # the trainer's rule (not at import)
@@ -251,11 +278,19 @@ def plan_train_step(
     ne = spec.axis_size(spec.expert_axis)
     per_stack = stack_activations(fam, config, batch=b_local, seq=s_local, tensor=nt, expert=ne)
     dtype = jnp.dtype(config.compute_dtype)
-    attn = plan_attention(
-        spec, batch=batch, seq=seq, q_heads=heads[0], kv_heads=heads[1], head_dim=heads[2],
-        v_head_dim=heads[3], dtype=dtype, window=getattr(config, "sliding_window", None),
-        segment_ids=True, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, where=where,
+    shape = dict(
+        batch=batch, seq=seq, q_heads=heads[0], kv_heads=heads[1], head_dim=heads[2],
+        v_head_dim=heads[3], dtype=dtype, segment_ids=True, flops_per_s=flops_per_s,
+        bytes_per_s=bytes_per_s, where=where,
     )  # fmt: skip
+    windows = stack_windows(stacks(model))  # each stack's attention is priced at its window
+    distinct = dict.fromkeys(windows.values()) or {None: None}
+    by_window = {window: plan_attention(spec, window=window, **shape) for window in distinct}
+    attn = next(iter(by_window.values()))  # which strategies can run: the same for every window
+    layer_windows = [(s.n_layers, windows[s.path]) for s in per_stack]
+    active_params = fam.active_params(config)
+    step_flops = model_flops(active_params, heads, layer_windows, batch=batch * grad_accum, seq=seq)
+    devices = math.prod(spec.mesh.shape.values())
     if strategies is None:
         strategies = tuple(
             name
@@ -271,7 +306,7 @@ def plan_train_step(
         # copy, and its gradient before the reduce-scatter
         head = config.vocab_size * config.dim // nt
         logits += head * (2 * param_itemsize + dtype.itemsize)
-    active = fam.active_params(config) / nt
+    active = active_params / nt
     rows = []
     for strategy in strategies:
         cost = attn.costs[strategy]
@@ -280,12 +315,17 @@ def plan_train_step(
                 f"strategy {strategy!r} cannot run these shapes on mesh "
                 f"{dict(spec.mesh.shape)}: {cost.reason}."
             )
-        attn_temp = _attention_temporaries(cost.memory_train, b_local, s_local, nt, heads, dtype)
+        layer_costs = [(n, by_window[w].costs[strategy]) for n, w in layer_windows]
+        temps = [
+            _attention_temporaries(c.memory_train, b_local, s_local, nt, heads, dtype)
+            for _, c in layer_costs
+        ]
+        attn_temp = max(temps, default=0)
         kept = _strategy_residuals(strategy, spec, b_local, s_local, nt, heads, dtype)
         ep = _dispatch_buffers(fam.moe_shape(config), config.dim, ne, b_local * s_local, dtype)
         for remat in remats:
             acts = host = work = 0
-            for s in per_stack:
+            for s, temp in zip(per_stack, temps, strict=True):
                 # Under "none" a layer also keeps its gathered weights (fsdp; the copies cast
                 # to the compute dtype that its matmuls read) and what the strategy's
                 # backward needs beyond the local kernel's residuals.
@@ -298,9 +338,9 @@ def plan_train_step(
                 factor = MOE_BACKWARD if s.moe else 1
                 rebuild = int(s.recompute * factor) if remat != "none" else 0
                 weights = gathered[s.path] * (1 if remat == "none" else 2)
-                work = max(work, rebuild + weights + attn_temp)
+                work = max(work, rebuild + weights + temp)
             param_tokens = (active + head_recompute) * b_local * s_local
-            time = grad_accum * _time(param_tokens, cost, remat, flops_per_s)
+            t = step_time(param_tokens, layer_costs, remat, heads, flops_per_s, grad_accum)
             rows.append(
                 StepMemory(
                     strategy,
@@ -314,8 +354,11 @@ def plan_train_step(
                     attn_temp,
                     logits,
                     host + state_on_host,
-                    time,
+                    t.time_s,
                     offloaded_opt_state=offloaded,
+                    flops=t.flops,
+                    attention_s=t.attention_s,
+                    mfu=mfu(step_flops, t.time_s, devices, flops_per_s),
                 )  # fmt: skip
             )
     budget = None if budget is None else int(budget)
@@ -329,6 +372,7 @@ def plan_train_step(
         n_layers=config.n_layers, local_batch=b_local, local_seq=s_local,
         memory_budget_bytes=budget, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
         loss_chunk=loss_chunk, host_offload=list(host_offload),
+        chip=None if chip is None else chip.name, devices=devices, model_flops=step_flops,
     )  # fmt: skip
     return StepPlan(problem, tuple(rows), chosen, reason)
 
@@ -417,14 +461,6 @@ def _attention_temporaries(memory_train: int, b, s, nt, heads, dtype) -> int:
     hq, hk, d, dv = heads
     qkv = b * s * (hq * d + hk * (d + dv)) // nt * jnp.dtype(dtype).itemsize
     return max(0, int(memory_train) - 2 * qkv)
-
-
-def _time(param_tokens: float, cost, remat: str, flops_per_s: float) -> float:
-    """Seconds, to rank the choices: the matmuls (6 FLOPs per active parameter and token, 2
-    more per recomputed forward) at the roofline, plus the attention's predicted time (and
-    its forward again when the policy reruns it: about 2/7 of its forward + backward)."""
-    matmuls = (6 + 2 * RECOMPUTE_MATMULS[remat]) * param_tokens / flops_per_s
-    return matmuls + cost.time_s + RECOMPUTE_ATTENTION[remat] * cost.compute_s * 2 / 7
 
 
 def _choose(rows: list[StepMemory], budget: int | None) -> tuple[StepMemory | None, str]:

@@ -414,8 +414,9 @@ def _compact(kind, steps: int):
     """
     live = kind != EMPTY
     order = jnp.argsort(~live, axis=-1, stable=True)[..., :steps].astype(jnp.int32)
-    count = live.sum(-1, keepdims=True)
-    valid = jnp.arange(steps) < count
+    # int32 like the tables, also under jax_enable_x64 (int64 is emulated on a TPU).
+    count = live.sum(-1, keepdims=True, dtype=jnp.int32)
+    valid = jnp.arange(steps, dtype=jnp.int32) < count
     last = jnp.take_along_axis(order, jnp.clip(count - 1, 0, steps - 1), axis=-1)
     index = jnp.where(valid, order, last)
     classes = jnp.where(valid, jnp.take_along_axis(kind, order, axis=-1), EMPTY)

@@ -239,7 +239,9 @@ def forward_padded(cfg: Config, qs: QuerySide, kvs: KvSide, sched: Schedule):
     def kv_block(bi, h, i, j, kind, kvb):
         # GQA/MQA: the group's K/V head, never a repeated copy. Skipped pairs re-point at
         # the resident block (`Schedule.kv_block`), so Pallas issues no DMA for them.
-        return bi, lax.div(h, g), kv_index(bi, i, j, kvb)
+        # `g` as int32: under jax_enable_x64 lax.div would get it as int64 beside the
+        # int32 grid index, and refuse the pair.
+        return bi, lax.div(h, jnp.int32(g)), kv_index(bi, i, j, kvb)
 
     in_specs = [
         pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, kind, kvb: (bi, h, i, 0)),

@@ -188,7 +188,8 @@ def backward_padded(cfg: Config, qs: QuerySide, kvs: KvSide, sched: Schedule, do
     )
 
     def kv_block(bi, h, i, j, kind, kvb):
-        return bi, lax.div(h, g), kvj(bi, i, j, kvb)
+        # `g` as int32 under jax_enable_x64 too (as the forward's index map).
+        return bi, lax.div(h, jnp.int32(g)), kvj(bi, i, j, kvb)
 
     row_spec = pl.BlockSpec(
         (None, None, NUM_SUBLANES, bq), lambda bi, h, i, j, kind, kvb: (bi, h, 0, i)

@@ -107,7 +107,9 @@ def _attend_slots(impl: AbstractBlockImpl, options, value_dim, rows, rows_pos, v
         pos = jnp.where(start + jnp.arange(size) >= i * size, pos, _UNSEEN)
 
         def attend(carry):
-            at = (layer, 0, 0, start, 0)
+            # One index dtype, int32: under jax_enable_x64 the literal zeros and `start`
+            # would be int64 beside the int32 `layer`, which dynamic_slice refuses.
+            at = tuple(jnp.asarray(a, jnp.int32) for a in (layer, 0, 0, start, 0))
             kv = tuple(lax.dynamic_slice(x, at, (1, b, h, size, x.shape[-1]))[0] for x in entries)
             k, v = _split(kv, value_dim)
             out, lse = impl.attend_heads_major(qt, k, v, pos, None)  # pyright: ignore[reportGeneralTypeIssues]

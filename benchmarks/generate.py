@@ -46,7 +46,7 @@ import numpy as np
 
 import eqx_longctx as el
 from eqx_longctx._hlo import collectives
-from eqx_longctx.inference._run import _block_impl, decode_core
+from eqx_longctx.inference import lower_decode
 from models.deepseek import DeepSeek, DeepSeekConfig
 from models.llama import Llama, LlamaConfig, from_hf
 
@@ -229,8 +229,6 @@ def section_b(args) -> list[dict]:
         head_dim=32, hidden_dim=512, max_seq_len=max(args.cache_lens) + 1024,
     )  # fmt: skip
     model = el.init_sharded(lambda: Llama(config, key=jax.random.key(0), spec=spec))
-    params, static = eqx.partition(model, eqx.is_array)
-    impl = _block_impl(model, None)  # the spec's, as decode_step runs it
     h, dv = config.n_heads, config.head_dim
     partials = 8 * h * (dv + 1) * 4  # one layer's all-gathered (out, lse), batch 1, float32
     print(
@@ -242,15 +240,9 @@ def section_b(args) -> list[dict]:
     rows = []
     for length in args.cache_lens:
         cache = eqx.filter_eval_shape(el.init_cache, model, 1, length)
-        cache_arrays, cache_static = eqx.partition(cache, _is_array)
-
-        def step(p, c, tokens, cache_static=cache_static):
-            logits, new = decode_core(eqx.combine(p, static), eqx.combine(c, cache_static),
-                                      tokens, impl)  # fmt: skip
-            return logits, eqx.filter(new, _is_array)
-
-        tokens = jax.ShapeDtypeStruct((1,), jnp.int32)
-        compiled = jax.jit(step, donate_argnums=(1,)).lower(params, cache_arrays, tokens).compile()
+        cache_arrays = eqx.filter(cache, _is_array)
+        # The program decode_step runs (the spec's impl), compiled for abstract arrays.
+        compiled = lower_decode(model, batch=1, max_len=length).compile()
         mem = compiled.memory_analysis()
         found = collectives(compiled)
         kv = cache.stacks[0].entries

@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 
 import eqx_longctx  # noqa: E402
 from eqx_longctx.attention._local import XlaBlockImpl  # noqa: E402
-from eqx_longctx.data import load_datasets  # noqa: E402
+from eqx_longctx.data import load_datasets, place_batch  # noqa: E402
 from eqx_longctx.train import TrainConfig, Trainer  # noqa: E402
 
 CONFIGS = {
@@ -137,7 +137,7 @@ def run_config(name: str, changes: dict, args) -> dict:
         steps = [tokens / r["tokens_per_s"] for r in records if r.get("split") == "train"]
         step = float(np.median(steps[args.warmup :]))
         placement, model, opt = trainer.parallel, trainer.model, trainer.opt_state
-        batch = placement.shard_batch(data[0].batch(0, config.batch_size))
+        batch = place_batch(data[0].batch(0, config.batch_size), placement.spec)
         state = {"model": model, "opt": opt}
 
         def device_step():
@@ -146,8 +146,10 @@ def run_config(name: str, changes: dict, args) -> dict:
             jax.block_until_ready(metrics)
 
         device = _median_time(device_step, args.repeats)
-        fetch = _median_time(lambda: jax.block_until_ready(
-            placement.shard_batch(data[0].batch(1, config.batch_size))), args.repeats)  # fmt: skip
+        host_batch = data[0].batch(1, config.batch_size)
+        fetch = _median_time(
+            lambda: jax.block_until_ready(place_batch(host_batch, placement.spec)), args.repeats
+        )
         flops = useful_flops(trainer.model_config, config.batch_size, config.seq_len)
         trainer.close()
     return dict(name=name, seq=config.seq_len, batch=config.batch_size,

@@ -1,7 +1,15 @@
-"""eqx_longctx: Equinox transformers for very long sequences in JAX."""
+"""eqx_longctx: Equinox transformers for very long sequences in JAX.
 
+The attention, the layouts, the sharding and the family registry load with the package;
+inference (`generate`, `init_cache`, ...) and the planner (`plan_train_step`) load on first
+use, so a family plugin that imports `eqx_longctx.family` or `eqx_longctx.nn` pays for
+neither.
+"""
+
+import importlib as _importlib
 import sys as _sys
 import types as _pytypes
+from typing import TYPE_CHECKING
 
 from ._caches import clear_caches as clear_caches
 from ._family import AttentionShape as AttentionShape
@@ -22,23 +30,55 @@ from ._partition import param_bytes_per_device as param_bytes_per_device
 from ._partition import param_pspecs as param_pspecs
 from ._partition import param_shardings as param_shardings
 from ._sharding import ShardingSpec as ShardingSpec
+from .attention import Plan as Plan
 from .attention import attention as attention
+from .attention import choose_strategy as choose_strategy
+from .attention import explain as explain
 from .attention import flash_attention as flash_attention
 from .attention import latent_attention as latent_attention
 from .attention import reference_attention as reference_attention
-from .attention._choose import choose_strategy as choose_strategy
-from .attention._choose import explain as explain
-from .attention._explain import Plan as Plan
-from .inference import KVCache as KVCache
-from .inference import decode_step as decode_step
-from .inference import generate as generate
-from .inference import init_cache as init_cache
-from .inference import prefill as prefill
-from .inference import sample_tokens as sample_tokens
-from .plan import StepPlan as StepPlan
-from .plan import plan_train_step as plan_train_step
+
+if TYPE_CHECKING:  # loaded lazily at run time (see `_LAZY`)
+    from .inference import KVCache as KVCache
+    from .inference import cache_layout as cache_layout
+    from .inference import decode_step as decode_step
+    from .inference import generate as generate
+    from .inference import init_cache as init_cache
+    from .inference import prefill as prefill
+    from .inference import sample_tokens as sample_tokens
+    from .plan import StepPlan as StepPlan
+    from .plan import plan_train_step as plan_train_step
 
 __version__ = "0.1.0"
+
+# Names of the heavier subpackages, imported the first time one is asked for.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "KVCache",
+            "cache_layout",
+            "decode_step",
+            "generate",
+            "init_cache",
+            "prefill",
+            "sample_tokens",
+        ),
+        "inference",
+    ),  # fmt: skip
+    **dict.fromkeys(("StepPlan", "plan_train_step"), "plan"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 class _Package(_pytypes.ModuleType):

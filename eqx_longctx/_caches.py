@@ -1,9 +1,19 @@
 """One call that lets go of every compiled program JAX and this library keep."""
 
 import gc
-import sys
+from collections.abc import Callable
 
 import jax
+
+_CLEARS: list[Callable[[], None]] = []
+
+
+def on_clear_caches(clear: Callable[[], None]) -> Callable[[], None]:
+    """Register `clear()` to run in every [`clear_caches`][]: how a module that keeps
+    compiled programs of its own (the trainer's steps, the block attention's staged sides)
+    lets them go, without this floor module naming it. **Returns:** `clear`."""
+    _CLEARS.append(clear)
+    return clear
 
 
 def clear_caches() -> None:
@@ -30,12 +40,9 @@ def clear_caches() -> None:
         ```
     """
     jax.clear_caches()
-    # The library's own caches, where their modules are loaded (clearing must not import
-    # the trainer and its checkpointing stack into a process that never used them).
-    step_cache = sys.modules.get("eqx_longctx.train._step_cache")
-    if step_cache is not None:
-        step_cache._STEP_CACHE.clear()
-    block = sys.modules.get("eqx_longctx.attention._block")
-    if block is not None:
-        block._jitted.cache_clear()
+    # The library's own caches register themselves when their modules load, so clearing
+    # never imports the trainer and its checkpointing stack into a process that never
+    # used them.
+    for clear in _CLEARS:
+        clear()
     gc.collect()

@@ -19,13 +19,13 @@ import numpy as np
 from ._sharding import STRATEGIES, ShardingSpec
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short_repr(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _seen(value: Any) -> str:
-    return f"{_short(value)} ({type(value).__name__})"
+def seen(value: Any) -> str:
+    return f"{short_repr(value)} ({type(value).__name__})"
 
 
 def _numeric_dtype(value: Any) -> Any:
@@ -95,10 +95,10 @@ def check_int(
     else:
         number = _real(value)
         if number is None:
-            raise TypeError(f"{what} must be an int; got {_seen(value)}.{fix}")
+            raise TypeError(f"{what} must be an int; got {seen(value)}.{fix}")
         if not (integral_floats and math.isfinite(number) and number.is_integer()):
             hint = f" Pass {int(number)}." if number.is_integer() else " Pass a whole number."
-            raise TypeError(f"{what} must be an int; got {_seen(value)}.{hint}{fix}")
+            raise TypeError(f"{what} must be an int; got {seen(value)}.{hint}{fix}")
         value = int(number)
     if minimum is not None and value < minimum:
         rule = "positive" if minimum == 1 else f">= {minimum}"
@@ -145,7 +145,7 @@ def check_real(
     """
     number = _real(value)
     if number is None:
-        raise TypeError(f"{what} must be a real number; got {_seen(value)}.{fix}")
+        raise TypeError(f"{what} must be a real number; got {seen(value)}.{fix}")
     value = number
     if not math.isfinite(value):
         raise ValueError(f"{what} must be finite; got {value}.{fix}")
@@ -170,7 +170,7 @@ def check_bool(value: Any, what: str, *, fix: str = "") -> bool:
     **Raises:** `TypeError` when `value` is not a bool (`0` and `1` are not).
     """
     if not isinstance(value, bool | np.bool_):
-        raise TypeError(f"{what} must be True or False; got {_seen(value)}.{fix}")
+        raise TypeError(f"{what} must be True or False; got {seen(value)}.{fix}")
     return bool(value)
 
 
@@ -190,7 +190,7 @@ def check_instance(value: Any, what: str, cls: type, fix: str, *, none_ok: bool 
     if (value is None and none_ok) or isinstance(value, cls):
         return
     allowed = f"a {cls.__name__}" + (" or None" if none_ok else "")
-    raise TypeError(f"{what} must be {allowed}; got {_seen(value)}. {fix}")
+    raise TypeError(f"{what} must be {allowed}; got {seen(value)}. {fix}")
 
 
 def check_spec(spec: Any, owner: str, *, none_ok: bool = True) -> None:
@@ -215,7 +215,7 @@ def check_spec(spec: Any, owner: str, *, none_ok: bool = True) -> None:
         build = "ShardingSpec(mesh, strategy='ring')"
     allowed = "a ShardingSpec or None (one device)" if none_ok else "a ShardingSpec"
     raise TypeError(
-        f"{owner} needs spec={allowed}; got {_seen(spec)}. Build one with {build}, where "
+        f"{owner} needs spec={allowed}; got {seen(spec)}. Build one with {build}, where "
         "mesh = jax.make_mesh((2, 4), ('data', 'context')) for example."
     )
 
@@ -229,7 +229,7 @@ def check_names(
     if not isinstance(values, tuple | list):
         hint = f" Pass ({values!r},)." if isinstance(values, str) else ""
         raise TypeError(
-            f"{where}: {name} must be a tuple of {kind} names; got {_seen(values)}.{hint}"
+            f"{where}: {name} must be a tuple of {kind} names; got {seen(values)}.{hint}"
         )
     if not values:
         raise ValueError(
@@ -237,7 +237,7 @@ def check_names(
         )
     unknown = [v for v in values if not (isinstance(v, str) and v in choices)]
     if unknown:
-        bad = ", ".join(_short(v) for v in unknown)
+        bad = ", ".join(short_repr(v) for v in unknown)
         raise ValueError(
             f"{where}: unknown {kind} {bad} in {name}={tuple(values)!r}; choose from "
             f"{choices}.{fix}"

@@ -113,13 +113,6 @@ class ModelFamily(abc.ABC):
         """**Returns:** the model's routed experts, or `None` (the default) without MoE."""
         return None
 
-    @abc.abstractmethod
-    def cache_per_token(self, config: Any) -> dict[str, tuple[int, ...]]:
-        """What one attention layer keeps per token for decoding: cache entry name ->
-        per-token shape, e.g. `{"k": (kv_heads, head_dim), "v": (kv_heads, head_dim)}`, or
-        for multi-head latent attention `{"latent": (kv_lora_rank,), "rope_key":
-        (qk_rope_head_dim,)}`."""
-
     def active_params(self, config: Any) -> float:
         """Parameters one token's forward pass multiplies with: every weight but the token
         embedding, an MoE layer counting `top_k` of its routed experts."""

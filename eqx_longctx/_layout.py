@@ -26,6 +26,14 @@ from ._checks import check_int
 from ._sharding import ShardingSpec
 
 
+def layout_multiple(spec: ShardingSpec | None) -> int:
+    """Sequence lengths the spec's layout splits: `2N` for zig-zag, else `N` (1 alone)."""
+    if spec is None:
+        return 1
+    n = spec.context_parallel_size
+    return 2 * n if spec.load_balance == "zigzag" and n > 1 else n
+
+
 def check_sequence_length(spec: ShardingSpec, seq: int) -> None:
     """Raise `ValueError` unless `seq` splits evenly under the spec's layout."""
     n = spec.context_parallel_size

@@ -11,6 +11,8 @@ import jax
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from ._block_contract import AbstractBlockImpl, PlatformChoice
+
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped")
 IMPLS = ("auto", "xla", "pallas")
@@ -146,9 +148,10 @@ class ShardingSpec(eqx.Module):
             raise ValueError(
                 f"ShardingSpec: unknown strategy {self.strategy!r}; choose one of {STRATEGIES}."
             )
-        if not isinstance(self.impl, str) and not hasattr(self.impl, "tile_queries"):
+        if not isinstance(self.impl, str | AbstractBlockImpl | PlatformChoice):
             raise TypeError(
-                f"ShardingSpec: impl must be one of {IMPLS} or an AbstractBlockImpl; got "
+                f"ShardingSpec: impl must be one of {IMPLS}, an AbstractBlockImpl or a "
+                f"PlatformChoice of two; got "
                 f"{self.impl!r} of type {type(self.impl).__name__}."
             )
         if isinstance(self.impl, str) and self.impl not in IMPLS:

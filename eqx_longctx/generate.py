@@ -1,5 +1,5 @@
 """`python -m eqx_longctx.generate`: print a model's continuation of a prompt (see
-`eqx_longctx.inference._cli`).
+`eqx_longctx.inference.generate_main`).
 
 This file exists only to be run with `-m`. The package attribute `eqx_longctx.generate` is
 the function `eqx_longctx.inference.generate`, and stays so when this module is imported
@@ -7,6 +7,6 @@ the function `eqx_longctx.inference.generate`, and stays so when this module is 
 """
 
 if __name__ == "__main__":
-    from eqx_longctx.inference._cli import main
+    from eqx_longctx.inference import generate_main
 
-    raise SystemExit(main())
+    raise SystemExit(generate_main())

@@ -10,7 +10,7 @@ import importlib
 import math
 from typing import Any
 
-from eqx_longctx import AttentionShape, ModelFamily, MoEShape
+from eqx_longctx.family import AttentionShape, ModelFamily, MoEShape
 
 
 class _ZooFamily(ModelFamily):
@@ -71,12 +71,6 @@ class LlamaFamily(_ZooFamily):
         c = config
         return AttentionShape(c.n_heads, c.n_kv_heads or c.n_heads, c.head_dim, c.head_dim)
 
-    def cache_per_token(self, config: Any) -> dict[str, tuple[int, ...]]:
-        """K and V per key/value head (never repeated for GQA)."""
-        c = config
-        kv = (c.n_kv_heads or c.n_heads, c.head_dim)
-        return {"k": kv, "v": kv}
-
 
 class DeepSeekFamily(_ZooFamily):
     """DeepSeek-V2 / V3 (`models.deepseek`): multi-head latent attention and routed
@@ -131,10 +125,6 @@ class DeepSeekFamily(_ZooFamily):
             c.n_routed_experts, c.top_k, c.capacity_factor, c.n_layers - c.first_k_dense,
             c.moe_hidden_dim,
         )  # fmt: skip
-
-    def cache_per_token(self, config: Any) -> dict[str, tuple[int, ...]]:
-        """The compressed latent and the shared RoPE key: never per-head K/V."""
-        return {"latent": (config.kv_lora_rank,), "rope_key": (config.qk_rope_head_dim,)}
 
 
 LLAMA = LlamaFamily()

@@ -22,7 +22,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from eqx_longctx.nn import check_int
+from eqx_longctx.family import check_int
 
 from ._hf_config import CONFIG_FILE, checkpoint_dir, read_json
 
@@ -218,7 +218,7 @@ def shardings_by_path(abstract, spec) -> Callable[[str, tuple[int, ...]], Any]:
     parameter's `NamedSharding` from the rules table, looked up by its path."""
     if spec is None:
         return lambda _path, _shape: None
-    from eqx_longctx import param_shardings
+    from eqx_longctx.family import param_shardings
 
     paths, _, _ = _leaf_paths(abstract)
     table = dict(zip(paths, jax.tree.leaves(param_shardings(abstract, spec)), strict=True))

@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from eqx_longctx.nn import DTYPES, check_bool, check_int, check_real, check_spec
+from eqx_longctx.family import DTYPES, check_bool, check_int, check_real, check_spec
 
 CONFIG_FILE = "config.json"
 
@@ -342,7 +342,7 @@ def check_config(
 
 
 def decoder_from_hf(hf: Mapping[str, Any], max_len: int) -> dict[str, Any]:
-    """The fields every decoder config has (`eqx_longctx.nn.check_decoder_config`'s), but
+    """The fields every decoder config has (`eqx_longctx.family.check_decoder_config`'s), but
     RoPE's (each family reads its own scaling), from a `config.json` whose types are
     checked; the parameter and compute dtype are `stored_dtype(hf)`.
 

@@ -27,7 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from eqx_longctx import ShardingSpec
+from eqx_longctx.family import (
+    ShardingSpec,
+    check_choice,
+    check_decoder_config,
+    check_fields,
+    check_instance,
+    check_model_args,
+    check_preset,
+    check_real,
+)
 from eqx_longctx.nn import (
     GROUPED_MATMULS,
     AbstractDecoder,
@@ -38,13 +47,6 @@ from eqx_longctx.nn import (
     RMSNorm,
     RoPE,
     SwiGLU,
-    check_choice,
-    check_decoder_config,
-    check_fields,
-    check_instance,
-    check_model_args,
-    check_preset,
-    check_real,
     check_routing,
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
@@ -321,13 +323,6 @@ class DeepSeek(AbstractDecoder):
             self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
         self.config = c
         self.spec = spec
-
-    def run_layers(self, x, positions, segment_ids):
-        """The dense blocks, then the MoE blocks, from embeddings to the last hidden state
-        (before the final norm)."""
-        for stack in self.layer_stacks():
-            x = stack(x, positions, segment_ids)
-        return x
 
     def layer_stacks(self) -> tuple[LayerStack, ...]:
         """The layer stacks in order: the dense blocks, then the MoE blocks."""

@@ -26,7 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from eqx_longctx import ShardingSpec
+from eqx_longctx.family import (
+    ShardingSpec,
+    check_decoder_config,
+    check_fields,
+    check_instance,
+    check_layer_windows,
+    check_model_args,
+    check_preset,
+)
 from eqx_longctx.nn import (
     AbstractDecoder,
     DecoderBlock,
@@ -35,12 +43,6 @@ from eqx_longctx.nn import (
     RoPE,
     SelfAttention,
     SwiGLU,
-    check_decoder_config,
-    check_fields,
-    check_instance,
-    check_layer_windows,
-    check_model_args,
-    check_preset,
 )
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
 
@@ -270,13 +272,6 @@ class Llama(AbstractDecoder):
             self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
         self.config = c
         self.spec = spec
-
-    def run_layers(self, x, positions, segment_ids):
-        """The blocks (one stack per run of equally windowed layers), from embeddings to
-        the last hidden state (before the final norm)."""
-        for stack in self.layer_stacks():
-            x = stack(x, positions, segment_ids)
-        return x
 
     def layer_stacks(self) -> tuple[LayerStack, ...]:
         """The layer stacks in order: one per run of equally windowed layers."""

@@ -133,23 +133,23 @@ CHILD_XLA_FLAGS = " ".join(
 # Runs in a fresh process with argv[2] fake CPU devices. For each `[module, *flags]` it
 # parses the flags with that CLI's own parser and runs its checks up to the point where
 # the work would start, printing one JSON line: {"ok": mesh} or {"refused": message}.
-# - eqx_longctx.train: the trainer's parser, multi-process flags, TrainConfig, Placement
-#   and Placement.check_run (batch, sequence, heads and experts against the mesh), as
-#   Trainer does before reading data or building anything.
+# - eqx_longctx.train: the trainer's parser, multi-process flags, TrainConfig, the
+#   placement of its flags and Placement.check_run (batch, sequence, heads and experts
+#   against the mesh) in the trainer's wording, as Trainer does before reading data or
+#   building anything.
 # - eqx_longctx.plan: the planner's own main(), stopped where its placement is built (the
 #   trainer's, through trainer_run) after the same check_run; the plan itself, a budget
 #   that nothing fits included, is the planner's answer, not a refusal.
 # - eqx_longctx.generate: the generation CLI's parser and its placement flags (the
-#   trainer's Placement on the mesh); the run or checkpoint it names is not read.
+#   placement of the same flags); the run or checkpoint it names is not read.
 CLI_CHECK = r"""
 import contextlib, io, json, sys
 import jax
 jax.config.update("jax_num_cpu_devices", int(sys.argv[2]))
 from eqx_longctx.data import ByteTokenizer
-from eqx_longctx.train._cli import UsageError, build_parser
-from eqx_longctx.train._config import TrainConfig, build_model_config
-from eqx_longctx.train._distributed import cluster_from_flags
-from eqx_longctx.train._parallel import Placement
+from eqx_longctx.run import UsageError, cluster_from_flags, placement_from_flags
+from eqx_longctx.train._cli import build_parser
+from eqx_longctx.train._config import TrainConfig, build_model_config, flag_name
 import eqx_longctx.plan._cli as plan_cli
 import eqx_longctx.inference._cli as generate_cli
 
@@ -166,11 +166,11 @@ def check_train(flags):
         load_balance=a.load_balance, remat=a.remat, run_dir="unused",
     )
     model_config = build_model_config(config, ByteTokenizer().vocab_size)
-    placement = Placement(
+    placement = placement_from_flags(
         config.devices, config.mesh, config.strategy, config.load_balance, config.fsdp_axes,
         vocab_size=model_config.vocab_size,
     )
-    placement.check_run(config.batch_size, config.seq_len, model_config)
+    placement.check_run(config.batch_size, config.seq_len, model_config, name=flag_name)
     return placement.describe()
 
 trainer_run = plan_cli.trainer_run
@@ -192,7 +192,7 @@ def check_plan(flags):
 def check_generate(flags):
     a = generate_cli.build_parser().parse_args(flags)
     devices, mesh = generate_cli.placement_flags(a)
-    return Placement(devices, mesh, a.strategy, a.load_balance, a.fsdp_axes).describe()
+    return placement_from_flags(devices, mesh, a.strategy, a.load_balance, a.fsdp_axes).describe()
 
 CHECKS = {"eqx_longctx.train": check_train, "eqx_longctx.plan": check_plan,
           "eqx_longctx.generate": check_generate}

@@ -15,11 +15,11 @@ from test_train import SEQ, SMALL_MODEL
 from test_train_sharded import DEEPSEEK, family_of
 
 from eqx_longctx import ShardingSpec, model_family
-from eqx_longctx.data import load_datasets
+from eqx_longctx.data import load_datasets, place_batch
 from eqx_longctx.nn import _loss as loss_module
 from eqx_longctx.nn import chunked_cross_entropy
+from eqx_longctx.run import placement_from_flags
 from eqx_longctx.train import TrainConfig, loss_fn, make_optimizer, make_train_step
-from eqx_longctx.train._parallel import Placement
 from eqx_longctx.train._step import lower_train_step
 
 VOCAB = 260  # splits over a tensor axis of 2 or 4
@@ -81,7 +81,7 @@ def batch_source():
 def _loss_and_grads(placement, config, batch_source, loss_chunk):
     fam = family_of(config)
     model = placement.build_model(lambda spec: fam.model(config, key=jax.random.key(0), spec=spec))
-    batch = placement.shard_batch(batch_source.batch(0, 8))
+    batch = place_batch(batch_source.batch(0, 8), placement.spec)
     params, static = eqx.partition(model, eqx.is_inexact_array)
 
     def loss(p):
@@ -104,7 +104,7 @@ def _loss_and_grads(placement, config, batch_source, loss_chunk):
 def test_loss_and_gradients_equal_whole_logits(batch_source, devices, mesh, config, chunk):
     """The trainer's loss in chunks (`7` and `24`: several per device, padded; `None`: the
     automatic one) against the whole logits of the model's call, float32, 1e-6."""
-    placement = Placement(devices, mesh, vocab_size=config.vocab_size)
+    placement = placement_from_flags(devices, mesh, vocab_size=config.vocab_size)
     whole, whole_grads = _loss_and_grads(placement, config, batch_source, 0)
     chunked, grads = _loss_and_grads(placement, config, batch_source, chunk)
     assert abs(chunked - whole) <= 1e-6 * abs(whole)
@@ -146,7 +146,7 @@ def test_a_step_at_a_128k_vocabulary_holds_no_whole_logits():
         "tiny", vocab_size=vocab, max_seq_len=seq, dim=64, n_layers=1, n_heads=4,
         n_kv_heads=2, hidden_dim=128,
     )  # fmt: skip
-    placement = Placement(1, None)
+    placement = placement_from_flags(1, None)
     optimizer = make_optimizer(1e-3, 1, 10)
     model = placement.abstract_model(
         lambda spec: fam.model(config, key=jax.random.key(0), spec=spec)

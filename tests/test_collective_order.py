@@ -22,8 +22,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_train_sharded import LLAMA, assert_same_run, family_of, run_steps
 
+from eqx_longctx.run import placement_from_flags
 from eqx_longctx.train import make_optimizer
-from eqx_longctx.train._parallel import Placement
 from eqx_longctx.train._step import lower_train_step
 
 _COLLECTIVE = re.compile(
@@ -132,7 +132,7 @@ STEPS = [
 @pytest.mark.parametrize(("mesh", "strategy", "options"), STEPS)
 def test_no_collective_runs_beside_the_layer_loop(mesh, strategy, options):
     config = dataclasses.replace(LLAMA, remat="full")
-    placement = Placement(8, mesh, strategy)
+    placement = placement_from_flags(8, mesh, strategy)
     optimizer = make_optimizer(1e-2, 1, 8)
     family = family_of(config)
     model = placement.abstract_model(
@@ -160,7 +160,7 @@ def test_ulysses_training_under_full_remat_equals_all_gather(datasets):
     moments: float32 tolerances)."""
     config = dataclasses.replace(LLAMA, remat="full")
     runs = [
-        run_steps(Placement(8, "data=2,context=4", strategy), datasets, 3, config=config)
+        run_steps(placement_from_flags(8, "data=2,context=4", strategy), datasets, 3, config=config)
         for strategy in ("ulysses", "all_gather")
     ]
     assert np.all(np.isfinite(runs[0][0]))

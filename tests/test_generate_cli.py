@@ -20,9 +20,9 @@ from helpers import CHILD_XLA_FLAGS, ROOT
 import eqx_longctx
 from eqx_longctx.data import ByteTokenizer
 from eqx_longctx.inference._cli import main
+from eqx_longctx.run import placement_from_flags
 from eqx_longctx.train._checkpoint import Checkpointer
 from eqx_longctx.train._config import TrainConfig, build_model_config
-from eqx_longctx.train._parallel import Placement
 from eqx_longctx.train._step import make_optimizer
 
 SMALL = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "hidden_dim": 64}
@@ -65,7 +65,7 @@ def _restored(run_dir):
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(**{k: v for k, v in flags.items() if k in names}, run_dir=str(run_dir))
     model_config = build_model_config(config, ByteTokenizer.vocab_size)
-    placement = Placement(1)
+    placement = placement_from_flags(1)
     family = eqx_longctx.model_family(config.model)
     model = placement.abstract_model(
         lambda spec: family.model(model_config, key=jax.random.key(0), spec=spec)
@@ -161,6 +161,7 @@ def test_hf_under_ring_on_eight_devices_gives_the_same_tokens(hf_dir):
         (["--run-dir", "r", "--prompt", "x", "--top-k", "0"], "--top-k must be"),
         (["--run-dir", "r", "--prompt", "x", "--seed", str(2**64)], "--seed must be below"),
         (["--run-dir", "r", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--run-dir", "r", "--prompt", "x", "--max-len", "0"], "--max-len"),
         (["--run-dir", "r", "--prompt", "x", "--devices", "2", "--mesh", "context=4"], "--mesh"),
         (["--run-dir", "r", "--prompt", "x", "--strategy", "spiral"], "--strategy"),
         (["--run-dir", "missing", "--prompt", "x"], "does not exist"),
@@ -183,6 +184,21 @@ def test_hf_without_tokenizer_refuses_a_text_prompt(hf_dir, capsys):
     assert main(["--hf", str(hf_dir), "--prompt-ids", "5,97"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "below the model's vocab_size=97" in err, err
+
+
+def test_max_len_sizes_the_cache_and_the_binding_limit_is_named(hf_dir, capsys):
+    """`--max-len` is `generate`'s `max_len`; too short a cache, or a model whose
+    `max_seq_len` (128) binds, is one line that names the limit."""
+    ids = ["--hf", str(hf_dir), "--prompt-ids", "5,17,3,60,2"]
+    assert main([*ids, "--max-new-tokens", "4", "--max-len", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "must fit max_len=8, the cache's length" in err, err
+    assert "at least 9" in err
+    assert main([*ids, "--max-new-tokens", "200"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the model's max_seq_len=128" in err and "Generate at most 123" in err, err
+    assert main([*ids, "--max-new-tokens", "4", "--max-len", "9"]) == 0
+    capsys.readouterr()
 
 
 def test_generate_is_the_function_and_the_module_runs():

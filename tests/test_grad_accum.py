@@ -10,6 +10,7 @@ import pytest
 from test_train import SEQ, params_of, small_config
 from test_train_sharded import LLAMA, assert_same_run, build, run_steps
 
+from eqx_longctx.run import placement_from_flags
 from eqx_longctx.train import (
     TrainConfig,
     Trainer,
@@ -17,7 +18,6 @@ from eqx_longctx.train import (
     make_train_step,
     micro_batches,
 )
-from eqx_longctx.train._parallel import Placement
 from eqx_longctx.train._step import lower_train_step
 
 
@@ -46,7 +46,7 @@ def _uneven(batch):
     ],
 )
 def test_micro_batches_equal_one_batch(datasets, devices, mesh, k):
-    placement = Placement(devices, mesh)
+    placement = placement_from_flags(devices, mesh)
     accumulated = run_steps(placement, datasets, 3, grad_accum=k, prepare=_uneven)
     assert_same_run(accumulated, run_steps(placement, datasets, 3, prepare=_uneven))
 
@@ -60,7 +60,7 @@ def test_micro_batches_hold_every_row_once():
 
 
 def _temporaries(grad_accum: int, batch: int) -> int:
-    placement = Placement(1)
+    placement = placement_from_flags(1)
     optimizer = make_optimizer(1e-2, 1, 8)
     model, opt_state = build(placement, dataclasses.replace(LLAMA, max_seq_len=256), optimizer)
     abstract = placement.abstract_batch(batch, 256)
@@ -101,8 +101,8 @@ def test_bad_grad_accum_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"grad_accum \(--grad-accum\) must be an int >= 1"):
         make_train_step(make_optimizer(1e-2, 1, 8), grad_accum=0)
     # 8 rows in 4 micro-batches of 2: the data axis (4) cannot split a micro-batch.
-    placement = Placement(8, "data=4,context=2")
-    with pytest.raises(ValueError, match=r"a micro-batch \(--batch-size 8 / --grad-accum 4 = 2"):
+    placement = placement_from_flags(8, "data=4,context=2")
+    with pytest.raises(ValueError, match=r"a micro-batch \(batch_size=8 / grad_accum=4 = 2"):
         placement.check_run(8, SEQ, LLAMA, grad_accum=4)
     placement.check_run(8, SEQ, LLAMA, grad_accum=2)  # micro-batches of 4 split over 4
 

@@ -10,8 +10,9 @@ import pytest
 from test_train import SEQ
 from test_train_sharded import LLAMA, family_of
 
-from eqx_longctx.data import load_datasets
+from eqx_longctx.data import load_datasets, place_batch
 from eqx_longctx.plan import plan_train_step
+from eqx_longctx.run import placement_from_flags
 from eqx_longctx.train import (
     TrainConfig,
     Trainer,
@@ -19,7 +20,6 @@ from eqx_longctx.train import (
     make_train_step,
     to_host,
 )
-from eqx_longctx.train._parallel import Placement
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def _three_steps(placement, datasets, offload):
     step = make_train_step(optimizer, shardings=shardings, host_offload=offload)
     losses = []
     for i in range(3):
-        batch = placement.shard_batch(datasets[0].batch(i, 8))
+        batch = place_batch(datasets[0].batch(i, 8), placement.spec)
         model, opt_state, metrics = step(model, opt_state, batch)
         losses.append(float(metrics["loss"]))
     return losses, model, opt_state
@@ -52,7 +52,7 @@ def _three_steps(placement, datasets, offload):
 
 @pytest.mark.parametrize(("devices", "mesh"), [(1, None), (8, "fsdp=2,context=4")])
 def test_offloaded_state_gives_the_same_updates(datasets, devices, mesh):
-    placement = Placement(devices, mesh)
+    placement = placement_from_flags(devices, mesh)
     losses, model, _ = _three_steps(placement, datasets, ())
     for offload in (("opt_state",), ("opt_state", "params")):
         got_losses, got_model, got_state = _three_steps(placement, datasets, offload)
@@ -85,7 +85,7 @@ def test_trainer_offloads_checkpoints_and_resumes(tmp_path, datasets):
 
 
 def test_the_planner_counts_offloaded_state_in_host_memory():
-    spec = Placement(8, "context=8", "ring").spec
+    spec = placement_from_flags(8, "context=8", "ring").spec
     kw = dict(batch=1, seq=8192, remats=("full",), strategies=("ring",))
     plain = plan_train_step("llama", LLAMA, spec, **kw).row("ring", "full")
     off = plan_train_step("llama", LLAMA, spec, host_offload=("opt_state",), **kw).row(

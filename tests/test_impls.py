@@ -189,23 +189,31 @@ def test_pallas_rejects_float16():
 
 
 def test_auto_runs_xla_off_tpu_and_keeps_the_kernels_for_a_tpu_lowering():
-    """`make_impl` resolves by the host (decoding drives the block methods itself);
-    `lowering_impl`, what attention runs, keeps both paths on a host that is not a TPU;
-    the kernels' interpret mode is left to the lowering platform (`interpret=None`)."""
-    from eqx_longctx.attention._block import PerPlatform
-    from eqx_longctx.attention._impls import lowering_impl, make_impl
-    from eqx_longctx.attention._local import XlaBlockImpl
+    """The one resolver: for a caller that drives the block methods itself (decoding,
+    `lowering=False`) `"auto"` is the host's implementation; for a program that may be
+    lowered elsewhere (attention) it keeps both paths on a host that is not a TPU, as a
+    `PlatformChoice`, which is not a block implementation (no contract methods to call);
+    the kernels' interpret mode is left to the lowering platform (`interpret=None`); a
+    dtype the kernels do not run keeps the XLA path alone; a choice is returned as is."""
+    from eqx_longctx.attention import AbstractBlockImpl, PlatformChoice, XlaBlockImpl
+    from eqx_longctx.attention import resolve_block_impl as resolve
     from eqx_longctx.kernels import PallasBlockImpl
 
-    assert isinstance(make_impl("auto", platform="cpu"), XlaBlockImpl)
-    both = lowering_impl("auto", platform="cpu")
-    assert isinstance(both, PerPlatform)
+    assert isinstance(resolve("auto", platform="cpu", lowering=False), XlaBlockImpl)
+    both = resolve("auto", platform="cpu")
+    assert isinstance(both, PlatformChoice) and not isinstance(both, AbstractBlockImpl)
+    assert not hasattr(both, "attend") and not hasattr(both, "tile_queries")
     assert isinstance(both.tpu, PallasBlockImpl) and isinstance(both.default, XlaBlockImpl)
-    tpu = lowering_impl("auto", platform="tpu")
+    assert both.tpu.interpret is False
+    tpu = resolve("auto", platform="tpu")
     assert isinstance(tpu, PallasBlockImpl) and tpu.interpret is None
-    assert make_impl("pallas", platform="cpu").interpret is None
-    with pytest.raises(NotImplementedError, match="call the methods of .tpu or .default"):
-        both.attend(None, None, None, None, None)
+    assert resolve("pallas", platform="cpu").interpret is None
+    assert isinstance(resolve("auto", platform="cpu", dtype=jnp.float16), XlaBlockImpl)
+    assert resolve(both, platform="cpu") is both
+    spec = ShardingSpec(make_mesh(*MESHES["ring"][:2]), "ring", "zigzag", impl="xla")
+    assert isinstance(resolve(spec=spec), XlaBlockImpl)  # None: the spec's
+    with pytest.raises(ValueError, match="impl must be one of"):
+        resolve("fast", platform="cpu")
 
 
 TRACED: list[str] = []
@@ -232,15 +240,14 @@ class _Counting(AbstractBlockImpl):
 
 @pytest.mark.parametrize("strategy", [None, "ring"])
 def test_each_platform_side_is_traced_once_per_shapes(strategy):
-    """Two layers of the same shapes under `PerPlatform` (what `impl="auto"` is off TPU):
+    """Two layers of the same shapes under a `PlatformChoice` (what `impl="auto"` is off TPU):
     each side's forward and backward are traced once, not once per layer, and the result
     is the oracle's."""
-    from eqx_longctx.attention._block import PerPlatform
-    from eqx_longctx.attention._impls import make_impl
+    from eqx_longctx.attention import PlatformChoice, resolve_block_impl
 
-    impl = PerPlatform(
-        tpu=_Counting(make_impl("pallas", platform="tpu", interpret=False), "tpu"),
-        default=_Counting(make_impl("xla", platform="cpu"), "default"),
+    impl = PlatformChoice(
+        tpu=_Counting(resolve_block_impl("pallas", platform="tpu", interpret=False), "tpu"),
+        default=_Counting(resolve_block_impl("xla", platform="cpu"), "default"),
     )
     spec = None
     if strategy is not None:
@@ -288,10 +295,10 @@ def test_an_unhashable_configuration_is_traced_each_call():
     it) runs uncached, with the same result."""
     import functools
 
+    from eqx_longctx.attention import XlaBlockImpl
     from eqx_longctx.attention._block import _staged
-    from eqx_longctx.attention._impls import make_impl
 
-    xla = make_impl("xla", platform="cpu")
+    xla = XlaBlockImpl()
     staged = _staged(lambda impl, static, x: x + sum(static), xla, [1, 2])
     assert isinstance(staged, functools.partial) and staged(1) == 4
     hashable = _staged(lambda impl, static, x: x + sum(static), xla, (1, 2))

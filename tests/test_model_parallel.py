@@ -96,11 +96,11 @@ def test_trainer_and_planner_accept_deepseek_on_a_tensor_axis():
     builds it (MLA's per-head weights split over tensor, the latent projection whole), and
     the planner plans it with fewer parameter bytes per device than without the axis. The
     logits and gradients are checked in tests/test_partition.py."""
-    from eqx_longctx.train._parallel import Placement
+    from eqx_longctx.run import placement_from_flags
 
     deepseek = el.model_family("deepseek")
     config = deepseek.config.from_preset("tiny", vocab_size=259)
-    placement = Placement(8, "tensor=2,context=4", vocab_size=config.vocab_size)
+    placement = placement_from_flags(8, "tensor=2,context=4", vocab_size=config.vocab_size)
     placement.check_run(8, 64, config)
     model = placement.build_model(lambda spec: deepseek.model(config, key=jax.random.key(0),
                                                              spec=spec))  # fmt: skip

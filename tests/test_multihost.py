@@ -30,10 +30,9 @@ import pytest
 from helpers import CHILD_XLA_FLAGS
 
 from eqx_longctx.data import load_datasets
+from eqx_longctx.run import EXIT_PEER_LOST, PEER_TIMEOUT, check_device_count, cluster_from_flags
 from eqx_longctx.train import Checkpointer, TrainConfig, Trainer
 from eqx_longctx.train._cli import main
-from eqx_longctx.train._distributed import EXIT_PEER_LOST, PEER_TIMEOUT, cluster_from_flags
-from eqx_longctx.train._parallel import check_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 240  # seconds any one launch may take before the test fails (and kills it)

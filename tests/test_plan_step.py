@@ -19,7 +19,8 @@ from helpers import CHILD_XLA_FLAGS, ROOT
 import eqx_longctx as el
 from eqx_longctx.plan import compiled_bytes, main, plan_train_step
 from eqx_longctx.plan._compile import compile_train_step, trainer_run
-from eqx_longctx.train import Placement, TrainConfig
+from eqx_longctx.run import placement_from_flags
+from eqx_longctx.train import TrainConfig
 
 TOLERANCE = 0.2
 
@@ -73,7 +74,7 @@ def _settings(**kw) -> TrainConfig:
 
 
 def _spec(mesh: str, strategy: str) -> el.ShardingSpec:
-    spec = Placement(8, mesh, strategy).spec  # the trainer's
+    spec = placement_from_flags(8, mesh, strategy).spec  # the trainer's
     assert spec is not None
     return spec
 
@@ -319,7 +320,7 @@ def test_runs_are_set_up_by_the_trainers_code():
     run = trainer_run(_settings(model_overrides=overrides, seq_len=4096, mesh="fsdp=2,context=4"))
     assert run.config.n_layers == 2 and run.config.compute_dtype == "bfloat16"
     assert run.config.max_seq_len == 4096 and run.config.vocab_size == 259  # the preset's
-    assert run.placement.spec == Placement(8, "fsdp=2,context=4", "ring").spec
+    assert run.placement.spec == placement_from_flags(8, "fsdp=2,context=4", "ring").spec
     assert run.placement.spec.fsdp_axis == ("fsdp",)
     with pytest.raises(ValueError, match="got --fsdp-axes 'expert'"):
         _settings(fsdp_axes="expert")

@@ -32,8 +32,9 @@ from test_multihost import (
 from test_train import params_of
 
 from eqx_longctx.data import load_datasets
+from eqx_longctx.run import EXIT_PREEMPTED
 from eqx_longctx.train import Checkpointer, TrainConfig, Trainer
-from eqx_longctx.train._exit import EXIT_PREEMPTED, PROG
+from eqx_longctx.train._cli import PROG
 from eqx_longctx.train._preempt import PreemptionNotice
 
 BOUND = 60  # seconds from SIGTERM to the exit of every process (one compile included)

@@ -13,8 +13,8 @@ import pytest
 from helpers import CHILD_XLA_FLAGS
 
 from eqx_longctx import selftest
+from eqx_longctx.attention import XlaBlockImpl
 from eqx_longctx.attention._block import AbstractBlockImpl
-from eqx_longctx.attention._impls import make_impl
 from eqx_longctx.selftest import _attention, _kernels, _report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ class _Raises(_OffByOnePercent):
 
 
 def test_a_wrong_implementation_fails_the_selftest(monkeypatch, capsys):
-    xla = make_impl("xla", platform="cpu")
+    xla = XlaBlockImpl()
     impls = {"wrong": _OffByOnePercent(xla), "broken": _Raises(xla), "xla": xla}
     monkeypatch.setattr(_attention, "implementations", lambda platform: impls)
     assert selftest.main(["--quick", "--case", "causal"]) == 1
@@ -114,7 +114,7 @@ class _Shifted(_OffByOnePercent):
 def test_kernel_property_rows_catch_a_wrong_implementation():
     """Rows that see no key must give exact zeros: an output shifted by 1e-3 fails; the XLA
     path passes, and its reruns are bitwise equal."""
-    xla = make_impl("xla", platform="cpu")
+    xla = XlaBlockImpl()
     sizes = _attention.sizes_for("cpu")
     assert _kernels.empty_rows_row({"xla": xla}, sizes).status == "PASS"
     row = _kernels.empty_rows_row({"shifted": _Shifted(xla)}, sizes)
@@ -125,7 +125,7 @@ def test_kernel_property_rows_catch_a_wrong_implementation():
 def test_splash_timing_row_runs_in_interpret_mode():
     """The TPU timing row's code, at a small size with splash interpreted: a PASS row with
     both TFLOP/s figures."""
-    xla = make_impl("xla", platform="cpu")
+    xla = XlaBlockImpl()
     row = _kernels.splash_timing_row({"xla": xla}, seq=256, heads=2, dim=128, interpret=True)
     assert row.status == "PASS", row
     assert re.fullmatch(r"fwd\+bwd \S+ TFLOP/s, splash \S+ \(\S+x\)", str(row.errors)), row

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from eqx_longctx.data import load_datasets
+from eqx_longctx.run import check_meta_matches
 from eqx_longctx.train import (
     Checkpointer,
     TrainConfig,
@@ -21,7 +22,6 @@ from eqx_longctx.train import (
     make_optimizer,
     make_train_step,
 )
-from eqx_longctx.train._checkpoint import check_meta_matches
 from eqx_longctx.train._cli import main
 from models.llama import Llama, LlamaConfig
 

@@ -11,10 +11,10 @@ import re
 import pytest
 from test_train import SMALL_MODEL, small_config
 
+from eqx_longctx.run import Placement, placement_from_flags
 from eqx_longctx.train import TrainConfig, make_optimizer, make_schedule
 from eqx_longctx.train._cli import main
-from eqx_longctx.train._config import check_train_config
-from eqx_longctx.train._parallel import Placement
+from eqx_longctx.train._config import check_train_config, flag_name
 from eqx_longctx.train._record import FREE_FLAGS, RESHARDABLE_FLAGS, RUN_FLAGS
 from models.llama import LlamaConfig
 
@@ -168,8 +168,8 @@ TINY = LlamaConfig.from_preset("tiny", vocab_size=259, **SMALL_MODEL)  # 4 query
 @pytest.mark.parametrize(
     ("mesh", "strategy", "batch", "seq", "match"),
     [
-        ("data=4,context=2", "ring", 6, 64, r"--batch-size 6 must be divisible by 4; .*batch of 8"),
-        ("context=8", "ring", 8, 24, r"--seq-len 24: .* divisible by 16; got seq=24\. Use seq=32"),
+        ("data=4,context=2", "ring", 6, 64, r"batch_size=6 must be divisible by 4; .*batch of 8"),
+        ("context=8", "ring", 8, 24, r"seq_len=24: .* divisible by 16; got seq=24\. Use seq=32"),
         (
             "context=8",
             "ulysses",
@@ -201,15 +201,26 @@ TINY = LlamaConfig.from_preset("tiny", vocab_size=259, **SMALL_MODEL)  # 4 query
     ],
 )
 def test_placement_rule(mesh, strategy, batch, seq, match):
-    """Mesh-dependent rules are the ShardingSpec's own, run on the shapes before any tracing."""
+    """Mesh-dependent rules are the ShardingSpec's own, run on the shapes before any tracing;
+    the placement names values as arguments (`batch_size=6`), the trainer as flags (below)."""
     with pytest.raises(ValueError, match=match):
-        Placement(8, mesh, strategy).check_run(batch, seq, TINY)
+        placement_from_flags(8, mesh, strategy).check_run(batch, seq, TINY)
+
+
+def test_placement_words_values_as_the_caller_names_them():
+    placement = placement_from_flags(8, "data=4,context=2", "ring")
+    with pytest.raises(ValueError, match=r"so --batch-size 6 must be divisible by 4"):
+        placement.check_run(6, 64, TINY, name=flag_name)
+    with pytest.raises(ValueError, match=r"a micro-batch \(batch_size=8 / grad_accum=4 = 2"):
+        placement.check_run(8, 64, TINY, grad_accum=4)
+    with pytest.raises(ValueError, match=r"^mesh context=8 with strategy 'usp' .*: .*ulysses"):
+        Placement(8, {"context": 8}, "usp")
 
 
 def test_placement_accepts_divisible_shapes():
-    Placement(8, "data=2,context=4", "ring").check_run(8, 64, TINY)
-    Placement(8, "ulysses=2,context=4", "usp").check_run(8, 64, TINY)
-    Placement(1).check_run(3, 7, TINY)  # one device: nothing to split
+    placement_from_flags(8, "data=2,context=4", "ring").check_run(8, 64, TINY)
+    placement_from_flags(8, "ulysses=2,context=4", "usp").check_run(8, 64, TINY)
+    placement_from_flags(1).check_run(3, 7, TINY)  # one device: nothing to split
 
 
 def test_flag_groups_cover_every_field():
@@ -257,14 +268,14 @@ def test_cli_bad_flag_is_one_line(tmp_path, capsys, flags, match):
 
 
 def test_override_of_a_field_the_preset_leaves_none_parses():
-    from eqx_longctx.train._config import resolve_overrides
+    from eqx_longctx.run import resolve_overrides
 
     parsed = resolve_overrides("tiny", {"sliding_window": "64", "layer_types": "none"})
     assert parsed == {"sliding_window": 64, "layer_types": None}
 
 
 def test_override_parses_json_for_fields_the_preset_leaves_none():
-    from eqx_longctx.train._config import resolve_overrides
+    from eqx_longctx.run import resolve_overrides
 
     parsed = resolve_overrides(
         "tiny",
@@ -282,7 +293,7 @@ def test_override_parses_json_for_fields_the_preset_leaves_none():
 
 
 def test_resume_without_run_dir_takes_the_run_whose_checkpoints_changed_last(tmp_path, monkeypatch):
-    from eqx_longctx.train._config import default_run_dir
+    from eqx_longctx.run import default_run_dir
 
     monkeypatch.chdir(tmp_path)
     for name, when in (("20990101-000000", 1_000), ("baseline", 2_000), ("aaa", 1_500)):

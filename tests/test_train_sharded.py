@@ -22,6 +22,7 @@ import eqx_longctx
 from eqx_longctx import model_family
 from eqx_longctx.data import ByteTokenizer, load_datasets, place_batch
 from eqx_longctx.nn import REMAT_POLICIES
+from eqx_longctx.run import Placement, bytes_on_device, placement_from_flags
 from eqx_longctx.train import (
     Trainer,
     decay_mask,
@@ -30,7 +31,6 @@ from eqx_longctx.train import (
     make_train_step,
 )
 from eqx_longctx.train._cli import build_parser, main
-from eqx_longctx.train._parallel import Placement, bytes_on_device
 from eqx_longctx.train._step import matrix_rank
 
 TRAIN_DIR = pathlib.Path(eqx_longctx.__file__).parent / "train"
@@ -78,7 +78,7 @@ def run_steps(
     step = make_train_step(optimizer, shardings=shardings, donate=True, grad_accum=grad_accum)
     losses = []
     for i in range(steps):
-        batch = placement.shard_batch(prepare(datasets[0].batch(i, BATCH)))
+        batch = place_batch(prepare(datasets[0].batch(i, BATCH)), placement.spec)
         model, opt_state, metrics = step(model, opt_state, batch)
         losses.append(float(metrics["loss"]))
     return losses, model, opt_state
@@ -86,7 +86,7 @@ def run_steps(
 
 @pytest.fixture(scope="module")
 def replicated(datasets):
-    return run_steps(Placement(1), datasets)
+    return run_steps(placement_from_flags(1), datasets)
 
 
 def assert_same_run(got, expected):
@@ -124,9 +124,9 @@ def test_cli_choices_come_from_the_library():
 
 def test_deepseek_placement_checks_mla_heads():
     """MLA has as many key/value heads as query heads, of width nope + rope."""
-    Placement(8, "fsdp=2,context=4").check_run(8, 64, DEEPSEEK)
+    placement_from_flags(8, "fsdp=2,context=4").check_run(8, 64, DEEPSEEK)
     with pytest.raises(ValueError, match=r"'ulysses' on mesh .* 4 query / 4 key-value heads"):
-        Placement(8, "context=8", "ulysses").check_run(8, 64, DEEPSEEK)
+        placement_from_flags(8, "context=8", "ulysses").check_run(8, 64, DEEPSEEK)
 
 
 # ---- sharded train step ---------------------------------------------------------------
@@ -140,7 +140,7 @@ def test_deepseek_placement_checks_mla_heads():
     ],
 )
 def test_sharded_train_step_matches_replicated(datasets, replicated, mesh, fsdp_axes, sharded):
-    placement = Placement(8, mesh, fsdp_axes=fsdp_axes)
+    placement = placement_from_flags(8, mesh, fsdp_axes=fsdp_axes)
     got = run_steps(placement, datasets)
     assert_same_run(got, replicated)
     # The embedding's `embed` axis is split over the fsdp axes, and stays so after updates.
@@ -188,32 +188,32 @@ def test_unplaced_model_compiles_the_step_once(datasets, replicated, axes):
 @pytest.mark.parametrize("fsdp_axes", [None, "fsdp,context"])
 def test_batches_split_over_the_batch_axes(datasets, fsdp_axes):
     """The batch is split over fsdp (not a sequence axis), the sequence over context."""
-    placement = Placement(8, "fsdp=2,context=4", fsdp_axes=fsdp_axes)
-    tokens = placement.shard_batch(datasets[0].batch(0, BATCH)).tokens
+    placement = placement_from_flags(8, "fsdp=2,context=4", fsdp_axes=fsdp_axes)
+    tokens = place_batch(datasets[0].batch(0, BATCH), placement.spec).tokens
     assert isinstance(tokens, jax.Array)
     assert {s.data.shape for s in tokens.addressable_shards} == {(BATCH // 2, SEQ // 4)}
 
 
 def test_vocabulary_that_does_not_divide_stays_whole_over_tensor():
     """The byte tokenizer's 259 rows do not split over tensor=2: the embedding keeps them."""
-    placement = Placement(8, "tensor=2,fsdp=2,context=2", vocab_size=259)
+    placement = placement_from_flags(8, "tensor=2,fsdp=2,context=2", vocab_size=259)
     assert placement.whole_vocab and "vocabulary kept whole" in placement.describe()
     model = placement.abstract_model(
         lambda spec: model_family("llama").model(LLAMA, key=jax.random.key(0), spec=spec)
     )
     assert model.embed.sharding.spec == PartitionSpec(None, "fsdp")
-    assert not Placement(8, "tensor=2,fsdp=2,context=2", vocab_size=260).whole_vocab
+    assert not placement_from_flags(8, "tensor=2,fsdp=2,context=2", vocab_size=260).whole_vocab
 
 
 def test_params_and_optimizer_state_split_over_every_device():
-    placement = Placement(8, "fsdp=2,context=4", fsdp_axes="fsdp,context")
+    placement = placement_from_flags(8, "fsdp=2,context=4", fsdp_axes="fsdp,context")
     model, opt_state = build(placement, LLAMA, make_optimizer(1e-2, 1, 8))
     state = (eqx.filter(model, eqx.is_array), opt_state)
     total = sum(x.nbytes for x in jax.tree.leaves(state))
     on_device0 = bytes_on_device(state, jax.devices()[0])
     # Norm scales and the per-layer widths that do not divide stay whole: a few percent.
     assert total / 8 <= on_device0 < 1.1 * total / 8, (on_device0, total)
-    one = Placement(8, "data=2,context=4")
+    one = placement_from_flags(8, "data=2,context=4")
     model, opt_state = build(one, LLAMA, make_optimizer(1e-2, 1, 8))
     assert bytes_on_device((model, opt_state), jax.devices()[0]) == pytest.approx(total, rel=1e-3)
 
@@ -371,7 +371,7 @@ def test_config_rule(tmp_path, changes, match):
 )  # fmt: skip
 def test_placement_rule(mesh, fsdp_axes, config, batch, match):
     with pytest.raises(ValueError, match=match):
-        Placement(8, mesh, fsdp_axes=fsdp_axes).check_run(batch, 64, config)
+        placement_from_flags(8, mesh, fsdp_axes=fsdp_axes).check_run(batch, 64, config)
 
 
 def test_preset_and_override_errors_name_the_family(tmp_path, datasets):
@@ -386,7 +386,7 @@ def test_preset_and_override_errors_name_the_family(tmp_path, datasets):
 
 
 def test_deepseek_experts_and_their_adam_state_split_over_the_expert_axis():
-    placement = Placement(8, "expert=2,fsdp=2,context=2")
+    placement = placement_from_flags(8, "expert=2,fsdp=2,context=2")
     placement.check_run(8, 64, DEEPSEEK)
     model, opt_state = build(placement, DEEPSEEK, make_optimizer(1e-2, 1, 8))
     experts = model.moe_layers.layers.mlp.w_gate  # [layers, experts, embed, hidden]

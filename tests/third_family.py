@@ -1,5 +1,5 @@
 """A third model family, written as a package outside this repository would write one: from
-the public API of `eqx_longctx` and `eqx_longctx.nn` only.
+the public API of `eqx_longctx`, `eqx_longctx.family` and `eqx_longctx.nn` only.
 
 A GPT-style decoder: sinusoidal absolute positions added to the token embeddings (Vaswani
 et al. 2017, "Attention Is All You Need", arXiv:1706.03762), pre-norm blocks of multi-head
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 import eqx_longctx
-from eqx_longctx import AttentionShape, ModelFamily, ShardingSpec
+from eqx_longctx.family import AttentionShape, ModelFamily, ShardingSpec
 from eqx_longctx.nn import AbstractDecoder, LayerStack, RMSNorm
 
 
@@ -164,10 +164,6 @@ class ToyGPTFamily(ModelFamily):
 
     def attention_shape(self, config: Any) -> AttentionShape:
         return AttentionShape(config.n_heads, config.n_heads, config.head_dim, config.head_dim)
-
-    def cache_per_token(self, config: Any) -> dict[str, tuple[int, ...]]:
-        kv = (config.n_heads, config.head_dim)
-        return {"k": kv, "v": kv}
 
 
 FAMILY = ToyGPTFamily()

@@ -17,14 +17,29 @@ from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
+from .._block_contract import AbstractBlockImpl as AbstractBlockImpl
+from .._block_contract import BlockOptions as BlockOptions
 from .._layout import layout_order
 from .._partition import local_shape, param_pspecs
 from .._sharding import ShardingSpec
 from ._all_gather import all_gather_latent_attention
-from ._block import BlockOptions, resolve_impl
-from ._choose import resolve_strategy
+from ._block import PlatformChoice as PlatformChoice
+from ._block import block_attention as block_attention
+from ._block import merge_partials as merge_partials
+from ._choose import choose_strategy as choose_strategy
+from ._choose import explain as explain
+from ._choose import plan as plan_attention
+from ._choose import resolve_strategy as resolve_strategy
+from ._cost import DEFAULT_BYTES_PER_S as DEFAULT_BYTES_PER_S
+from ._cost import DEFAULT_FLOPS_PER_S as DEFAULT_FLOPS_PER_S
+from ._cost import STRATEGY_ORDER as STRATEGY_ORDER
+from ._decode import LayerCache as LayerCache
+from ._decode import decode_attention as decode_attention
+from ._explain import Plan as Plan
+from ._impls import check_impl as check_impl
 from ._impls import flash_attention as flash_attention
-from ._impls import lowering_impl
+from ._impls import resolve_block_impl as resolve_block_impl
+from ._local import XlaBlockImpl as XlaBlockImpl
 from ._reference import reference_attention as reference_attention
 from ._ring import _kv_identity, ring_latent_attention
 from ._tiling_policy import ring_hops, tiling, zigzag_halves
@@ -34,9 +49,10 @@ from ._validate import (
     as_float_arrays,
     as_ids,
     check_attention_inputs,
-    check_options,
-    check_spec_inputs,
 )
+from ._validate import check_options as check_options
+from ._validate import check_spec_inputs as check_spec_inputs
+from ._validate import check_tensor_heads as check_tensor_heads
 
 
 @no_type_check  # validated eagerly, with errors that say what to fix
@@ -269,12 +285,10 @@ class _Expand(eqx.Module):
 
 def _impl_name(impl, spec) -> Any:
     """The implementation to run: `impl`, else the spec's (a name checked against `IMPLS`,
-    or an `AbstractBlockImpl`)."""
+    or an `AbstractBlockImpl`), resolved later by `resolve_block_impl`."""
     if impl is None:
         impl = "auto" if spec is None else spec.impl
-    platform = jax.devices()[0].platform if spec is None else spec.platform
-    resolve_impl(impl, platform)
-    return impl
+    return check_impl(impl)
 
 
 def _context_parallel(
@@ -308,11 +322,15 @@ def _context_parallel(
     axes = spec.sequence_axes
     axis = axes[0] if len(axes) == 1 else axes
 
-    block_impl = lowering_impl(impl, platform=spec.platform, tiling=tiling(spec, s), dtype=q.dtype)
+    block_impl = resolve_block_impl(impl, spec=spec, tiling=tiling(spec, s), dtype=q.dtype)
     kw: dict[str, Any] = dict(impl=block_impl, options=options)
     halves = zigzag_halves(spec, s, options.causal)
 
     def local(q, params, source, positions, segment_ids):
+        with jax.named_scope(f"{strategy}_attention"):  # how a profile names the strategy
+            return strategy_local(q, params, source, positions, segment_ids)
+
+    def strategy_local(q, params, source, positions, segment_ids):
         if strategy == "all_gather":
             fn = all_gather_latent_attention
             return fn(
@@ -352,8 +370,29 @@ def _context_parallel(
 
 
 __all__ = [
+    "DEFAULT_BYTES_PER_S",
+    "DEFAULT_FLOPS_PER_S",
+    "STRATEGY_ORDER",
+    "AbstractBlockImpl",
+    "BlockOptions",
+    "LayerCache",
+    "Plan",
+    "XlaBlockImpl",
     "attention",
+    "block_attention",
+    "check_impl",
+    "check_options",
+    "check_spec_inputs",
+    "check_tensor_heads",
+    "choose_strategy",
+    "decode_attention",
+    "explain",
     "flash_attention",
     "latent_attention",
+    "merge_partials",
+    "PlatformChoice",
+    "plan_attention",
     "reference_attention",
+    "resolve_block_impl",
+    "resolve_strategy",
 ]

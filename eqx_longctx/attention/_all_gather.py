@@ -13,7 +13,7 @@ import jax
 from jax import lax
 
 from .._types import AxisName
-from ._block import AbstractBlockImpl, BlockOptions, block_attention
+from ._block import BlockImpl, BlockOptions, block_attention
 from ._halves import zigzag_attention
 
 
@@ -26,7 +26,7 @@ def all_gather_latent_attention(
     segment_ids,
     *,
     axis: AxisName,
-    impl: AbstractBlockImpl,
+    impl: BlockImpl,
     options: BlockOptions,
     halves: bool = False,
 ):

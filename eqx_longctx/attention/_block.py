@@ -22,131 +22,22 @@ all-gather, Ulysses and the public `flash_attention` run); the ring drives the m
 by hop under its own `custom_vjp`.
 """
 
-import abc
 import functools
-from typing import NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .._sharding import IMPLS
-
-
-class BlockOptions(NamedTuple):
-    """The mask and scale of an attention call (static)."""
-
-    causal: bool
-    window: int | None
-    scale: float
-
-    @staticmethod
-    def make(causal, window, scale, head_dim: int) -> "BlockOptions":
-        scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else float(scale)
-        return BlockOptions(bool(causal), None if window is None else int(window), scale)
+from .._block_contract import AbstractBlockImpl as AbstractBlockImpl
+from .._block_contract import BlockImpl as BlockImpl
+from .._block_contract import BlockOptions as BlockOptions
+from .._block_contract import PlatformChoice as PlatformChoice
+from .._block_contract import pairs_are_empty as pairs_are_empty
+from .._block_contract import pairs_are_full as pairs_are_full
+from .._caches import on_clear_caches
 
 
-class AbstractBlockImpl(eqx.Module):
-    """A block-attention implementation (see the module docstring for the contract)."""
-
-    @property
-    def pure_forward(self) -> bool:
-        """Whether `attend` has no side effects, so that under `jax.checkpoint` the custom
-        VJPs may recompute it whole (`optimize_remat`). Override with `False` for a forward
-        with callbacks (Pallas' TPU interpret mode with its race detector)."""
-        return True
-
-    @property
-    def splits_zigzag_halves(self) -> bool:
-        """Whether a strategy whose call is made of whole zig-zag shards splits it into its
-        causal halves for this implementation (`_halves.py`: 3/4 of the score pairs, in two
-        calls of half the queries each). `False` here: an implementation that pads queries to
-        whole blocks (the Pallas kernels, to 128 rows) may lose more than the split saves."""
-        return False
-
-    @abc.abstractmethod
-    def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
-        """**Returns:** the tiled query side (`qt`)."""
-
-    @abc.abstractmethod
-    def attend(self, qt, k, v, kv_positions, kv_segment_ids):
-        """**Returns:** `(out, lse)` of `qt` against this K/V block, native layout."""
-
-    @abc.abstractmethod
-    def attend_backward(self, qt, k, v, kv_positions, kv_segment_ids, dout, lse, delta, dq):
-        """**Returns:** `(dq, dk, dv)`: the accumulator and this block's float32 dK, dV."""
-
-    def attend_heads_major(self, qt, k, v, kv_positions, kv_segment_ids):
-        """`attend` with K/V heads-major, `[batch, kv_heads, kv_seq, dim]` (the KV cache's
-        layout). The default swaps them and calls `attend`; an implementation that reads
-        heads-major K/V natively overrides it (both of ours do).
-
-        **Returns:** `(out, lse)` as `attend`.
-        """
-        swap = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-        return self.attend(qt, swap(k), swap(v), kv_positions, kv_segment_ids)
-
-
-def pairs_are_empty(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):
-    """True when no query sees any key, for every batch row, judged from `[batch, n]` ranges
-    of positions and segment ids alone (the rule that skips blocks and ring hops)."""
-    empty = jnp.zeros(q_pos.shape[:1], bool)
-    if options.causal:
-        empty = empty | (q_pos.max(-1) < kv_pos.min(-1))
-    if options.window is not None:  # every key at least `window` before every query
-        empty = empty | (q_pos.min(-1) - kv_pos.max(-1) >= options.window)
-    if q_seg is not None and kv_seg is not None:
-        disjoint = (q_seg.max(-1) < kv_seg.min(-1)) | (q_seg.min(-1) > kv_seg.max(-1))
-        empty = empty | disjoint
-    return jnp.all(empty)
-
-
-def pairs_are_full(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):
-    """True when every query sees every key, for every batch row, judged from `[batch, n]`
-    ranges alone (the rule that drops the mask); the twin of `pairs_are_empty`."""
-    full = jnp.ones(q_pos.shape[:1], bool)
-    if options.causal:
-        full = full & (q_pos.min(-1) >= kv_pos.max(-1))
-    if options.window is not None:
-        full = full & (q_pos.max(-1) - kv_pos.min(-1) < options.window)
-    if q_seg is not None and kv_seg is not None:
-        one = q_seg.min(-1) == q_seg.max(-1)
-        same = (kv_seg.min(-1) == q_seg.min(-1)) & (kv_seg.max(-1) == q_seg.min(-1))
-        full = full & one & same
-    return jnp.all(full)
-
-
-class PerPlatform(AbstractBlockImpl):
-    """Two implementations, the one for the platform the program is lowered for chosen then
-    (`jax.lax.platform_dependent`): `tpu` on a TPU, `default` anywhere else. What
-    `impl="auto"` is on a host that is not a TPU, so that a TPU program exported from it
-    carries the Pallas kernels.
-
-    The choice is made inside the custom VJPs (`block_attention`'s and the ring's), around
-    a whole forward or backward, so autodiff never traces through it; the per-block methods
-    themselves are not for calling (a caller that drives them, like decoding, resolves
-    `"auto"` by the host instead).
-    """
-
-    tpu: AbstractBlockImpl = eqx.field(static=True)
-    default: AbstractBlockImpl = eqx.field(static=True)
-
-    @property
-    def pure_forward(self) -> bool:
-        return self.tpu.pure_forward and self.default.pure_forward
-
-    def _no(self, *args):
-        raise NotImplementedError(
-            "PerPlatform chooses its implementation around a whole forward or backward "
-            "(per_platform); call the methods of .tpu or .default."
-        )
-
-    tile_queries = attend = attend_backward = _no  # pyright: ignore[reportAssignmentType]
-
-
-def per_platform(impl: AbstractBlockImpl, fn, static, *args):
-    """`fn(impl, static, *args)`; for a `PerPlatform` impl, `fn` of each of its two
+def per_platform(impl: BlockImpl, fn, static, *args):
+    """`fn(impl, static, *args)`; for a `PlatformChoice`, `fn` of each of its two
     implementations staged out with `jax.lax.platform_dependent`, which keeps the one the
     program is lowered for.
 
@@ -158,7 +49,7 @@ def per_platform(impl: AbstractBlockImpl, fn, static, *args):
     half of what an attention call cost to trace on a CPU. The nested `jit` is inlined
     when compiled: the program is the same.
     """
-    if not isinstance(impl, PerPlatform):
+    if not isinstance(impl, PlatformChoice):
         return fn(impl, static, *args)
     return jax.lax.platform_dependent(
         *args, tpu=_staged(fn, impl.tpu, static), default=_staged(fn, impl.default, static)
@@ -180,6 +71,9 @@ def _jitted(fn, impl: AbstractBlockImpl, static):
     return jax.jit(functools.partial(fn, impl, static))
 
 
+on_clear_caches(_jitted.cache_clear)
+
+
 def merge_partials(out, lse, block_out, block_lse):
     """Combine two softmax partials `(out, lse)` over disjoint key sets into one (float32,
     -inf safe): the online-softmax merge the ring, USP and decoding share."""
@@ -193,9 +87,10 @@ def merge_partials(out, lse, block_out, block_lse):
 
 
 def block_attention(
-    impl: AbstractBlockImpl, q, k, v, q_pos, kv_pos, q_seg, kv_seg, options
+    impl: BlockImpl, q, k, v, q_pos, kv_pos, q_seg, kv_seg, options
 ) -> tuple[jax.Array, jax.Array]:
-    """Differentiable attention of `q` over one K/V block through `impl`; **returns**
+    """Differentiable attention of `q` over one K/V block through `impl` (a block
+    implementation, or a `PlatformChoice` of two); **returns**
     `(out, lse)` in the usual layouts (`[batch, seq, heads, v_head_dim]` in `q`'s dtype and
     float32 `[batch, seq, heads]`). The backward honours the cotangent of `lse`."""
     fn = _block_attention if impl.pure_forward else _block_attention_effects
@@ -259,18 +154,3 @@ def custom_vjps(primal, fwd, bwd, nondiff_argnums: tuple[int, ...]):
 
 
 _block_attention, _block_attention_effects = custom_vjps(_primal, _fwd, _bwd, (0, 1))
-
-
-def resolve_impl(impl, platform: str):
-    """`"auto"` is `"pallas"` on TPU and `"xla"` elsewhere; **returns** the name to run, or
-    `impl` itself when it is an `AbstractBlockImpl` (a third implementation plugs in so)."""
-    if isinstance(impl, AbstractBlockImpl):
-        return impl
-    if not isinstance(impl, str) or impl not in IMPLS:
-        raise ValueError(
-            f"impl must be one of {IMPLS} or an AbstractBlockImpl; got impl={impl!r}. 'auto' "
-            "runs the Pallas kernels on TPU and the XLA path elsewhere."
-        )
-    if impl == "auto":
-        return "pallas" if platform == "tpu" else "xla"
-    return impl

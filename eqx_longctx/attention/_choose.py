@@ -20,7 +20,7 @@ from ._cost import (
     strategy_cost,
 )
 from ._explain import Plan, gib, sec
-from ._impls import make_impl
+from ._impls import resolve_block_impl
 from ._tiling_policy import block_size, tile_bytes, token_positions, zigzag_halves
 from ._validate import check_attention_inputs, check_layout, check_options
 
@@ -104,7 +104,7 @@ def plan(
         bool(causal), bool(segment_ids), block_size(spec, seq), tile_bytes(spec), window,
         # priced only where the implementation `spec` runs on its platform splits them
         zigzag_halves(spec, seq, causal)
-        and make_impl(spec.impl, platform=spec.platform).splits_zigzag_halves,
+        and resolve_block_impl(spec=spec, lowering=False).splits_zigzag_halves,
     )  # fmt: skip
     common = common_problem(spec, p)
     order = None if common else token_positions(spec, seq)

@@ -132,6 +132,11 @@ def _local(
     impl: AbstractBlockImpl, options: BlockOptions, value_dim, axes, q, new, view, cache_pos, q_pos
 ):
     """One device's decode attention (inside `shard_map`, or the whole of it on one device)."""
+    with jax.named_scope("decode_attention"):
+        return _local_scoped(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos)
+
+
+def _local_scoped(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos):
     b, _, h, dk = q.shape
     k_new, v_new = _split(tuple(x[:, 0] for x in new), value_dim)
     kvh = view.entries[0].shape[2]

@@ -2,6 +2,8 @@
 
 from typing import NamedTuple
 
+from .._units import gib, sec
+
 
 class Plan(NamedTuple):
     """What the planner (`choose_strategy`, `explain`) predicts for every strategy, and
@@ -25,20 +27,6 @@ class Plan(NamedTuple):
         """**Returns:** a table of every strategy's predicted cost, then the choice and its
         reason, as text."""
         return table(self)
-
-
-def gib(x: int | float) -> str:
-    """Bytes in the largest binary unit they reach, to three figures (`"1.5 GiB"`)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if x >= size:
-            v = x / size
-            return f"{v:.0f} {unit}" if v >= 1000 else f"{v:.3g} {unit}"
-    return f"{int(x)} B"
-
-
-def sec(x: float) -> str:
-    """Seconds, or milliseconds under one second, to three figures."""
-    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms"
 
 
 def table(pl: Plan) -> str:

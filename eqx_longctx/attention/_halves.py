@@ -13,7 +13,7 @@ are not: one tile then covers every query of a device, and smaller tiles cost mo
 block than they skip. There (`_tiling_policy.zigzag_halves`) all-gather and Ulysses call
 `zigzag_attention`, which splits for implementations that ask for it
 (`AbstractBlockImpl.splits_zigzag_halves`: the XLA path, not the Pallas kernels, which pad
-each call's queries to 128 rows). A `PerPlatform` implementation chooses per platform at
+each call's queries to 128 rows). A `PlatformChoice` of two implementations chooses per platform at
 lowering, so a TPU program lowered on another host keeps one kernel call.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from ._block import AbstractBlockImpl, BlockOptions, PerPlatform, block_attention
+from ._block import BlockImpl, BlockOptions, PlatformChoice, block_attention
 
 
 def half(x: Any, shards: int, which: int) -> Any:
@@ -46,7 +46,7 @@ def join(early, late, shards: int):
 
 
 def zigzag_attention(
-    impl: AbstractBlockImpl,
+    impl: BlockImpl,
     q,
     k,
     v,
@@ -68,7 +68,7 @@ def zigzag_attention(
     ids = () if q_seg is None else (q_seg, kv_seg)
     args = (q, k, v, q_pos, kv_pos, *ids)
     side = lambda impl: functools.partial(_attend, impl, options, q_shards, kv_shards)  # noqa: E731
-    if isinstance(impl, PerPlatform):  # both sides stay differentiable functions
+    if isinstance(impl, PlatformChoice):  # both sides stay differentiable functions
         return lax.platform_dependent(*args, tpu=side(impl.tpu), default=side(impl.default))
     return side(impl)(*args)
 

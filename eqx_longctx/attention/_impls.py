@@ -1,17 +1,21 @@
 """Which block implementation runs, and the public single-block `flash_attention`.
 
-`make_impl` turns `impl="auto" | "xla" | "pallas"` into an `AbstractBlockImpl`; it is the one
-place that knows the implementations, so a third one is added here and nowhere else.
+`resolve_block_impl` is the one place that decides it, for every caller: `attention`,
+`latent_attention` and `flash_attention` (which trace programs that may be lowered for
+another platform), and inference's prefill and decode (decode drives the contract's methods
+itself, so it asks for an implementation of the host's platform). A third implementation
+is added here and nowhere else.
 """
 
-from typing import no_type_check
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
 
 from .._checks import check_int
+from .._sharding import IMPLS, ShardingSpec
 from .._types import AttnOut, LogSumExp
-from ._block import AbstractBlockImpl, BlockOptions, PerPlatform, block_attention, resolve_impl
+from ._block import AbstractBlockImpl, BlockImpl, BlockOptions, PlatformChoice, block_attention
 from ._local import XlaBlockImpl
 from ._tiles import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, DEFAULT_TILING, TILE_BYTES, Tiling
 from ._validate import (
@@ -23,74 +27,102 @@ from ._validate import (
 )
 
 
-def make_impl(
-    impl: "str | AbstractBlockImpl",
-    *,
-    platform: str,
-    tiling: Tiling = DEFAULT_TILING,
-    interpret: bool | None = None,
-    pallas_blocks: tuple[int | None, int | None] = (None, None),
-) -> AbstractBlockImpl:
-    """The block implementation `impl` names, for devices of `platform` (`"cpu"`, `"tpu"`...).
+def check_impl(impl: Any) -> "str | BlockImpl":
+    """**Returns:** `impl` when it names a block implementation (one of `IMPLS`), is an
+    `AbstractBlockImpl` (a third implementation plugs in so) or a `PlatformChoice` of two.
 
-    **Arguments:**
-
-    - `impl`: `"xla"`, `"pallas"` or `"auto"` (Pallas on TPU, XLA elsewhere), or an
-      `AbstractBlockImpl` instance, returned as is.
-    - `platform`: the devices' platform.
-    - `tiling`: the XLA path's block length and score-tile bytes.
-    - `interpret`: run Pallas kernels in interpret mode (default: off TPU only).
-    - `pallas_blocks`: the kernels' `(block_q, block_k)`; `None` takes the TPU generation's
-      default.
+    **Raises:** `ValueError` otherwise, naming the choices.
     """
-    name = resolve_impl(impl, platform)
-    if isinstance(name, AbstractBlockImpl):
-        return name
-    if name == "xla":
-        return XlaBlockImpl(tiling)
-    from ..kernels import PallasBlockImpl
-
-    impl = PallasBlockImpl.for_platform(platform, interpret=interpret)
-    block_q, block_k = pallas_blocks
-    return PallasBlockImpl(
-        impl.block_q if block_q is None else block_q,
-        impl.block_k if block_k is None else block_k,
-        impl.interpret,
+    if isinstance(impl, AbstractBlockImpl | PlatformChoice):
+        return impl
+    if isinstance(impl, str) and impl in IMPLS:
+        return impl
+    raise ValueError(
+        f"impl must be one of {IMPLS} or an AbstractBlockImpl; got impl={impl!r}. 'auto' "
+        "runs the Pallas kernels on TPU and the XLA path elsewhere."
     )
 
 
-def lowering_impl(
-    impl: "str | AbstractBlockImpl",
+def resolve_block_impl(
+    impl: Any = None,
     *,
-    platform: str,
+    spec: ShardingSpec | None = None,
+    platform: str | None = None,
+    dtype: Any = None,
     tiling: Tiling = DEFAULT_TILING,
     pallas_blocks: tuple[int | None, int | None] = (None, None),
-    dtype=None,
-) -> AbstractBlockImpl:
-    """`make_impl`, except that `impl="auto"` on a host that is not a TPU keeps both paths,
-    the Pallas kernels for a TPU and the XLA path for any other platform
-    (`PerPlatform`), and the one for the platform the program is lowered for runs. So a TPU
-    program exported or lowered from a CPU host carries the kernels, while the host itself
-    runs the XLA path. On a TPU host `"auto"` is the kernels alone. For queries of a `dtype`
-    the kernels do not run (float16), `"auto"` off a TPU is the XLA path alone: tracing the
-    kernels' side would refuse the dtype on a host that never runs them."""
-    if impl == "auto" and platform != "tpu":
-        from ..kernels._impl import KERNEL_DTYPES
+    interpret: bool | None = None,
+    lowering: bool = True,
+) -> BlockImpl:
+    """The block implementation that runs.
 
-        if dtype is not None and jnp.dtype(dtype) not in KERNEL_DTYPES:
-            return make_impl("xla", platform=platform, tiling=tiling)
-        # Blocks asked of the path that runs here may be any length; the kernels' must be
-        # multiples of the lane width, so the TPU side rounds them up.
-        bq, bk = (None if b is None else -(-int(b) // 128) * 128 for b in pallas_blocks)
-        # The TPU side is only ever lowered for a TPU, so its kernels are the compiled ones
-        # alone (`interpret=False`): left to choose per platform too, each kernel would be
-        # traced twice more, compiled and interpreted, in every program this host builds
-        # (the ring tests: 115 -> 76 s).
-        return PerPlatform(
-            tpu=make_impl("pallas", platform="tpu", interpret=False, pallas_blocks=(bq, bk)),
-            default=make_impl("xla", platform=platform, tiling=tiling),
-        )
-    return make_impl(impl, platform=platform, tiling=tiling, pallas_blocks=pallas_blocks)
+    **Arguments:**
+
+    - `impl`: `"xla"`, `"pallas"`, `"auto"`, or an `AbstractBlockImpl` or
+      `PlatformChoice` (returned as is); `None` takes the spec's `impl` (`"auto"` without a
+      spec).
+    - `spec`: the sharding spec, or `None`; its platform is the default `platform`.
+    - `platform`: the devices' platform (`"cpu"`, `"tpu"`, ...); default the spec's, else
+      the default device's.
+    - `dtype`: the queries' dtype, when known.
+    - `tiling`: the XLA path's block length and score-tile bytes.
+    - `pallas_blocks`: the kernels' `(block_q, block_k)`; `None` takes the TPU generation's
+      default.
+    - `interpret`: run Pallas kernels in interpret mode (default: off TPU only).
+    - `lowering`: whether the caller traces a program that may be lowered for another
+      platform (attention's strategies, through the contract's custom VJPs). Then `"auto"`
+      on a host that is not a TPU is a `PlatformChoice` of the Pallas kernels for a TPU and
+      the XLA path for any other platform, so a TPU program exported from a CPU host
+      carries the kernels while the host runs XLA; for a `dtype` the kernels do not run
+      (float16) it is the XLA path alone. With `lowering=False` (decoding, which calls
+      the contract's methods itself) `"auto"` is the host platform's implementation.
+
+    **Returns:** an `AbstractBlockImpl`, or a `PlatformChoice` of two.
+
+    **Raises:** `ValueError` as [`check_impl`][].
+    """
+    if impl is None:
+        impl = "auto" if spec is None else spec.impl
+    check_impl(impl)
+    if isinstance(impl, AbstractBlockImpl | PlatformChoice):
+        return impl
+    if platform is None:
+        platform = jax.devices()[0].platform if spec is None else spec.platform
+    if impl == "auto":
+        if platform == "tpu":
+            impl = "pallas"
+        elif lowering and (dtype is None or jnp.dtype(dtype) in _kernel_dtypes()):
+            # Blocks asked of the path that runs here may be any length; the kernels' must be
+            # multiples of the lane width, so the TPU side rounds them up. The TPU side is
+            # only ever lowered for a TPU, so its kernels are the compiled ones alone
+            # (`interpret=False`): left to choose per platform too, each kernel would be
+            # traced twice more in every program this host builds (the ring tests: 115 ->
+            # 76 s).
+            blocks = tuple(None if b is None else -(-int(b) // 128) * 128 for b in pallas_blocks)
+            return PlatformChoice(tpu=_pallas("tpu", False, blocks), default=XlaBlockImpl(tiling))
+        else:
+            impl = "xla"
+    if impl == "xla":
+        return XlaBlockImpl(tiling)
+    return _pallas(platform, interpret, pallas_blocks)
+
+
+def _kernel_dtypes():
+    from ..kernels import KERNEL_DTYPES
+
+    return KERNEL_DTYPES
+
+
+def _pallas(platform: str, interpret: bool | None, blocks) -> AbstractBlockImpl:
+    from ..kernels import PallasBlockImpl
+
+    default = PallasBlockImpl.for_platform(platform, interpret=interpret)
+    block_q, block_k = blocks
+    return PallasBlockImpl(
+        default.block_q if block_q is None else block_q,
+        default.block_k if block_k is None else block_k,
+        default.interpret,
+    )
 
 
 @no_type_check  # validated eagerly, with errors that say what to fix
@@ -173,10 +205,10 @@ def flash_attention(
         elif "positions" in name:
             x = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
         masks.append(x)
-    platform = jax.devices()[0].platform
     tiling = Tiling(block_q or DEFAULT_BLOCK_Q, tile_bytes, block_k or DEFAULT_BLOCK_K)
-    block_impl = lowering_impl(
-        impl, platform=platform, tiling=tiling, pallas_blocks=(block_q, block_k), dtype=q.dtype
+    block_impl = resolve_block_impl(
+        impl, tiling=tiling, pallas_blocks=(block_q, block_k), dtype=q.dtype
     )
     options = BlockOptions.make(causal, window, scale, q.shape[-1])
-    return block_attention(block_impl, q, k, v, *masks, options)
+    with jax.named_scope("flash_attention"):
+        return block_attention(block_impl, q, k, v, *masks, options)

@@ -28,7 +28,7 @@ from jax import lax
 from .._after import after
 from .._types import AxisName
 from ._block import (
-    AbstractBlockImpl,
+    BlockImpl,
     BlockOptions,
     custom_vjps,
     merge_partials,
@@ -40,7 +40,7 @@ from ._pack import together
 
 class _RingConfig(NamedTuple):
     axis: AxisName
-    impl: AbstractBlockImpl  # the block function; which implementation, the ring cannot tell
+    impl: BlockImpl  # the block function; which implementation, the ring cannot tell
     options: BlockOptions
     # expand(params, source) -> (k, v): how a travelling K/V source becomes keys and values.
     expand: Callable
@@ -61,7 +61,7 @@ def ring_attention(
     segment_ids,
     *,
     axis: AxisName,
-    impl: AbstractBlockImpl,
+    impl: BlockImpl,
     options: BlockOptions,
     hops: int | None = None,
 ):
@@ -92,7 +92,7 @@ def ring_latent_attention(
     segment_ids,
     *,
     axis: AxisName,
-    impl: AbstractBlockImpl,
+    impl: BlockImpl,
     options: BlockOptions,
     hops: int | None = None,
 ):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._types import AxisName
-from ._block import AbstractBlockImpl, BlockOptions, block_attention
+from ._block import BlockImpl, BlockOptions, block_attention
 from ._halves import zigzag_attention
 from ._pack import together
 
@@ -36,7 +36,7 @@ def ulysses_attention(
     segment_ids,
     *,
     axis: AxisName,
-    impl: AbstractBlockImpl,
+    impl: BlockImpl,
     options: BlockOptions,
     inner=None,
     halves: bool = False,

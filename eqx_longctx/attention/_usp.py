@@ -8,7 +8,7 @@ parallel degree is the product of the two axis sizes.
 
 import functools
 
-from ._block import AbstractBlockImpl, BlockOptions
+from ._block import BlockImpl, BlockOptions
 from ._ring import ring_attention
 from ._ulysses import ulysses_attention
 
@@ -22,7 +22,7 @@ def usp_attention(
     *,
     ulysses_axis: str,
     ring_axis: str,
-    impl: AbstractBlockImpl,
+    impl: BlockImpl,
     options: BlockOptions,
     hops: int | None = None,
 ):

@@ -29,15 +29,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Int
 
+from .._layout import layout_multiple
 from .._sharding import ShardingSpec
-
-
-def layout_multiple(spec: ShardingSpec | None) -> int:
-    """Sequence lengths the spec's layout splits: `2N` for zig-zag, else `N` (1 alone)."""
-    if spec is None:
-        return 1
-    n = spec.context_parallel_size
-    return 2 * n if spec.load_balance == "zigzag" and n > 1 else n
 
 
 def slots_per_device(spec: ShardingSpec | None, max_len: int) -> int:
@@ -209,16 +202,19 @@ def write_token(spec: ShardingSpec | None, stack: StackCache, new: tuple, positi
     def local(entries, new, cache_pos, positions):
         me = 0 if spec is None or n == 1 else lax.axis_index(_seq_axes(spec))
         mine = me == owner
+        # One index dtype, int32: under jax_enable_x64 the literal zeros would be int64
+        # beside the int32 `slot`, which dynamic_slice refuses.
+        zero, at = jnp.int32(0), jnp.asarray(slot, jnp.int32)
         out = []
         for x, y in zip(entries, new, strict=True):
-            start = (0, 0, 0, slot, 0)
+            start = (zero, zero, zero, at, zero)
             old = lax.dynamic_slice(x, start, (*x.shape[:3], 1, x.shape[4]))
             y = jnp.swapaxes(y[:, :, :1], 2, 3)  # [layers, batch, heads, 1, dim]
             y = jnp.where(mine, y.astype(x.dtype), old)
             out.append(lax.dynamic_update_slice(x, y, start))
-        old = lax.dynamic_slice(cache_pos, (0, slot), (cache_pos.shape[0], 1))
+        old = lax.dynamic_slice(cache_pos, (zero, at), (cache_pos.shape[0], 1))
         pos = jnp.where(mine, positions[:, None].astype(cache_pos.dtype), old)
-        return tuple(out), lax.dynamic_update_slice(cache_pos, pos, (0, slot))
+        return tuple(out), lax.dynamic_update_slice(cache_pos, pos, (zero, at))
 
     if spec is None:
         entries, cache_pos = local(stack.entries, new, stack.positions, positions)

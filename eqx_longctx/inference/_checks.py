@@ -6,7 +6,7 @@ import numpy as np
 from jax.core import Tracer
 
 from .._checks import check_int
-from ..nn._decoder import AbstractDecoder
+from ..nn import AbstractDecoder
 from ._cache import KVCache, slots_per_device
 
 
@@ -147,7 +147,13 @@ def check_room(cache: KVCache, steps: int) -> None:
     n = 1 if spec is None else spec.context_parallel_size
     used = int(cache.offset) + -(-(int(cache.step) + steps) // n)
     if longest + steps > cache.max_len or used > slots_per_device(spec, cache.max_len):
+        limit = cache.config.max_seq_len
+        fix = (
+            f"Build the cache with a larger max_len (up to max_seq_len={limit})"
+            if longest + steps <= limit
+            else f"The model's max_seq_len={limit} binds: decode fewer tokens"
+        )
         raise ValueError(
             f"the cache is full: a row holds {longest} tokens, {steps} more do not fit "
-            f"max_len={cache.max_len}. Build the cache with a larger max_len."
+            f"max_len={cache.max_len}. {fix}."
         )

@@ -29,10 +29,15 @@ from typing import Any
 
 from .._checks import check_int, check_real
 from .._family import family_names
-from ..train._cli import UsageError, _Parser, add_placement_flags
-from ..train._config import mesh_shape
-from ..train._exit import error_line
-from ..train._placement_flags import DefaultsHelpFormatter
+from ..run import (
+    DefaultsHelpFormatter,
+    Parser,
+    UsageError,
+    add_placement_flags,
+    error_line,
+    mesh_shape,
+    placement_from_flags,
+)
 
 PROG = "eqx-longctx-generate"
 TOKENIZER_FILE = "tokenizer.json"
@@ -80,9 +85,9 @@ def _top_p(value: float) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """**Returns:** the argument parser of the generation CLI (a parse error raises the
-    trainer CLI's `UsageError` rather than exiting)."""
-    p = _Parser(
+    """**Returns:** the argument parser of the generation CLI (a parse error raises
+    `eqx_longctx.run.UsageError` rather than exiting)."""
+    p = Parser(
         prog=PROG,
         description="Print a model's continuation of a prompt as it is generated: from a "
         "training run's newest checkpoint (--run-dir) or a Hugging Face checkpoint (--hf).",
@@ -122,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_flag(int, "--max-new-tokens", lambda v: check_int(v, "--max-new-tokens")),
         default=200,
         help="tokens to generate",
+    )
+    p.add_argument(
+        "--max-len",
+        type=_flag(int, "--max-len", lambda v: check_int(v, "--max-len")),
+        default=None,
+        help="the KV cache's length in tokens (default: the prompt plus --max-new-tokens; at "
+        "most the model's max_seq_len)",
     )
     p.add_argument(
         "--temperature",
@@ -176,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError, TypeError) as e:
         print(error_line(f"{e} (see --help)", PROG), file=sys.stderr)
         return 2
-    from ..train._distributed import set_cpu_devices
+    from ..run import set_cpu_devices
 
     set_cpu_devices(args.devices)
     absl = logging.getLogger("absl")
@@ -202,7 +214,7 @@ def placement_flags(args: argparse.Namespace) -> tuple[int, str | None]:
     """Check `--devices` and `--mesh` before JAX starts; **returns** `(devices, mesh)` with
     the mesh resolved (`context=DEVICES` by default on several devices, `None` on one).
 
-    **Raises:** `ValueError` and `TypeError` as the trainer's `mesh_shape`.
+    **Raises:** `ValueError` and `TypeError` as `eqx_longctx.run.mesh_shape`.
     """
     devices = check_int(args.devices, "--devices")
     mesh = args.mesh
@@ -214,10 +226,8 @@ def placement_flags(args: argparse.Namespace) -> tuple[int, str | None]:
 
 
 def _placement(args: argparse.Namespace, vocab_size: int | None):
-    from ..train._parallel import Placement
-
     devices, mesh = placement_flags(args)
-    return Placement(
+    return placement_from_flags(
         devices, mesh, args.strategy, args.load_balance, args.fsdp_axes, vocab_size=vocab_size
     )
 
@@ -264,6 +274,7 @@ def _generate(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         key=key,
         eos_id=sorted(eos),
+        max_len=args.max_len,
         on_token=printer,
     )
     printer.finish()
@@ -375,8 +386,7 @@ def _shards(placement) -> int:
 def _load_run(args: argparse.Namespace):
     """**Returns:** `(model, byte tokenizer, eos ids)` of the newest readable checkpoint of
     `--run-dir` (default: the newest run under `runs/`)."""
-    from ..train._config import default_run_dir
-    from ..train._read_run import read_run_model
+    from ..run import default_run_dir, read_run_model
 
     if args.run_dir is None:
         try:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .._checks import check_bool, check_int
 from ._checks import check_model, check_prompts, check_room
-from ._run import _block_impl, decode_core, init_cache, prefill
+from ._run import _decode_impl, decode_core, init_cache, prefill
 from ._sampling import _sample, check_sampling
 
 
@@ -135,16 +135,22 @@ def generate(
     if max_len is None:
         max_len = need
     max_len = check_int(max_len, "generate's max_len")
-    if need > min(max_len, limit):
+    if need > limit:
+        raise ValueError(
+            f"the prompt ({longest} tokens) plus max_new_tokens={new} must fit the model's "
+            f"max_seq_len={limit}; got {need} tokens. Generate at most {max(limit - longest, 0)} "
+            "tokens, shorten the prompt, or use a model built with a larger max_seq_len."
+        )
+    if need > max_len:
         raise ValueError(
             f"the prompt ({longest} tokens) plus max_new_tokens={new} must fit max_len="
-            f"{max_len} and the model's max_seq_len={limit}; got {need} tokens. Generate fewer "
-            "tokens, shorten the prompt, or raise max_len."
+            f"{max_len}, the cache's length; got {need} tokens. Raise max_len to at least "
+            f"{need} (at most max_seq_len={limit}), generate fewer tokens, or shorten the prompt."
         )
     cache = init_cache(model, b, max_len)
     logits, cache = prefill(model, cache, tokens, lengths, impl=impl)
     check_room(cache, new - 1)  # the last token is chosen, not decoded
-    block_impl = _block_impl(model, impl)
+    block_impl = _decode_impl(model, impl)
     filtered = top_k is not None or top_p is not None
     settings = (
         jnp.float32(temperature), jnp.int32(0 if top_k is None else min(top_k, vocab)),

@@ -1,13 +1,20 @@
-"""`init_cache`, `prefill` and `decode_step`: the inference path of every model family.
+"""`init_cache`, `prefill` and `decode_step`: the inference path of every model family,
+and `lower_prefill` / `lower_decode`, the same two programs lowered for abstract arrays
+(what the planner compiles to check its predictions).
 
 The library walks a model through the `AbstractDecoder` protocol only (`embed_tokens`,
 `layer_stacks`, `head`) and each layer through `prefill` / `decode`, so a family plugs in
 without being named here. Each public call validates its inputs eagerly, then runs one
 compiled function: the prefill compiles once per padded prompt length, the decode step once
 per cache shape (`compile_counts` says how often each was traced).
+
+Which block implementation runs is `eqx_longctx.attention.resolve_block_impl`'s: `impl=`
+reaches every layer's attention in the prefill (`"xla"` traces no Pallas kernel), and the
+decode step resolves it for the host (it drives the contract's methods itself).
 """
 
 import collections
+import functools
 from typing import Any
 
 import equinox as eqx
@@ -16,18 +23,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .._layout import layout_order
+from .._layout import layout_multiple, layout_order
 from .._sharding import ShardingSpec
-from ..attention._impls import make_impl
+from ..attention import check_impl, resolve_block_impl
 from ._cache import (
     KVCache,
     StackCache,
-    layout_multiple,
     slot_positions,
     slots_per_device,
     store_fn,
     write_token,
 )
+from ._cache_layout import cache_layout
 from ._checks import check_cache, check_model, check_prompts, check_step_tokens
 
 _TRACES: collections.Counter = collections.Counter()
@@ -42,17 +49,6 @@ def compile_counts() -> dict[str, int]:
 
 def _seq_shards(spec: ShardingSpec | None) -> int:
     return 1 if spec is None else spec.context_parallel_size
-
-
-def _attention_layer(stack) -> Any:
-    attn = getattr(stack.layers, "attn", None)
-    if attn is None or not hasattr(attn, "cache_shapes"):
-        raise TypeError(
-            f"inference needs each layer to be a DecoderBlock whose attention caches tokens "
-            f"(SelfAttention, MultiHeadLatentAttention, or a layer with cache_shapes, prefill "
-            f"and decode); got a layer of type {type(stack.layers).__name__}."
-        )
-    return attn
 
 
 def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KVCache:
@@ -72,12 +68,13 @@ def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KV
       model's `max_seq_len`.
     - `dtype`: the cache's dtype; default the model's compute dtype.
 
-    **Returns:** the `KVCache`.
+    **Returns:** the `KVCache` (its geometry is `cache_layout(model, batch, max_len,
+    dtype)`'s).
 
     **Raises:** `TypeError` for a model that is not an `AbstractDecoder` with layer stacks,
     a `dtype` that is not floating-point, or arguments of the wrong type; `ValueError` for
-    a batch or `max_len` that is not positive, a `max_len` above `max_seq_len`, or a batch
-    the spec's batch axes do not split.
+    a batch or `max_len` that is not positive, a `max_len` above `max_seq_len`, a batch
+    the spec's batch axes do not split, or heads the spec's tensor axis does not split.
     """
     check_model(model)
     batch, max_len = check_cache(model, batch, max_len)
@@ -88,21 +85,18 @@ def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KV
             f"init_cache's dtype must be a floating-point dtype (the cached keys and values); "
             f"got {dtype}. Use None (the model's compute dtype), jnp.bfloat16 or jnp.float32."
         )
-    n = _seq_shards(spec)
-    per = slots_per_device(spec, max_len)
+    layout = cache_layout(model, batch, max_len, dtype)
     stacks = []
-    for stack in model.layer_stacks():
-        attn = _attention_layer(stack)
-        window = attn.window
-        ring = None
-        if window is not None and -(-window // n) < per:
-            ring = -(-window // n) * n
-        slots = per * n if ring is None else ring
-        entries = tuple(
-            jnp.zeros((stack.n_layers, batch, h, slots, d), dtype) for h, d in attn.cache_shapes()
-        )
-        positions = jnp.full((batch, slots), -1, jnp.int32)
-        stacks.append(StackCache(entries, positions, ring, window, attn.cache_split_heads))
+    for s in layout.stacks:
+        if s.states:
+            raise NotImplementedError(
+                "init_cache keeps per-token slots; a layer with a fixed-size state "
+                f"(cache_state_shapes {s.states}) needs its own decoding, which this version "
+                "does not have."
+            )
+        entries = tuple(jnp.zeros(shape, dtype) for shape in layout.entry_shapes(s))
+        positions = jnp.full((batch, s.slots), -1, jnp.int32)
+        stacks.append(StackCache(entries, positions, s.ring, s.window, s.split_heads))
     step, offset = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)  # two buffers (donated)
     lengths = jnp.zeros((batch,), jnp.int32)
     cache = KVCache(tuple(stacks), lengths, step, offset, max_len, model.config, spec)
@@ -157,7 +151,7 @@ def _prefill_core(model, cache, tokens, positions, lengths, last, impl):
     stacks = []
     for stack, sc in zip(model.layer_stacks(), cache.stacks, strict=True):
         store = store_fn(spec, sc, per, positions, lengths)
-        x, entries = stack.prefill(x, positions, None, store)
+        x, entries = stack.prefill(x, positions, None, store, impl=impl)
         pos = slot_positions(spec, sc, per, positions, lengths)
         stacks.append(StackCache(tuple(entries), pos, sc.ring, sc.window, sc.split_heads))
     # Each row's last prompt token, picked by a one-hot contraction over the (sharded)
@@ -170,20 +164,44 @@ def _prefill_core(model, cache, tokens, positions, lengths, last, impl):
     return logits, new
 
 
-@eqx.filter_jit(donate="all-except-first")
-def _prefill_jit(model, cache, tokens, positions, lengths, last, impl):
+def _is_array(x: Any) -> bool:
+    """Arrays, concrete or abstract (`jax.ShapeDtypeStruct`): what the programs take as
+    arguments; the rest of a model is static."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _prefill_program(static, model_arrays, cache, tokens, positions, lengths, last):
+    """The compiled prefill: `static` is `(the model's static part, impl)`; the cache (the
+    third argument) is donated."""
+    model_static, impl = static
+    model = eqx.combine(model_arrays, model_static)
     out_pspecs = None
     if model.spec is not None:
         out_pspecs = (_logits_pspec(model.spec), cache_pspecs(cache))
-    return _run(model, _prefill_core, out_pspecs, cache, tokens, positions, lengths, last, impl)
+    # `impl` (a name, or an implementation) is static: bound here, never an argument.
+    fn = functools.partial(_prefill_core, impl=impl)
+    with jax.named_scope("prefill"):
+        return _run(model, fn, out_pspecs, cache, tokens, positions, lengths, last)
 
 
-def _block_impl(model, impl):
-    spec = model.spec
-    if impl is None:
-        impl = "auto" if spec is None else spec.impl
-    platform = jax.devices()[0].platform if spec is None else spec.platform
-    return make_impl(impl, platform=platform)
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _decode_program(static, model_arrays, cache, tokens):
+    """The compiled decode step: `static` is `(the model's static part, block impl)`; the
+    cache is donated."""
+    model_static, impl = static
+    return decode_core(eqx.combine(model_arrays, model_static), cache, tokens, impl)
+
+
+def _prefill_impl(model, impl):
+    """What the prefill passes to every layer's attention: `impl` checked (`None`: the
+    spec's), resolved by the attention itself for the program it traces."""
+    return check_impl(("auto" if model.spec is None else model.spec.impl) if impl is None else impl)
+
+
+def _decode_impl(model, impl):
+    """The block implementation the decode step drives itself: for the host's platform."""
+    return resolve_block_impl(impl, spec=model.spec, lowering=False)
 
 
 def prefill(model: Any, cache: KVCache, prompts: Any, lengths: Any = None, *, impl: Any = None):
@@ -200,8 +218,8 @@ def prefill(model: Any, cache: KVCache, prompts: Any, lengths: Any = None, *, im
     - `prompts`: `[batch, prompt_len]` token ids in natural order (NumPy or JAX),
       right-padded when `lengths` is given.
     - `lengths`: `[batch]` prompt length of each row (1..prompt_len), or `None` for all.
-    - `impl`: the block implementation (`"xla"`, `"pallas"`, `"auto"` or an
-      `AbstractBlockImpl`); default the spec's.
+    - `impl`: the block implementation every layer's attention runs (`"xla"`,
+      `"pallas"`, `"auto"` or an `AbstractBlockImpl`); default the spec's.
 
     **Returns:** `(logits, cache)`: `[batch, vocab]` float32 logits of each row's last
     prompt token, and the filled cache.
@@ -226,9 +244,10 @@ def prefill(model: Any, cache: KVCache, prompts: Any, lengths: Any = None, *, im
     if spec is not None:
         tokens = spec.place(jnp.asarray(tokens), spec.token_pspec())
         positions = spec.place(jnp.asarray(positions), spec.token_pspec())
-    return _prefill_jit(
-        model, cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths),
-        jnp.asarray(last), _block_impl(model, impl),
+    arrays, static = eqx.partition(model, _is_array)
+    return _prefill_program(
+        (static, _prefill_impl(model, impl)), arrays, cache, jnp.asarray(tokens),
+        jnp.asarray(positions), jnp.asarray(lengths), jnp.asarray(last),
     )  # fmt: skip
 
 
@@ -262,10 +281,8 @@ def decode_core(model, cache, tokens, impl):
     out_pspecs = None
     if model.spec is not None:
         out_pspecs = (_logits_pspec(model.spec), cache_pspecs(cache))
-    return _run(model, _decode_core, out_pspecs, cache, tokens, impl)
-
-
-_decode_jit = eqx.filter_jit(decode_core, donate="all-except-first")
+    with jax.named_scope("decode_step"):
+        return _run(model, functools.partial(_decode_core, impl=impl), out_pspecs, cache, tokens)
 
 
 def decode_step(model: Any, cache: KVCache, tokens: Any, *, impl: Any = None):
@@ -282,7 +299,8 @@ def decode_step(model: Any, cache: KVCache, tokens: Any, *, impl: Any = None):
     - `model`: the model the cache was built for.
     - `cache`: a filled `KVCache` (from `prefill` or a previous step; donated).
     - `tokens`: `[batch]` token ids, one per row.
-    - `impl`: as in `prefill`.
+    - `impl`: as in `prefill` (`"auto"` is the host platform's implementation: the step
+      drives the block contract itself).
 
     **Returns:** `(logits, cache)`: `[batch, vocab]` float32 logits for the next token, and
     the cache holding one more token per row.
@@ -292,4 +310,5 @@ def decode_step(model: Any, cache: KVCache, tokens: Any, *, impl: Any = None):
     """
     check_model(model)
     tokens = check_step_tokens(model, cache, tokens)
-    return _decode_jit(model, cache, tokens, _block_impl(model, impl))
+    arrays, static = eqx.partition(model, _is_array)
+    return _decode_program((static, _decode_impl(model, impl)), arrays, cache, tokens)

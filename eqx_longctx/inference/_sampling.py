@@ -15,7 +15,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._checks import _seen, check_int, check_real
+from .._checks import check_int, check_real, seen
 
 _KEY_FIX = " Pass key=jax.random.key(seed) (or a legacy jax.random.PRNGKey(seed))."
 
@@ -43,7 +43,7 @@ def _check_key(key: Any, owner: str) -> None:
             f"{owner}: a raw uint32 key must have shape {legacy}; got shape {shape}. Pass a "
             "single key: rows get their own keys by splitting it."
         )
-    raise TypeError(f"{owner}: key must be a JAX PRNG key; got {_seen(key)}.{_KEY_FIX}")
+    raise TypeError(f"{owner}: key must be a JAX PRNG key; got {seen(key)}.{_KEY_FIX}")
 
 
 @no_type_check  # validated here, with errors that say what to fix
@@ -147,7 +147,7 @@ def sample_tokens(
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             "sample_tokens: logits must be a floating-point array [batch, vocab]; got "
-            f"{_seen(logits) if dtype is None else f'an array of dtype {dtype}'}."
+            f"{seen(logits) if dtype is None else f'an array of dtype {dtype}'}."
         )
     shape = tuple(np.shape(logits))
     if len(shape) != 2 or 0 in shape:

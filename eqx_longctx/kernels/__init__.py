@@ -15,6 +15,7 @@ per-token positions, segment ids and a sliding window; the XLA twin is `XlaBlock
 """
 
 from ._blocks import DEFAULT_BLOCK_SIZES as DEFAULT_BLOCK_SIZES
+from ._blocks import SMEM_BYTES as SMEM_BYTES
 from ._blocks import default_block_sizes as default_block_sizes
 from ._blocks import race_detecting_interpret as race_detecting_interpret
 from ._flash_pallas import pallas_flash_forward as pallas_flash_forward
@@ -25,6 +26,7 @@ from ._flash_pallas_bwd import pallas_flash_backward as pallas_flash_backward
 from ._flash_pallas_bwd import (
     pallas_flash_backward_heads_major as pallas_flash_backward_heads_major,
 )
+from ._impl import KERNEL_DTYPES as KERNEL_DTYPES
 from ._impl import PallasBlockImpl as PallasBlockImpl
 from ._vmem import VMEM_CAPACITY as VMEM_CAPACITY
 from ._vmem import VmemEstimate as VmemEstimate

@@ -248,6 +248,7 @@ def _sub_block(block_k_compute, block_k: int, bk: int) -> int | None:
 # Scalar memory of one TensorCore (1 MiB on v4, v5e, v5p and v6e). The block schedule the
 # kernels read by scalar prefetch must fit in half of it, next to Mosaic's own scalars.
 SMEM_BYTES = 2**20
+"""A TensorCore's scalar memory (SMEM), in bytes; the block schedules keep within half."""
 _SMEM_BUDGET = SMEM_BYTES // 2
 
 

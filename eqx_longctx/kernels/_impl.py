@@ -14,13 +14,14 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax.numpy as jnp
 
-from ..attention._block import AbstractBlockImpl, BlockOptions
+from .._block_contract import AbstractBlockImpl, BlockOptions
 from ._blocks import Config, default_block_sizes, make_config
 from ._flash_pallas import QuerySide, forward_sides, kv_side, query_side
 from ._flash_pallas_bwd import backward_sides
 from ._operands import pad_axis, rows_to_kernel
 
-KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernels run
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+"""The input dtypes the kernels run (float16 is refused; `impl="auto"` keeps it on XLA)."""
 
 
 def _swap(x):

@@ -18,9 +18,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
-from ..attention import attention
-from ..attention._decode import decode_attention
-from ..attention._validate import check_options
+from ..attention import attention, check_options, decode_attention
 from ._norm import RMSNorm
 from ._rope import RoPE, RotaryTables
 
@@ -196,10 +194,10 @@ class SelfAttention(eqx.Module):
         their place (`LayerStack` computes them once for all its layers)."""
         return self.rope.tables(positions)
 
-    def _attend(self, q, k, v, segment_ids):
+    def _attend(self, q, k, v, segment_ids, impl=None):
         return attention(
             q, k, v, spec=self.spec, causal=self.causal, window=self.window,
-            segment_ids=segment_ids,
+            segment_ids=segment_ids, impl=impl,
         )  # fmt: skip
 
     def _output(self, out):
@@ -216,15 +214,21 @@ class SelfAttention(eqx.Module):
         return ((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim))
 
     def prefill(
-        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None
+        self,
+        x: Hidden,
+        positions: Positions,
+        segment_ids: SegmentIds | None = None,
+        *,
+        impl=None,
     ) -> tuple[Hidden, tuple[Array, Array]]:
-        """`__call__`, also returning what the KV cache keeps of these tokens.
+        """`__call__`, also returning what the KV cache keeps of these tokens; `impl` is the
+        block implementation (as `eqx_longctx.attention`'s; `None`: the spec's).
 
         **Returns:** `(out, (k, v))`: the layer's output and the rotated keys and the values
         `[batch, seq, kv_heads, head_dim]`.
         """
         q, k, v = self._project(x, positions)
-        return self._output(self._attend(q, k, v, segment_ids)), (k, v)
+        return self._output(self._attend(q, k, v, segment_ids, impl)), (k, v)
 
     def decode(
         self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl

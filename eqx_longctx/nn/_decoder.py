@@ -1,12 +1,13 @@
 """The decoder scaffolding every model family shares: token lookup, input checks, running
 the layers under the sharding spec, and the (tied or untied) output head.
 
-A family subclasses `AbstractDecoder`, declares its fields and implements `run_layers`; the
+A family subclasses `AbstractDecoder`, declares its fields and says what its layers are:
+`layer_stacks()` (the `LayerStack`s, in order: what training runs by default and what
+inference walks), or `run_layers` for a forward that is more than its stacks in turn; the
 public calls (`__call__`, `forward_embeddings`, `embed_tokens`, `check_tokens`,
 `num_params`) come from here.
 """
 
-import abc
 import math
 from typing import Any
 
@@ -28,7 +29,8 @@ class AbstractDecoder(eqx.Module):
     """A decoder-only transformer: embeddings, a stack of blocks, a final norm, logits.
 
     The base class of every model family (`models.llama.Llama`, `models.deepseek.DeepSeek`):
-    a family declares the fields below and implements `run_layers`, and inherits the calls.
+    a family declares the fields below and `layer_stacks()` (or overrides `run_layers`),
+    and inherits the calls.
 
     - `embed`: `[vocab, embed]` token embeddings.
     - `norm`: the final `RMSNorm`.
@@ -44,20 +46,25 @@ class AbstractDecoder(eqx.Module):
     config: eqx.AbstractVar[Any]
     spec: eqx.AbstractVar[ShardingSpec | None]
 
-    @abc.abstractmethod
     def run_layers(self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None) -> Hidden:
-        """The blocks, from embeddings to the last hidden state (before the final norm)."""
+        """The blocks, from embeddings to the last hidden state (before the final norm): by
+        default each of `layer_stacks()` in turn. A family whose forward is more than its
+        stacks (positions added to the embeddings, say) overrides it; it then cannot
+        generate unless `layer_stacks()` is still exactly what runs."""
+        for stack in self.layer_stacks():
+            x = stack(x, positions, segment_ids)
+        return x
 
     def layer_stacks(self) -> tuple[Any, ...]:
-        """The `LayerStack`s that `run_layers` applies, in order: what inference
-        (`eqx_longctx.generate`) walks to fill and read the KV cache. A family supports
-        inference by returning them (its `run_layers` must be exactly these stacks in turn).
+        """The `LayerStack`s the model applies, in order: what `run_layers` runs by default
+        and what inference (`eqx_longctx.generate`) walks to fill and read the KV cache.
 
         **Raises:** `NotImplementedError` for a family that does not say.
         """
         raise NotImplementedError(
-            f"{type(self).__name__} does not list its layer stacks, so it cannot generate: "
-            "implement layer_stacks() to return the LayerStacks run_layers applies, in order."
+            f"{type(self).__name__} does not list its layer stacks: implement layer_stacks() "
+            "to return the LayerStacks the model applies, in order (or override run_layers "
+            "for a forward that is more than them; such a model cannot generate)."
         )
 
     def head(self, x: Hidden) -> Logits:

@@ -158,6 +158,11 @@ def chunked_cross_entropy(
             f"loss_mask must have the targets' shape {tuple(targets.shape)}; got "
             f"{tuple(loss_mask.shape)}."
         )
+    with jax.named_scope("cross_entropy"):
+        return _cross_entropy(hidden, weight, targets, loss_mask, spec, weight_pspec, chunk_tokens)
+
+
+def _cross_entropy(hidden, weight, targets, loss_mask, spec, weight_pspec, chunk_tokens):
     if spec is None:
         count = jnp.sum(loss_mask.astype(jnp.float32))
         return _local_loss(hidden, weight, targets, loss_mask, chunk_tokens, ()), count

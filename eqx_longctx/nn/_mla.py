@@ -25,8 +25,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
-from ..attention import latent_attention
-from ..attention._decode import decode_attention
+from ..attention import decode_attention, latent_attention
 from ._norm import RMSNorm
 from ._rope import RoPE, RotaryTables
 
@@ -286,8 +285,11 @@ class MultiHeadLatentAttention(eqx.Module):
         x: Hidden,
         positions: Positions | RotaryTables,
         segment_ids: SegmentIds | None = None,
+        *,
+        impl=None,
     ) -> tuple[Hidden, tuple[Array]]:
-        """`__call__`, also returning what the KV cache keeps of these tokens.
+        """`__call__`, also returning what the KV cache keeps of these tokens; `impl` is the
+        block implementation (as `eqx_longctx.latent_attention`'s; `None`: the spec's).
 
         **Returns:** `(out, (latent,))`: the layer's output and `[batch, seq, 1,
         kv_lora_rank + qk_rope_head_dim]`, the normalised latent and the rotated rotary key.
@@ -304,6 +306,7 @@ class MultiHeadLatentAttention(eqx.Module):
             causal=True,
             segment_ids=segment_ids,
             scale=self.softmax_scale,
+            impl=impl,
         )
         out = jnp.einsum("bshv,hve->bse", out, self.wo.astype(x.dtype))
         return out, (jnp.concatenate(latent, axis=-1)[:, :, None, :],)

@@ -18,16 +18,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import PRNGKeyArray
 
 from .._checks import check_spec
+from .._config_checks import REMAT_POLICIES
 from .._partition import gather_for_compute
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
-from ..attention._decode import LayerCache
+from ..attention import LayerCache
 from ._norm import RMSNorm
 from ._rope import RotaryTables
 
-REMAT_POLICIES = ("none", "full", "dots", "offload")
-"""The rematerialisation policies of `LayerStack(remat=...)`, the model configs' `remat` and
-the trainer's `--remat` (each is described under `LayerStack`)."""
 OFFLOAD_NAME = "layer_input"
 
 
@@ -98,8 +96,10 @@ class DecoderBlock(eqx.Module):
         **Raises:** as the sublayers' `__call__` (e.g.
         [`SelfAttention.__call__`][eqx_longctx.nn.SelfAttention.__call__]).
         """
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        return x + self.mlp(self.mlp_norm(x))
+        with jax.named_scope("attention"):
+            x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.mlp_norm(x))
 
     def rotary_tables(self, positions: Positions) -> RotaryTables | None:
         """**Returns:** the attention's RoPE tables at `positions` where it takes them in
@@ -108,19 +108,26 @@ class DecoderBlock(eqx.Module):
         tables = getattr(self.attn, "rotary_tables", None)
         return None if tables is None else tables(positions)
 
-    def prefill(self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None):
-        """`__call__`, also returning the attention's cache entry (`attn.prefill`)."""
-        a, entry = self.attn.prefill(self.attn_norm(x), positions, segment_ids)  # pyright: ignore[reportAttributeAccessIssue]
+    def prefill(
+        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None, *, impl=None
+    ):
+        """`__call__`, also returning the attention's cache entry (`attn.prefill`, which
+        gets the block implementation `impl`: `None` for the spec's)."""
+        with jax.named_scope("attention"):
+            a, entry = self.attn.prefill(self.attn_norm(x), positions, segment_ids, impl=impl)  # pyright: ignore[reportAttributeAccessIssue]
         x = x + a
-        return x + self.mlp(self.mlp_norm(x)), entry
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.mlp_norm(x)), entry
 
     def decode(self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl):
         """One new token per row (`attn.decode`); **returns** `(x, new cache entry)`."""
-        a, entry = self.attn.decode(  # pyright: ignore[reportAttributeAccessIssue]
-            self.attn_norm(x), positions, cache, cache_positions, impl=impl
-        )
+        with jax.named_scope("attention"):
+            a, entry = self.attn.decode(  # pyright: ignore[reportAttributeAccessIssue]
+                self.attn_norm(x), positions, cache, cache_positions, impl=impl
+            )
         x = x + a
-        return x + self.mlp(self.mlp_norm(x)), entry
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.mlp_norm(x)), entry
 
 
 @final
@@ -226,10 +233,11 @@ class LayerStack(eqx.Module):
         # (O(local seq x seq) bytes) instead of computing each one where it is used.
         def body(h, xs):
             layer_params, positions, segment_ids = xs
-            layer = gather_for_compute(eqx.combine(layer_params, static), self.spec)
-            if self.remat == "offload":
-                h = checkpoint_name(h, OFFLOAD_NAME)
-            return layer(h, positions if tables is None else tables, segment_ids), None
+            with jax.named_scope("layer"):
+                layer = gather_for_compute(eqx.combine(layer_params, static), self.spec)
+                if self.remat == "offload":
+                    h = checkpoint_name(h, OFFLOAD_NAME)
+                return layer(h, positions if tables is None else tables, segment_ids), None
 
         if self.remat == "full":
             body = jax.checkpoint(body, prevent_cse=False)
@@ -252,19 +260,21 @@ class LayerStack(eqx.Module):
             return None if a is None else jnp.broadcast_to(a, (self.n_layers, *a.shape))
 
         per_layer_positions = per_layer(positions) if tables is None else None
-        x, _ = lax.scan(body, x, (params, per_layer_positions, per_layer(segment_ids)))
+        with jax.named_scope("layer_stack"):
+            x, _ = lax.scan(body, x, (params, per_layer_positions, per_layer(segment_ids)))
         return x
 
     def _compute_layer(self, layer_params):
         static = eqx.filter(self.layers, eqx.is_array, inverse=True)
         return gather_for_compute(eqx.combine(layer_params, static), self.spec)
 
-    def prefill(self, x: Hidden, positions: Positions, segment_ids, store: Callable):
+    def prefill(self, x: Hidden, positions: Positions, segment_ids, store: Callable, *, impl=None):
         """Run the layers as `__call__` does (no remat: inference), keeping each layer's
         cache entry as `store` turns it into cache slots.
 
         **Arguments:** as `__call__`; `store(entry) -> stored` maps one layer's `[batch, seq,
-        ...]` cache entry (what `layer.prefill` returns) to what the cache keeps.
+        ...]` cache entry (what `layer.prefill` returns) to what the cache keeps; `impl` the
+        block implementation every layer's attention runs (`None`: the spec's).
 
         **Returns:** `(x, stored)`: the residual stream after all layers and the stored
         entries, stacked over the layers.
@@ -272,10 +282,11 @@ class LayerStack(eqx.Module):
 
         def body(h, layer_params):
             layer = self._compute_layer(layer_params)
-            h, entry = layer.prefill(h, positions, segment_ids)  # pyright: ignore[reportAttributeAccessIssue]
+            h, entry = layer.prefill(h, positions, segment_ids, impl=impl)  # pyright: ignore[reportAttributeAccessIssue]
             return h, store(entry)
 
-        return lax.scan(body, x, eqx.filter(self.layers, eqx.is_array))
+        with jax.named_scope("layer_stack"):
+            return lax.scan(body, x, eqx.filter(self.layers, eqx.is_array))
 
     def decode(self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl):
         """One new token per row through every layer, each reading its layer of `cache`
@@ -294,4 +305,5 @@ class LayerStack(eqx.Module):
             return layer.decode(h, positions, view, cache_positions, impl=impl)  # pyright: ignore[reportAttributeAccessIssue]
 
         layers = jnp.arange(self.n_layers, dtype=jnp.int32)
-        return lax.scan(body, x, (eqx.filter(self.layers, eqx.is_array), layers))
+        with jax.named_scope("layer_stack"):
+            return lax.scan(body, x, (eqx.filter(self.layers, eqx.is_array), layers))

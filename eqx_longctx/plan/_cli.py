@@ -45,10 +45,10 @@ import jax
 import jax.numpy as jnp
 
 from .._hlo import collective_bytes
-from .._mesh import parse_mesh
 from .._sharding import ShardingSpec
-from ..attention._choose import plan
-from ..attention._cost import STRATEGY_ORDER
+from ..attention import STRATEGY_ORDER
+from ..attention import plan_attention as plan
+from ..run import parse_mesh, parse_override
 from ._activations import REMATS
 from ._chips import CHIPS, as_chip
 from ._compile import compile_train_step, compiled_attention, compiled_bytes, trainer_run
@@ -61,8 +61,7 @@ def cpu_devices(n: int) -> None:
     **Raises:** `ValueError` as the trainer's `check_device_count` when JAX already
     started with fewer devices (run the planner in a fresh process).
     """
-    from ..train._distributed import set_cpu_devices
-    from ..train._parallel import check_device_count
+    from ..run import check_device_count, set_cpu_devices
 
     try:
         jax.config.update("jax_platforms", "cpu")
@@ -86,7 +85,6 @@ def _positive(text: str) -> float:
 def main(argv=None) -> None:
     """Run the planner CLI (`python -m eqx_longctx.plan --help`): every invalid flag is one
     line on stderr and exit status 2."""
-    from ..train._cli import _override  # the trainer's --override FIELD=VALUE
 
     p = argparse.ArgumentParser(
         prog="python -m eqx_longctx.plan", description=(__doc__ or "").splitlines()[0]
@@ -138,7 +136,7 @@ def main(argv=None) -> None:
     step.add_argument("--train", action="store_true", help="plan a train step (AdamW)")
     step.add_argument("--fsdp-axes", default=None, help="axes the weights are split over")
     step.add_argument("--remat", default=None, choices=REMATS, help="default: all")
-    step.add_argument("--override", action="append", default=[], type=_override,
+    step.add_argument("--override", action="append", default=[], type=parse_override,
                       metavar="FIELD=VALUE", help="model config field, e.g. n_layers=2 "
                       "(repeatable; as the trainer's --override)")  # fmt: skip
     step.add_argument("--compile", action="store_true", help="compile the step and compare")
@@ -309,7 +307,7 @@ def step_settings(args) -> Any:
     """The `eqx_longctx.train.TrainConfig` of the run the flags describe: the trainer's
     checks of `--model`, `--preset`, `--override`, `--seq`, `--batch`, `--mesh`,
     `--strategy`, `--load-balance` and `--fsdp-axes` apply."""
-    from ..train._config import TrainConfig
+    from ..train import TrainConfig
 
     return TrainConfig(
         model=args.model, preset=args.preset, model_overrides=dict(args.override),
@@ -333,7 +331,7 @@ def _run_generate(args) -> None:
 
 def _run_step(args) -> None:
     from .._family import model_family
-    from ..train._config import host_offload_of
+    from ..train import host_offload_of
     from ._explain import step_record
     from ._step_plan import plan_train_step
 

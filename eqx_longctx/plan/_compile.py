@@ -1,25 +1,25 @@
-"""Compile what the planners predict, to check them against XLA: one attention call, or the
-trainer's own train step, for abstract arrays (nothing is allocated).
+"""Compile what the planners predict, to check them against XLA: one attention call, the
+trainer's own train step, or inference's own prefill and decode step, for abstract arrays
+(nothing is allocated). Only public names of `train` and `inference` are used: the programs
+are theirs.
 
 The train step is the trainer's, built by the trainer's code: `trainer_run` turns a run's
 `eqx_longctx.train.TrainConfig` into the model config (`build_model_config`) and the
-`Placement` (mesh, spec and layouts of `--mesh`, `--strategy`, `--load-balance`,
-`--fsdp-axes`), as `Trainer` does; `compile_train_step` lowers `lower_train_step` (the step
-`make_train_step` builds, with `Placement.step_shardings` and the trainer's donation) for
-the model, optimizer state and batch of `Placement.abstract_model`, `abstract_opt_state`
-and `abstract_batch`. `compiled_bytes` reads XLA's memory analysis of a compiled program.
+`eqx_longctx.run.Placement` (mesh, spec and layouts of `--mesh`, `--strategy`,
+`--load-balance`, `--fsdp-axes`), as `Trainer` does; `compile_train_step` lowers
+`lower_train_step` (the step `make_train_step` builds, with `Placement.step_shardings` and
+the trainer's donation) for the model, optimizer state and batch of
+`Placement.abstract_model`, `abstract_opt_state` and `abstract_batch`. `compile_generate`
+compiles `eqx_longctx.inference.lower_prefill` and `lower_decode`. `compiled_bytes` reads
+XLA's memory analysis of a compiled program.
 """
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from .._family import ModelFamily
-from .._partition import param_pspecs
 from .._sharding import ShardingSpec
 from ..attention import attention
 
@@ -116,7 +116,7 @@ class TrainerRun(NamedTuple):
     family: ModelFamily
     config: Any
     train: Any  # eqx_longctx.train.TrainConfig
-    placement: Any  # eqx_longctx.train.Placement
+    placement: Any  # eqx_longctx.run.Placement
 
 
 def trainer_run(train: Any, vocab_size: int | None = None) -> TrainerRun:
@@ -134,17 +134,18 @@ def trainer_run(train: Any, vocab_size: int | None = None) -> TrainerRun:
     **Returns:** a `TrainerRun`.
 
     **Raises:** `ValueError` as `eqx_longctx.model_family` for an unknown family, as
-    `resolve_overrides` for an unknown preset or override, and as `Placement`.
+    `eqx_longctx.run.resolve_overrides` for an unknown preset or override, and as
+    `eqx_longctx.run.placement_from_flags`.
     """
     from .._family import model_family
-    from ..train._config import build_model_config, resolve_overrides
-    from ..train._parallel import Placement
+    from ..run import placement_from_flags, resolve_overrides
+    from ..train import build_model_config
 
     family = model_family(train.model)
     resolve_overrides(train.preset, train.model_overrides, model=train.model)
     vocab = family.presets[train.preset].vocab_size if vocab_size is None else vocab_size
     config = build_model_config(train, vocab)
-    placement = Placement(
+    placement = placement_from_flags(
         train.devices, train.mesh, train.strategy, train.load_balance, train.fsdp_axes,
         vocab_size=config.vocab_size,
     )  # fmt: skip
@@ -162,8 +163,7 @@ def compile_train_step(run: TrainerRun):
 
     **Returns:** the `jax.stages.Compiled` step.
     """
-    from ..train._config import host_offload_of
-    from ..train._step import lower_train_step, make_optimizer
+    from ..train import host_offload_of, lower_train_step, make_optimizer
 
     t, placement = run.train, run.placement
     optimizer = make_optimizer(t.lr, t.warmup_steps, t.steps, t.weight_decay, t.clip_norm)
@@ -185,41 +185,11 @@ def compile_train_step(run: TrainerRun):
 # ---- inference ---------------------------------------------------------------------------
 
 
-def _is_abstract(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _placed(tree: Any, pspecs: Any, spec: ShardingSpec | None) -> Any:
-    """`tree` with each abstract array carrying its `PartitionSpec` (from `pspecs`, a tree
-    of them in the order of `tree`'s arrays) as a sharding under `spec`."""
-    if spec is None:
-        return tree
-    arrays, rest = eqx.partition(tree, _is_abstract)
-    leaves, treedef = jax.tree.flatten(arrays)
-    ps = jax.tree.leaves(pspecs, is_leaf=lambda p: isinstance(p, PartitionSpec))
-    placed = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec.sharding(p))
-        for x, p in zip(leaves, ps, strict=True)
-    ]
-    return eqx.combine(jax.tree.unflatten(treedef, placed), rest)
-
-
-def _lower(fn: Callable, model: Any, cache: Any, *args: Any):
-    """Lower `fn(model, cache, *args)` for abstract arrays, the cache donated (as `prefill`
-    and `decode_step` donate it)."""
-    (m, c, a), static = eqx.partition((model, cache, args), _is_abstract)
-
-    def run(m, c, a):
-        model, cache, args = eqx.combine((m, c, a), static)
-        return fn(model, cache, *args)
-
-    return jax.jit(run, donate_argnums=1).lower(m, c, a)
-
-
 def compile_generate(model: Any, *, batch: int, seq: int, prompt_len: int | None = None,
                      cache_dtype: Any = None) -> tuple[Any, Any]:  # fmt: skip
     """Compile (never run) the prefill and the decode step of `eqx_longctx.prefill` and
-    `decode_step` for an abstract model and cache.
+    `decode_step` for an abstract model and cache (`eqx_longctx.inference.lower_prefill`
+    and `lower_decode`: the programs those calls run).
 
     **Arguments:**
 
@@ -230,37 +200,10 @@ def compile_generate(model: Any, *, batch: int, seq: int, prompt_len: int | None
 
     **Returns:** `(prefill, decode)`, two `jax.stages.Compiled` programs.
     """
-    from ..inference._cache import layout_multiple
-    from ..inference._run import (
-        _block_impl,
-        _logits_pspec,
-        _prefill_core,
-        _run,
-        cache_pspecs,
-        decode_core,
-        init_cache,
-    )  # fmt: skip
+    from ..inference import lower_decode, lower_prefill
 
-    spec = model.spec
-    model = _placed(model, param_pspecs(model, spec), spec)
-    cache = eqx.filter_eval_shape(init_cache, model, batch, seq, dtype=cache_dtype)
-    if spec is not None:
-        cache = _placed(cache, cache_pspecs(cache), spec)
-    m = layout_multiple(spec)
-    padded = -(-(seq if prompt_len is None else prompt_len) // m) * m
-
-    def arg(shape, pspec):
-        sharding = None if spec is None else spec.sharding(pspec)
-        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-
-    tokens = arg((batch, padded), None if spec is None else spec.token_pspec())
-    rows = arg((batch,), None if spec is None else PartitionSpec(spec.batch_entry()))
-    impl = _block_impl(model, None)
-
-    def prefill(model, cache, tokens, positions, lengths, last):  # as `_prefill_jit`
-        out = None if spec is None else (_logits_pspec(spec), cache_pspecs(cache))
-        return _run(model, _prefill_core, out, cache, tokens, positions, lengths, last, impl)
-
-    first = _lower(prefill, model, cache, tokens, tokens, rows, rows).compile()
-    step = _lower(lambda model, cache, t: decode_core(model, cache, t, impl), model, cache, rows)
-    return first, step.compile()
+    first = lower_prefill(
+        model, batch=batch, max_len=seq, prompt_len=prompt_len, cache_dtype=cache_dtype
+    )
+    step = lower_decode(model, batch=batch, max_len=seq, cache_dtype=cache_dtype)
+    return first.compile(), step.compile()

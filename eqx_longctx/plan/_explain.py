@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from ..attention._explain import gib, sec
+from .._units import gib, sec
 
 _COLUMNS = (
     ("params", "params"),

@@ -9,7 +9,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ..attention._explain import gib
+from .._units import gib
 
 # Flags of the train-step planner that mean nothing to inference.
 _TRAIN_ONLY = {"train": "--train", "remat": "--remat", "memory_budget_gib": "--memory-budget-gib"}

@@ -4,12 +4,13 @@ For a model, a cache of `seq` tokens per row, a batch and a mesh, `plan_generate
 per device (the model runs as `eqx_longctx.init_cache`, `prefill` and `decode_step` run it):
 
 - **parameters**: `eqx_longctx.param_bytes_per_device`, as the training planner counts them;
-- **cache**: the `KVCache` `init_cache` builds, from its geometry (`inference/_cache.py`):
-  each `LayerStack`'s attention layer caches `cache_shapes()` arrays per token (K and V per
-  KV head, or MLA's one latent); a full stack keeps `slots_per_device` slots per device, a
-  sliding stack a ring of its window rounded up to a multiple of the `N` sequence shards
-  (`ring / N` per device); rows split over the batch axes, heads over the tensor axis when
-  the layer's `cache_split_heads`; plus each stack's int32 slot positions and the lengths;
+- **cache**: the `KVCache` `init_cache` builds, from the geometry both take from
+  `eqx_longctx.inference.cache_layout`: each `LayerStack`'s attention layer caches
+  `cache_shapes()` arrays per token (K and V per KV head, or MLA's one latent); a full
+  stack keeps `slots_per_device` slots per device, a sliding stack a ring of its window
+  rounded up to a multiple of the `N` sequence shards (`ring / N` per device); rows split
+  over the batch axes, heads over the tensor axis when the layer's `cache_split_heads`;
+  plus each stack's int32 slot positions and the lengths;
 - **prefill peak**: parameters + cache + the working set of the layer being run: its
   forward activations of the prompt's local tokens (everything one layer computes,
   JAX's list of its residuals as the training planner asks for it, `_activations.py`),
@@ -29,7 +30,6 @@ here (docs/scaling.md).
 """
 
 import dataclasses
-import math
 from typing import Any, NamedTuple, no_type_check
 
 import equinox as eqx
@@ -38,12 +38,11 @@ import jax.numpy as jnp
 
 from .._checks import check_spec
 from .._family import ModelFamily
+from .._layout import layout_multiple
 from .._partition import param_bytes_per_device
 from .._sharding import ShardingSpec
-from ..attention._choose import plan as plan_attention
-from ..attention._explain import gib
-from ..attention._validate import check_tensor_heads
-from ..inference._cache import layout_multiple, slots_per_device
+from .._units import gib
+from ..attention import check_tensor_heads, plan_attention
 from ._activations import forward_working_set, stacks
 from ._step_plan import _gathered_layer_bytes, as_family
 
@@ -177,8 +176,7 @@ def plan_generate(
     model = eqx.filter_eval_shape(fam.model, config, key=jax.random.key(0), spec=spec)
     params = param_bytes_per_device(model, spec)
     b = batch // nb
-    cache_stacks = cache_geometry(model, spec, batch, seq, cdtype)
-    cache = sum(s.bytes for s in cache_stacks) + b * _I32 + 2 * _I32  # lengths, step, offset
+    cache_stacks, cache = cache_geometry(model, spec, batch, seq, cdtype)
     # The prefill: the prompt padded to the layout's multiple, P / N tokens per device.
     m = layout_multiple(spec)
     s_local = -(-prompt_len // m) * m // n
@@ -217,30 +215,21 @@ def plan_generate(
 
 def cache_geometry(
     model: Any, spec: ShardingSpec | None, batch: int, seq: int, dtype: Any
-) -> list[StackCacheShape]:
-    """Each layer stack's cache on one device, from the geometry `init_cache` lays out."""
-    from ..inference._run import _attention_layer
+) -> tuple[list[StackCacheShape], int]:
+    """Each layer stack's cache on one device, and the whole cache's bytes on one device,
+    from the layout `init_cache` allocates (`eqx_longctx.inference.cache_layout`)."""
+    from ..inference import cache_layout
 
-    n = 1 if spec is None else spec.context_parallel_size
-    b = batch if spec is None else batch // spec.batch_parallel_size
-    nt = 1 if spec is None else spec.axis_size(spec.tensor_axis)
-    per = slots_per_device(spec, seq)
+    del spec  # the model's own
+    layout = cache_layout(model, batch, seq, dtype)
     paths = {id(s): p for p, s in stacks(model).items()}
     out = []
-    for stack in model.layer_stacks():
-        attn = _attention_layer(stack)
-        window = attn.window
-        ring = None
-        if window is not None and -(-window // n) < per:  # a ring of round_up(window, N)
-            ring = -(-window // n) * n
-        slots = per if ring is None else ring // n
-        split = nt if attn.cache_split_heads else 1
-        entries = tuple((stack.n_layers, b, h // split, slots, d) for h, d in attn.cache_shapes())
-        nbytes = sum(math.prod(e) for e in entries) * jnp.dtype(dtype).itemsize
-        nbytes += b * slots * _I32  # the slots' positions
-        out.append(StackCacheShape(paths[id(stack)], stack.n_layers, window, ring, slots,
-                                   entries, nbytes))  # fmt: skip
-    return out
+    for stack, s in zip(model.layer_stacks(), layout.stacks, strict=True):
+        shapes = layout.device_shapes(s)
+        slots = shapes[0][3] if shapes else 0
+        out.append(StackCacheShape(paths[id(stack)], s.n_layers, s.window, s.ring, slots,
+                                   shapes, layout.stack_bytes_per_device(s)))  # fmt: skip
+    return out, layout.bytes_per_device()
 
 
 def _layer_weights(model: Any, spec: ShardingSpec | None) -> dict[str, int]:

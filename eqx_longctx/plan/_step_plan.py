@@ -54,11 +54,15 @@ from .._checks import check_memory_budget, check_names, check_spec
 from .._family import ModelFamily, MoEShape, model_family
 from .._partition import param_bytes_per_device, param_pspecs
 from .._sharding import ShardingSpec
-from ..attention._choose import plan as plan_attention
-from ..attention._cost import DEFAULT_BYTES_PER_S, DEFAULT_FLOPS_PER_S, STRATEGY_ORDER
-from ..attention._explain import gib
-from ..attention._validate import check_tensor_heads
-from ..nn._loss import check_loss_chunk, loss_chunk_tokens, vocab_axes
+from .._units import gib
+from ..attention import (
+    DEFAULT_BYTES_PER_S,
+    DEFAULT_FLOPS_PER_S,
+    STRATEGY_ORDER,
+    check_tensor_heads,
+    plan_attention,
+)
+from ..nn import check_loss_chunk, loss_chunk_tokens, vocab_axes
 from ._activations import REMATS, stack_activations, stacks
 from ._chips import Chip, as_chip
 from ._explain import step_table
@@ -244,7 +248,7 @@ def plan_train_step(
     bytes_per_s = DEFAULT_BYTES_PER_S if bytes_per_s is None else bytes_per_s
     budget = check_memory_budget(memory_budget_bytes, where)
     check_loss_chunk(loss_chunk)
-    from ..train._offload import check_host_offload  # the trainer's rule (not at import)
+    from ..train import check_host_offload  # the trainer's rule (not at import)
 
     check_host_offload(host_offload)
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:

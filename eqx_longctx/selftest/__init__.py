@@ -68,16 +68,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     **Returns:** the exit status: 0 when every check passed, 1 otherwise.
     """
     args = _parser().parse_args(argv)
-    from ..train import _distributed as dist
+    from .. import run
 
     # On a Cloud TPU slice of several hosts every worker runs this at once, as one program
     # (the trainer's start-up); each checks its own chips.
-    cluster = dist.cluster_from_flags(None, None, None, args.devices)
+    cluster = run.cluster_from_flags(None, None, None, args.devices)
     runtime = None
     if cluster is None:
-        dist.set_cpu_devices(args.devices)
+        run.set_cpu_devices(args.devices)
     else:
-        runtime = dist.start(cluster, devices=args.devices, init_timeout=600, peer_timeout=600)
+        runtime = run.start_processes(
+            cluster, devices=args.devices, init_timeout=600, peer_timeout=600
+        )
     import jax
 
     from . import _attention, _report

@@ -19,8 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._layout import from_layout, to_layout
 from .._sharding import ShardingSpec
-from ..attention import attention, flash_attention, reference_attention
-from ..attention._impls import make_impl
+from ..attention import attention, flash_attention, reference_attention, resolve_block_impl
 from ._report import Row, rel_err, run_check, tolerance
 
 GRADS = ("dq", "dk", "dv")
@@ -100,18 +99,18 @@ def implementations(platform: str) -> dict[str, Any]:
     CPU the same kernels in TPU interpret mode (VMEM, SMEM, scalar prefetch and DMAs
     simulated) at 128 x 128 blocks; on a GPU whatever `impl="auto"` picks.
     """
-    xla = make_impl("xla", platform=platform)
+    xla = resolve_block_impl("xla", platform=platform)
     if platform == "tpu":
         from ..kernels import PallasBlockImpl
 
-        pallas = cast(PallasBlockImpl, make_impl("pallas", platform=platform))
+        pallas = cast(PallasBlockImpl, resolve_block_impl("pallas", platform=platform))
         return {f"pallas {pallas.block_q}x{pallas.block_k} mosaic": pallas, "xla": xla}
     if platform == "cpu":
         from ..kernels import PallasBlockImpl
 
         return {"pallas 128x128 tpu-interpret": PallasBlockImpl(128, 128, pltpu.InterpretParams()),
                 "xla": xla}  # fmt: skip
-    auto = make_impl("auto", platform=platform)
+    auto = resolve_block_impl("auto", platform=platform, lowering=False)
     name = "auto=xla" if type(auto) is type(xla) else f"auto={type(auto).__name__}"
     return {name: auto} if name == "auto=xla" else {name: auto, "xla": xla}
 

@@ -146,10 +146,10 @@ def environment() -> list[tuple[str, str]]:
     """`(name, value)` lines that say where the selftest ran."""
     import jaxlib.version
 
-    from ..kernels import _blocks, _vmem
+    from .. import kernels
 
     devices = jax.devices()
-    bq, bk = _blocks.default_block_sizes()
+    bq, bk = kernels.default_block_sizes()
     return [
         ("python", platform.python_version()),
         ("jax", jax.__version__),
@@ -159,10 +159,10 @@ def environment() -> list[tuple[str, str]]:
         ("device kind", devices[0].device_kind),
         ("devices", f"{len(devices)} ({jax.local_device_count()} local, "
                     f"{jax.process_count()} processes)"),
-        ("kernel VMEM", f"{_vmem.vmem_capacity() // 2**20} MiB per core, kernels ask for "
-                        f"{_vmem.vmem_budget() // 2**20} MiB"),
-        ("kernel SMEM", f"{_blocks.SMEM_BYTES // 2**10} KiB per core, schedules within "
-                        f"{_blocks.SMEM_BYTES // 2**11} KiB"),
+        ("kernel VMEM", f"{kernels.vmem_capacity() // 2**20} MiB per core, kernels ask for "
+                        f"{kernels.vmem_budget() // 2**20} MiB"),
+        ("kernel SMEM", f"{kernels.SMEM_BYTES // 2**10} KiB per core, schedules within "
+                        f"{kernels.SMEM_BYTES // 2**11} KiB"),
         ("kernel blocks", f"{bq} x {bk} (default_block_sizes)"),
     ]  # fmt: skip
 

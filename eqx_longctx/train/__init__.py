@@ -20,17 +20,20 @@ from ._config import build_model_config as build_model_config
 from ._eval import check_batch as check_batch
 from ._eval import evaluate as evaluate
 from ._export import export_run as export_run
+from ._export import main as export_main
 from ._loop import Trainer as Trainer
 from ._metrics import MetricsLog as MetricsLog
 from ._metrics import TrainResult as TrainResult
 from ._metrics import plot_metrics as plot_metrics
 from ._offload import HOST_OFFLOADS as HOST_OFFLOADS
+from ._offload import check_host_offload as check_host_offload
+from ._offload import host_offload_of as host_offload_of
 from ._offload import to_device as to_device
 from ._offload import to_host as to_host
-from ._parallel import Placement as Placement
 from ._step import decay_mask as decay_mask
 from ._step import loss_fn as loss_fn
 from ._step import loss_sum as loss_sum
+from ._step import lower_train_step as lower_train_step
 from ._step import make_optimizer as make_optimizer
 from ._step import make_schedule as make_schedule
 from ._step import make_train_step as make_train_step
@@ -39,7 +42,6 @@ from ._step import micro_batches as micro_batches
 __all__ = [
     "HOST_OFFLOADS",
     "Checkpointer",
-    "Placement",
     "MetricsLog",
     "TrainConfig",
     "TrainResult",
@@ -49,7 +51,11 @@ __all__ = [
     "check_checkpoint_dir",
     "decay_mask",
     "evaluate",
+    "export_main",
     "export_run",
+    "check_host_offload",
+    "host_offload_of",
+    "lower_train_step",
     "loss_fn",
     "loss_sum",
     "make_optimizer",

@@ -17,27 +17,26 @@ again.
 """
 
 import dataclasses
-import json
 import pathlib
-import re
 import shutil
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax
 import orbax.checkpoint as ocp
 
-from ._processes import all_readable, is_primary, sync
-
-RESHARDABLE_MODEL_FIELDS = ("remat",)
-_TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
-
-
-def _is_step_dir(path: pathlib.Path) -> bool:
-    # A numbered folder is a step, damaged or not: resume reports it rather than refusing
-    # the whole directory as someone else's.
-    return path.is_dir() and path.name.isdigit()
+from ..run import (
+    TMP_RE,
+    abstract_of,
+    all_readable,
+    check_checkpoint_dir,
+    is_array_or_shape,
+    is_primary,
+    is_step_dir,
+    sync,
+    to_json,
+    unreadable_reason,
+)
 
 
 class _Manager(ocp.CheckpointManager):
@@ -47,55 +46,6 @@ class _Manager(ocp.CheckpointManager):
 
     def reached_preemption(self, step: int) -> bool:
         return False
-
-
-def check_checkpoint_dir(directory: str | pathlib.Path) -> pathlib.Path:
-    """Check that `directory` is absent, empty, or holds only orbax checkpoints.
-
-    **Arguments:**
-
-    - `directory`: the checkpoint directory.
-
-    **Returns:** the directory as an absolute `pathlib.Path`.
-
-    **Raises:** `ValueError` when `directory` is a file, or a folder that holds anything but
-    orbax step folders (`<step>/`) and orbax's half-written ones.
-    """
-    path = pathlib.Path(directory).absolute()
-    if path.exists() and not path.is_dir():
-        raise ValueError(
-            "a checkpoint directory must be a directory that holds only orbax step folders; "
-            f"{path} is a file. Remove it or choose another --run-dir."
-        )
-    if path.is_dir():
-        foreign = sorted(
-            p.name for p in path.iterdir() if not (_is_step_dir(p) or _TMP_RE.match(p.name))
-        )
-        if foreign:
-            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-            raise ValueError(
-                "a checkpoint directory must hold only orbax step folders (<step>/); "
-                f"{path} also holds {len(foreign)} other entries: {shown}. Refusing to write "
-                "there or resume from it: choose another --run-dir or move those files away."
-            )
-    return path
-
-
-def _to_json(obj: Any) -> Any:
-    # Round trip through JSON so configs compare equal to what a checkpoint stored.
-    return json.loads(json.dumps(obj, default=str))
-
-
-def _is_array_or_shape(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
-
-
-def _abstract(tree):
-    def spec(x):
-        sharding = getattr(x, "sharding", None)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jax.tree.map(spec, tree)
 
 
 class Checkpointer:
@@ -124,7 +74,7 @@ class Checkpointer:
         # the others wait.
         if self.directory.is_dir() and is_primary():
             for p in self.directory.iterdir():
-                if _TMP_RE.match(p.name):
+                if TMP_RE.match(p.name):
                     shutil.rmtree(p)
         sync("checkpoint directory cleaned")
         options = ocp.CheckpointManagerOptions(
@@ -151,7 +101,7 @@ class Checkpointer:
         - `meta`: JSON-serialisable record (config, counters); `step` is added.
         """
         state = {"params": eqx.filter(model, eqx.is_array), "opt_state": opt_state}
-        meta = _to_json({**meta, "step": step})
+        meta = to_json({**meta, "step": step})
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -187,8 +137,8 @@ class Checkpointer:
         **Raises:** `ValueError` when no checkpoint is saved, or `step` is not a saved one.
         """
         step = self._require_step(step)
-        params, static = eqx.partition(model, _is_array_or_shape)
-        target = _abstract({"params": params, "opt_state": opt_state})
+        params, static = eqx.partition(model, is_array_or_shape)
+        target = abstract_of({"params": params, "opt_state": opt_state})
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -279,7 +229,7 @@ class Checkpointer:
         if not source.is_dir():
             held = []
             if self.directory.is_dir():
-                held = sorted(int(p.name) for p in self.directory.iterdir() if _is_step_dir(p))
+                held = sorted(int(p.name) for p in self.directory.iterdir() if is_step_dir(p))
             has = f"step folders {held}" if held else "no step folders"
             raise ValueError(
                 f"set_aside moves a saved step's folder; {self.directory} holds {has}, not "
@@ -345,130 +295,3 @@ class Restored:
     meta: dict[str, Any]
     step: int
     unreadable: list[tuple[int, str]]
-
-
-def unreadable_reason(error: BaseException, limit: int = 240) -> str:
-    """One line on why a checkpoint failed to load: the innermost cause's type and the
-    first line of its message (tensorstore's long spec dump cut off).
-
-    **Arguments:**
-
-    - `error`: what orbax raised.
-    - `limit`: most characters of message kept.
-
-    **Returns:** e.g. `"ValueError: OUT_OF_RANGE: Error reading "params.w/0.0" ..."`.
-    """
-    while error.__cause__ is not None:
-        error = error.__cause__
-    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-    text = str(text).strip().split("\n")[0].split(" [tensorstore_spec")[0]
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(error).__name__}: {text}"
-
-
-def check_meta_matches(meta: dict[str, Any], model_config: dict[str, Any], where: str) -> None:
-    """Check that a checkpoint was written for the same model config.
-
-    **Arguments:**
-
-    - `meta`: the checkpoint's JSON record (holds `model_config`).
-    - `model_config`: the requested config as a dict.
-    - `where`: the checkpoint path, for the message.
-
-    **Returns:** nothing; raises `ValueError` listing the fields that differ.
-    """
-    saved = meta.get("model_config")
-    wanted = _to_json(model_config)
-    if isinstance(saved, dict):  # remat recomputes the same values: free to change
-        saved = {k: v for k, v in saved.items() if k not in RESHARDABLE_MODEL_FIELDS}
-        wanted = {k: v for k, v in wanted.items() if k not in RESHARDABLE_MODEL_FIELDS}
-    if saved == wanted:
-        return
-    if not isinstance(saved, dict):
-        raise ValueError(
-            f"a checkpoint must record its model config; {where} has none. Resume only from "
-            "checkpoints written by eqx_longctx.train, or start a fresh --run-dir."
-        )
-    keys = sorted(set(saved) | set(wanted))
-    diffs = [
-        f"{k}: saved={saved.get(k)!r} requested={wanted.get(k)!r}"
-        for k in keys
-        if saved.get(k) != wanted.get(k)
-    ]
-    raise ValueError(
-        "the resumed model config must match the checkpoint's; "
-        f"{where} differs in {'; '.join(diffs)}. Pass the same --preset/--override flags "
-        "as the run that wrote it, or start a fresh --run-dir."
-    )
-
-
-class CheckpointReader:
-    """Read-only access to a run's checkpoints, for using a model rather than resuming its
-    training (`python -m eqx_longctx.generate --run-dir`): it never cleans, moves or writes
-    anything, so it may read a run that is still training.
-
-    **Arguments:**
-
-    - `directory`: the checkpoint directory (`<run_dir>/checkpoints`).
-
-    **Raises:** `ValueError` as [`check_checkpoint_dir`][], and when `directory` is not a
-    folder.
-    """
-
-    def __init__(self, directory: str | pathlib.Path):
-        self.directory = check_checkpoint_dir(directory)
-        if not self.directory.is_dir():
-            raise ValueError(
-                f"reading a run's model needs its checkpoints; {self.directory} does not "
-                "exist. Point --run-dir at a run of python -m eqx_longctx.train that saved one."
-            )
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(read_only=True),
-            item_handlers={
-                "state": ocp.PyTreeCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler(),
-            },
-        )
-
-    def steps(self) -> list[int]:
-        """**Returns:** the saved steps, oldest first."""
-        return sorted(self._manager.all_steps())
-
-    def read_meta(self, step: int) -> dict[str, Any]:
-        """**Returns:** the JSON record of `step` (model config, the run's flags, ...)."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(restored["meta"])
-
-    def read_model(self, model, step: int):
-        """The parameters of `step` restored into `model`'s structure and shardings; the
-        optimizer state is not read.
-
-        **Arguments:**
-
-        - `model`: a model of the checkpoint's config, built or abstract (e.g.
-          `Placement.abstract_model`); its arrays give the shapes, dtypes and shardings.
-        - `step`: a saved step.
-
-        **Returns:** the model with the checkpoint's parameters.
-        """
-        params, static = eqx.partition(model, _is_array_or_shape)
-        target = _abstract(params)
-        stored = self._manager.item_metadata(step)["state"]
-        stored = getattr(stored, "tree", stored)
-        skip = jax.tree.map(lambda _: ocp.PLACEHOLDER, stored["opt_state"])
-        item = {"params": target, "opt_state": skip}
-        restore_args = {
-            "params": ocp.checkpoint_utils.construct_restore_args(target),
-            "opt_state": skip,
-        }
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item, restore_args=restore_args)),
-        )
-        return eqx.combine(restored["state"]["params"], static)
-
-    def close(self) -> None:
-        """Release the manager."""
-        self._manager.close()

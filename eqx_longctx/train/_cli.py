@@ -13,31 +13,23 @@ import traceback
 from collections.abc import Sequence
 
 from .._family import ENTRY_POINT_GROUP, family_names
+from ..run import (
+    EXIT_PREEMPTED,
+    INIT_TIMEOUT,
+    PEER_TIMEOUT,
+    DefaultsHelpFormatter,
+    Parser,
+    UsageError,
+    add_placement_flags,
+    error_line,
+    exit_now,
+    parse_override,
+    positive_int,
+    preempted_line,
+)
 from ._config import TrainConfig
-from ._distributed import PEER_TIMEOUT
-from ._exit import EXIT_PREEMPTED, PROG, error_line, exit_now, preempted_line
-from ._placement_flags import DefaultsHelpFormatter
-from ._processes import INIT_TIMEOUT
 
-
-def _override(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(
-            f"--override takes FIELD=VALUE (a field of the model's config, e.g. LlamaConfig); "
-            f"got {text!r}. "
-            "Example: --override n_layers=2"
-        )
-    return key, value
-
-
-class UsageError(Exception):
-    """A flag argparse could not parse (raised instead of printing usage and exiting)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # pyright: ignore[reportIncompatibleMethodOverride]
-        raise UsageError(message)
+PROG = "eqx-longctx-train"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eqx_longctx.nn import REMAT_POLICIES
 
     d = TrainConfig(run_dir="unused")
-    p = _Parser(
+    p = Parser(
         prog=PROG,
         description="Train a model of any installed family (--model) on a text corpus (default: "
         "the tiny Llama on the Python standard library). Writes metrics.jsonl, loss.png and "
@@ -71,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--override",
         action="append",
-        type=_override,
+        type=parse_override,
         default=[],
         metavar="FIELD=VALUE",
         help="replace a field of the model's config, e.g. n_layers=2 (repeatable); with "
@@ -188,81 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--process-id", type=int, default=None, help="this process: 0..N-1")
     g.add_argument(
         "--init-timeout",
-        type=_positive_int,
+        type=positive_int,
         default=INIT_TIMEOUT,
         metavar="SECONDS",
         help="wait at most this long for the coordinator and every process to join",
     )
     g.add_argument(
         "--peer-timeout",
-        type=_positive_int,
+        type=positive_int,
         default=PEER_TIMEOUT,
         metavar="SECONDS",
         help="exit (status 3) when another process has sent no heartbeat for this long",
     )
     return p
-
-
-def add_placement_flags(
-    p: argparse.ArgumentParser,
-    *,
-    devices: int,
-    default_mesh_help: str,
-    strategy: str = "ring",
-    load_balance: str = "zigzag",
-) -> None:
-    """Add the flags that say where a model runs: `--devices`, `--mesh`, `--fsdp-axes`,
-    `--strategy` and `--load-balance` (the trainer's; other CLIs built on its `Placement`,
-    such as `python -m eqx_longctx.generate`, take the same flags with the same meaning).
-
-    **Arguments:**
-
-    - `p`: the parser to add them to.
-    - `devices`: the default `--devices`.
-    - `default_mesh_help`: what `--mesh` is by default, for the help text.
-    - `strategy`, `load_balance`: their defaults.
-    """
-    p.add_argument(
-        "--devices",
-        type=int,
-        default=devices,
-        help="devices to run on (on CPU: fake devices; 1 = no mesh)",
-    )
-    p.add_argument(
-        "--mesh",
-        default=None,
-        help="mesh axis sizes, AXIS=SIZE with axes data, fsdp, expert, ulysses, context, "
-        "tensor, e.g. data=2,context=4 or fsdp=2,context=4 (default: "
-        f"{default_mesh_help})",
-    )
-    p.add_argument(
-        "--fsdp-axes",
-        default=None,
-        help="mesh axes the parameters, gradients and optimizer state are split over, "
-        "comma-separated, e.g. fsdp,context (default: fsdp when --mesh has it, else none)",
-    )
-    p.add_argument(
-        "--strategy",
-        default=strategy,
-        choices=("all_gather", "ulysses", "ring", "usp", "auto"),
-        help="context-parallel attention strategy",
-    )
-    p.add_argument(
-        "--load-balance",
-        default=load_balance,
-        choices=("none", "zigzag", "striped"),
-        help="token layout that balances causal work over the context axis",
-    )
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of seconds >= 1; got {text!r}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A multi-process run (`--coordinator`, `--num-processes`, `--process-id`, or a Cloud TPU
     slice of several workers) starts `jax.distributed` first (see
-    `eqx_longctx.train._distributed`), checks that every process got the same flags, and
+    `eqx_longctx.run`), checks that every process got the same flags, and
     takes process 0's run directory; only process 0 prints progress and the summary and
     writes the run's files.
 
@@ -299,19 +229,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(error_line(f"{e} (see --help)"), file=sys.stderr)
         return 2
-    from . import _distributed as dist
+    from ..run import cluster_from_flags, set_cpu_devices, start_processes
 
     try:
-        cluster = dist.cluster_from_flags(
+        cluster = cluster_from_flags(
             args.coordinator, args.num_processes, args.process_id, args.devices
         )
     except ValueError as e:
         print(error_line(e), file=sys.stderr)
         return 2
     if cluster is None:
-        dist.set_cpu_devices(args.devices)
+        set_cpu_devices(args.devices)
         return _train(args, None, {})
-    runtime = dist.start(
+    runtime = start_processes(
         cluster,
         devices=args.devices,
         init_timeout=args.init_timeout,
@@ -334,8 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
     """The run itself; `runtime` is `None` for one process. Error messages go to stderr
     and into `failure["message"]`."""
+    from ..run import primary_value
     from ._loop import Trainer
-    from ._processes import primary_value
 
     primary = runtime is None or runtime.process_id == 0
 

@@ -1,45 +1,19 @@
 """What a training run is: every knob in one frozen dataclass, validated on construction."""
 
 import dataclasses
-import json
 import math
 import os
-import pathlib
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from .._family import family_names, model_family
-from .._mesh import MESH_AXES as MESH_AXES
-from .._mesh import parse_mesh as parse_mesh
-from ._placement_flags import default_mesh as default_mesh
-from ._placement_flags import fsdp_axes_of as fsdp_axes_of
-from ._placement_flags import host_offload_of as host_offload_of
-from ._placement_flags import mesh_shape as mesh_shape
+from .._family import family_names
+from ..run import default_mesh as default_mesh_shape
+from ..run import default_run_dir, fsdp_axes_of, mesh_shape, mesh_text, preset_model_config
+from ._offload import host_offload_of
 
 NONFINITE_MODES = ("stop", "skip")
-
-
-def default_run_dir(resume: bool, root: str = "runs") -> pathlib.Path:
-    """A fresh `runs/<date>-<time>` directory, or for `resume` the newest run with checkpoints
-    (the one whose `checkpoints/` changed last)."""
-    base = pathlib.Path(root)
-    if resume:
-        runs = [d for d in base.glob("*") if (d / "checkpoints").is_dir()]
-        if not runs:
-            raise ValueError(
-                f"--resume without --run-dir continues the newest run under {base}/, but none "
-                "there has checkpoints. Pass --run-dir of the run to continue."
-            )
-        # Newest by when its checkpoints last changed, not by name: runs may be renamed.
-        return max(runs, key=lambda d: ((d / "checkpoints").stat().st_mtime, d.name))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, n = base / stamp, 1
-    while path.exists():
-        path, n = base / f"{stamp}-{n}", n + 1
-    return path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +22,7 @@ class TrainConfig:
 
     Every field is checked on construction by [`check_train_config`][] (types, ranges,
     choices, the mesh), before any data is read or anything traced; `Trainer` then checks
-    the mesh against the batch, sequence and heads with [`Placement.check_run`][].
+    the mesh against the batch, sequence and heads with `eqx_longctx.run.Placement.check_run`.
 
     **Raises:** `TypeError` and `ValueError` as [`check_train_config`][]; `ValueError` also
     when `resume` is set without a `run_dir` and no run under `runs/` has checkpoints.
@@ -89,7 +63,7 @@ class TrainConfig:
     - `overwrite`: delete an earlier run's checkpoints and metrics in `run_dir`.
     - `devices`: how many (on CPU: fake) devices to run on.
     - `mesh`: their mesh, e.g. `"data=2,context=4"` or `"fsdp=2,context=4"` (axes from
-      `MESH_AXES`; `None`: [`default_mesh`][]).
+      `eqx_longctx.run.MESH_AXES`; `None`: `eqx_longctx.run.default_mesh`).
     - `fsdp_axes`: the mesh axes the parameters, gradients and optimizer state are split
       over, comma-separated (e.g. `"fsdp,context"`); `None`: `"fsdp"` when the mesh has that
       axis, else none (every weight replicated, as without FSDP).
@@ -207,7 +181,7 @@ def check_train_config(config: "TrainConfig") -> None:
     """Check every field of `config` before anything runs: types, ranges, choices, the mesh.
 
     Each rule has one home: the optimizer's ranges are `check_optimizer_settings`'s (which
-    `make_optimizer` runs too), the mesh syntax is [`parse_mesh`][]'s, and batch,
+    `make_optimizer` runs too), the mesh syntax is `eqx_longctx.run.parse_mesh`'s, and batch,
     sequence-length and head divisibility by the mesh are the `ShardingSpec`'s, run by
     `Placement.check_run`.
 
@@ -228,7 +202,8 @@ def check_train_config(config: "TrainConfig") -> None:
       `load_balance`, `on_nonfinite` or `remat` not among the choices, an optimizer setting
       out of range (`lr` finite and > 0, `steps >= 1`, `warmup_steps >= 0`,
       `weight_decay` finite and >= 0, `clip_norm` finite and > 0), `warmup_steps >= steps`,
-      a `mesh` or `fsdp_axes` rejected by [`mesh_shape`][] or [`fsdp_axes_of`][], or both
+      a `mesh` or `fsdp_axes` rejected by `eqx_longctx.run.mesh_shape` or
+      `eqx_longctx.run.fsdp_axes_of`, or both
       `resume` and `overwrite`.
     """
     from eqx_longctx._sharding import LOAD_BALANCES, STRATEGIES
@@ -326,7 +301,8 @@ def check_train_config(config: "TrainConfig") -> None:
     shape = None
     if config.devices > 1 or config.mesh is not None:
         shape = mesh_shape(config.mesh, config.devices)
-    fsdp_axes_of(config.fsdp_axes, shape, config.mesh or default_mesh(config.devices))
+    text = config.mesh or mesh_text(default_mesh_shape(config.devices))
+    fsdp_axes_of(config.fsdp_axes, shape, text)
     host_offload_of(config.host_offload)
     k = config.grad_accum
     if config.batch_size % k:
@@ -343,12 +319,13 @@ def check_train_config(config: "TrainConfig") -> None:
 
 
 def build_model_config(config: TrainConfig, vocab_size: int):
-    """The model config a run trains: the preset of its family, fitted to the tokenizer and
-    `seq_len`.
+    """The model config a run of a fresh model trains: the preset of its family, fitted to
+    the tokenizer and `seq_len` (`eqx_longctx.run.preset_model_config` of the run's
+    `model`, `preset`, `model_overrides`, `seq_len` and `remat`).
 
     **Arguments:**
 
-    - `config`: the run settings (`model`, `preset`, `model_overrides`, `remat`, `seq_len`).
+    - `config`: the run settings.
     - `vocab_size`: the tokenizer's vocabulary size.
 
     **Returns:** an instance of `eqx_longctx.model_family(config.model).config` (e.g.
@@ -359,99 +336,7 @@ def build_model_config(config: TrainConfig, vocab_size: int):
     field; `TypeError` and `ValueError` as the config's constructor for the values that
     result.
     """
-    fam = model_family(config.model)
-    overrides = resolve_overrides(config.preset, config.model_overrides, model=config.model)
-    changes: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "max_seq_len": max(fam.presets[config.preset].max_seq_len, config.seq_len),
-    }
-    if config.remat is not None:
-        changes["remat"] = config.remat
-    changes.update(overrides)
-    try:
-        model_config = fam.config.from_preset(config.preset, **changes)
-    except TypeError as e:
-        given = " ".join(f"{k}={v}" for k, v in config.model_overrides.items())
-        raise ValueError(f"--override {given}: {e}") from None
-    check_model_fits(model_config, config, vocab_size)
-    return model_config
-
-
-def check_model_fits(model_config: Any, config: TrainConfig, vocab_size: int | None) -> None:
-    """**Raises:** `ValueError` when the model cannot take the run's rows: `max_seq_len`
-    below `--seq-len`, or a vocabulary smaller than the tokenizer's `vocab_size` (`None`:
-    not checked here). Run before a fresh run deletes anything: tracing the first step
-    would fail only after it had."""
-    if model_config.max_seq_len < config.seq_len:
-        raise ValueError(
-            f"the model's max_seq_len={model_config.max_seq_len} is shorter than --seq-len "
-            f"{config.seq_len}. Raise it (--override max_seq_len={config.seq_len}) or pass a "
-            "shorter --seq-len."
-        )
-    if vocab_size is not None and model_config.vocab_size < vocab_size:
-        raise ValueError(
-            f"the model's vocab_size={model_config.vocab_size} is smaller than the "
-            f"tokenizer's {vocab_size} tokens. Drop --override vocab_size, or pass one of at "
-            f"least {vocab_size}."
-        )
-
-
-def resolve_overrides(
-    preset: str, overrides: Mapping[str, Any], *, model: str = "llama"
-) -> dict[str, Any]:
-    """Check a preset name and its overrides; turn CLI strings into the preset's types.
-
-    **Arguments:**
-
-    - `preset`: a key of the family's presets (`--preset`).
-    - `overrides`: config field -> value (`--override FIELD=VALUE`; strings parse as the
-      preset's value for that field).
-    - `model`: the family (`--model`).
-
-    **Returns:** the overrides with parsed values.
-    """
-    fam = model_family(model)
-    if preset not in fam.presets:
-        raise ValueError(
-            f"--preset must be one of --model {model}'s presets {sorted(fam.presets)}; got "
-            f"--preset {preset!r}. Pass e.g. --preset tiny."
-        )
-    base = fam.presets[preset]
-    fields = {f.name for f in dataclasses.fields(base)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(
-            f"--override must name {fam.config.__name__} fields; got unknown {unknown} (--model "
-            f"{model}). Valid fields: {sorted(fields)}."
-        )
-    return {name: _coerce(value, getattr(base, name), name) for name, value in overrides.items()}
-
-
-def _coerce(value: Any, like: Any, name: str) -> Any:
-    """Turn a CLI string into the type of the preset's value for that field (where that
-    value is None, e.g. `sliding_window` or `rope_scaling`: `none`, a JSON value (a number,
-    a list as a tuple, an object), or the string as is)."""
-    if isinstance(value, str) and like is None:
-        if value.lower() == "none":
-            return None
-        try:  # numbers, and JSON lists / objects (layer_types, rope_scaling)
-            parsed = json.loads(value)
-        except ValueError:
-            return value
-        return tuple(parsed) if isinstance(parsed, list) else parsed
-    if not isinstance(value, str) or isinstance(like, str):
-        return value
-    if isinstance(like, bool):
-        if value.lower() in ("1", "true", "yes"):
-            return True
-        if value.lower() in ("0", "false", "no"):
-            return False
-    else:
-        try:
-            return type(like)(value)
-        except (TypeError, ValueError):
-            pass
-    raise ValueError(
-        f"override {name}={value!r} must parse as {type(like).__name__} like the preset's "
-        f"value {like!r}. Pass e.g. --override {name}={like}."
-    )
+    return preset_model_config(
+        config.model, config.preset, config.model_overrides, vocab_size=vocab_size,
+        seq_len=config.seq_len, remat=config.remat,
+    )  # fmt: skip

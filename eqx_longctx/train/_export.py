@@ -16,7 +16,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-from ._exit import error_line
+from ..run import SOURCE_COPY, SOURCE_EXTRAS, Parser, UsageError, error_line
 
 PROG = "eqx-longctx-export"
 
@@ -41,19 +41,17 @@ def export_run(
     family's `to_hf` for `out`.
     """
     from .._family import model_family
-    from ._init_hf import SOURCE_COPY
-    from ._parallel import Placement
-    from ._read_run import read_run_model
+    from ..run import Placement, read_run_model
 
     run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
     # Read on one device, whatever the mesh that trained it.
     run = read_run_model(
         run_dir, lambda config, _: Placement(1, vocab_size=config.vocab_size), reader="export",
-        step=step, settings=dict(devices=1, mesh=None, fsdp_axes=None),
+        step=step,
     )  # fmt: skip
     copy = None if run.start is None else run_dir / SOURCE_COPY
     _check_no_stale_files(out, copy)  # before anything is written
-    model_family(run.train.model).to_hf(run.model, out)
+    model_family(run.flags["model"]).to_hf(run.model, out)
     _add_tokenizer(out, run.tokenizer, copy)
     return run.step
 
@@ -62,9 +60,7 @@ _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _source_files() -> tuple[str, ...]:
-    from eqx_longctx.data._hf_tokenizer import TOKENIZER_FILES
-
-    from ._init_hf import SOURCE_EXTRAS
+    from ..data import TOKENIZER_FILES
 
     return (*TOKENIZER_FILES, *SOURCE_EXTRAS)
 
@@ -113,9 +109,7 @@ def _add_tokenizer(out: pathlib.Path, tokenizer, copy: pathlib.Path | None) -> N
 
 def build_parser() -> argparse.ArgumentParser:
     """**Returns:** the argument parser of the export CLI."""
-    from ._cli import _Parser
-
-    p = _Parser(
+    p = Parser(
         prog=PROG,
         description="Write the newest checkpoint of a training run (python -m "
         "eqx_longctx.train) as a Hugging Face checkpoint directory: config.json, "
@@ -134,8 +128,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     **Returns:** the exit status: 0 when written, 2 on invalid flags or a run that cannot be
     exported.
     """
-    from ._cli import UsageError
-
     try:
         args = build_parser().parse_args(argv)
         step = export_run(args.run_dir, args.out, step=args.step)

@@ -31,17 +31,26 @@ from typing import Any
 import jax
 
 from .._family import model_family
-from ._checkpoint import Checkpointer, check_checkpoint_dir, check_meta_matches
-from ._config import TrainConfig, build_model_config, host_offload_of
+from ..data import place_batch
+from ..run import (
+    FLAGS_FILE,
+    agree,
+    check_checkpoint_dir,
+    check_meta_matches,
+    hf_start,
+    is_primary,
+    placement_from_flags,
+    read_flags,
+    sync,
+)
+from ._checkpoint import Checkpointer
+from ._config import TrainConfig, build_model_config, flag_name
 from ._eval import check_batch, evaluate
-from ._init_hf import hf_start, keep_source
 from ._metrics import MetricsLog, TrainResult, describe_loss, plot_metrics
-from ._offload import to_device, to_host
-from ._parallel import Placement
+from ._offload import host_offload_of, to_device, to_host
 from ._preempt import PreemptionNotice
-from ._processes import agree, is_primary, sync
-from ._record import FLAGS_FILE, check_resume_flags, read_flags, run_flags, write_flags
-from ._step_cache import as_global, cached_train_step
+from ._record import check_resume_flags, keep_source, run_flags, write_flags
+from ._step_cache import cached_train_step
 
 BatchHook = Callable[[int, Any], Any]
 
@@ -86,7 +95,7 @@ class Trainer:
     - a `preset` or `model_overrides` the family rejects (see [`build_model_config`][]),
       and `TypeError` or `ValueError` from the model config's own checks;
     - a mesh the devices, batch, sequence, heads or experts do not fit (see
-      [`Placement`][] and [`Placement.check_run`][]), or a weight dimension it does not
+      `eqx_longctx.run.Placement` and its `check_run`), or a weight dimension it does not
       divide (see `eqx_longctx.param_pspecs`);
     - a `run_dir` that is a file, or whose `checkpoints/` holds foreign files (see
       [`check_checkpoint_dir`][]);
@@ -100,7 +109,7 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig, *, datasets=None, batch_hook: BatchHook | None = None):
-        from eqx_longctx.data import ByteTokenizer, GrainBatches, GrainEvalBatches, load_datasets
+        from ..data import ByteTokenizer, GrainBatches, GrainEvalBatches, load_datasets
 
         self.config = config
         self.batch_hook = batch_hook
@@ -109,24 +118,23 @@ class Trainer:
         # Every check that needs no data comes first: bad flags fail before the corpus is
         # read and the model built.
         self.family = model_family(config.model)
-        self.hf_start = hf_start(config, self.run_dir)
+        self.hf_start = hf_start(
+            self.run_dir, model=config.model, init_hf=config.init_hf, seq_len=config.seq_len,
+            overrides=config.model_overrides, remat=config.remat, resume=config.resume,
+        )  # fmt: skip
         if self.hf_start is None:
             self.tokenizer: Any = ByteTokenizer()
             self.model_config = build_model_config(config, self.tokenizer.vocab_size)
         else:
             self.tokenizer = self.hf_start.tokenizer
             self.model_config = self.hf_start.model_config
-        self.parallel = Placement(
-            config.devices,
-            config.mesh,
-            config.strategy,
-            config.load_balance,
-            config.fsdp_axes,
-            vocab_size=self.model_config.vocab_size,
-        )
+        self.parallel = placement_from_flags(
+            config.devices, config.mesh, config.strategy, config.load_balance,
+            config.fsdp_axes, vocab_size=self.model_config.vocab_size,
+        )  # fmt: skip
         self.parallel.check_run(
             config.batch_size, config.seq_len, self.model_config, family=self.family,
-            grad_accum=config.grad_accum,
+            grad_accum=config.grad_accum, name=flag_name,
         )  # fmt: skip
         # The layout of every weight: a dimension the mesh does not divide fails here.
         self._abstract_model = self.parallel.abstract_model(self._make_model)
@@ -360,6 +368,7 @@ class Trainer:
             file=sys.stderr,
         )
         say = (bar.write if cfg.progress else print) if self.primary else _quiet
+        batch_spec = self.parallel.spec
         status = "completed" if stop_at is None or stop_at >= cfg.steps else "interrupted"
         smooth, checked, last = None, False, None
         if self.preemption.closed:  # an earlier run() returned
@@ -371,7 +380,9 @@ class Trainer:
                     self._seek_data()
                 batch = next(self.batches)
                 if self.batch_hook is not None:
-                    batch = as_global(self.batch_hook(self.step, batch), batch)
+                    batch = place_batch(
+                        self.batch_hook(self.step, batch), batch_spec, laid_out=True
+                    )
                 if not checked:  # once per segment: ids are all in range or nothing runs
                     check_batch(batch, self.model_config.vocab_size)
                     checked = True

@@ -9,6 +9,23 @@ HOST_OFFLOADS = ("opt_state", "params")
 """What `--host-offload` may keep in host memory between steps (see [`make_train_step`][])."""
 
 
+def host_offload_of(host_offload: str | None) -> tuple[str, ...]:
+    """`--host-offload` text (e.g. `"opt_state,params"`) as the tuple `make_train_step`
+    takes; `None`: `()`.
+
+    **Raises:** `ValueError` for a name not in `HOST_OFFLOADS`, or one named twice.
+    """
+    if host_offload is None:
+        return ()
+    names = tuple(name.strip() for name in host_offload.split(","))
+    if any(n not in HOST_OFFLOADS for n in names) or len(set(names)) != len(names):
+        raise ValueError(
+            f"--host-offload takes distinct names among {','.join(HOST_OFFLOADS)}, joined by "
+            f"commas; got --host-offload {host_offload!r}. Pass e.g. --host-offload opt_state."
+        )
+    return names
+
+
 def check_host_offload(host_offload: object) -> None:
     """**Raises:** `ValueError` unless `host_offload` is a tuple of distinct names from
     `HOST_OFFLOADS`."""

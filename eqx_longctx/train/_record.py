@@ -25,9 +25,19 @@ Every `TrainConfig` field falls in one of three groups:
 
 import json
 import pathlib
+import shutil
 from typing import Any
 
-from ._config import TrainConfig, flag_name, resolve_overrides
+from ..data import TOKENIZER_FILES
+from ..run import (
+    CONFIG_FILE,
+    FLAGS_FILE,
+    SOURCE_COPY,
+    SOURCE_EXTRAS,
+    HFStart,
+    resolve_overrides,
+)
+from ._config import TrainConfig, flag_name
 
 RUN_FLAGS = (
     "model",
@@ -63,7 +73,6 @@ FREE_FLAGS = (
     "overwrite",
     "progress",
 )
-FLAGS_FILE = "flags.json"
 _NOT_RECORDED = ("run_dir", "resume", "overwrite", "progress")
 
 
@@ -100,26 +109,6 @@ def write_flags(run_dir: pathlib.Path, config: TrainConfig) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run_flags(config), indent=1, sort_keys=True) + "\n")
     return path
-
-
-def read_flags(run_dir: pathlib.Path) -> dict[str, Any] | None:
-    """**Returns:** the recorded flags of the run in `run_dir`, or `None` when it has no
-    `flags.json` (deleted: then `--resume` compares with the newest checkpoint's record);
-    raises `ValueError` when the file cannot be read."""
-    path = pathlib.Path(run_dir) / FLAGS_FILE
-    if not path.exists():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        record = e
-    if not isinstance(record, dict):
-        raise ValueError(
-            f"--resume compares the flags with the run's record, but {path} is not a JSON "
-            f"object ({record}). Restore the file, delete it to compare with the newest "
-            "checkpoint's record instead, or start a new --run-dir."
-        )
-    return record
 
 
 def flag_differences(recorded: dict[str, Any], given: dict[str, Any]) -> list[str]:
@@ -193,3 +182,19 @@ def check_resume_flags(
             "change on resume.)"
         )
     return done
+
+
+def keep_source(run_dir: pathlib.Path, start: HFStart | None) -> None:
+    """Record where a fresh run starts: copy `config.json` and the tokenizer files of its
+    source checkpoint into `<run_dir>/init_hf/`, or (a fresh model) remove an earlier run's
+    copy, which would make `--resume` read that checkpoint's config."""
+    copy = pathlib.Path(run_dir) / SOURCE_COPY
+    if start is not None and copy.resolve() == start.source.resolve():
+        return
+    shutil.rmtree(copy, ignore_errors=True)
+    if start is None:
+        return
+    copy.mkdir(parents=True)
+    for name in (CONFIG_FILE, *TOKENIZER_FILES, *SOURCE_EXTRAS):
+        if (start.source / name).is_file():
+            shutil.copyfile(start.source / name, copy / name)

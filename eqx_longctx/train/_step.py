@@ -14,10 +14,8 @@ import optax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
-from eqx_longctx.data import ByteTokenizer
-from eqx_longctx.nn import AbstractDecoder, chunked_cross_entropy
-from eqx_longctx.nn._loss import check_loss_chunk
-
+from ..data import ByteTokenizer
+from ..nn import AbstractDecoder, check_loss_chunk, chunked_cross_entropy
 from ._bits import batch_bytes, byte_ids_of, units
 from ._offload import check_host_offload, to_device, to_host
 
@@ -216,10 +214,11 @@ def loss_sum(
         hidden = model.hidden_states(
             batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids
         )
-        return chunked_cross_entropy(
-            hidden, model.head_weight(), batch.targets, mask, spec=model.spec,
-            weight_pspec=model.head_pspec(), chunk_tokens=loss_chunk,
-        )  # fmt: skip
+        with jax.named_scope("loss"):
+            return chunked_cross_entropy(
+                hidden, model.head_weight(), batch.targets, mask, spec=model.spec,
+                weight_pspec=model.head_pspec(), chunk_tokens=loss_chunk,
+            )  # fmt: skip
     logits = model(batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels
     spec = getattr(model, "spec", None)
@@ -227,10 +226,11 @@ def loss_sum(
         # On an Explicit mesh the gradient of optax's label lookup (a scatter into sharded
         # logits) asks for an output sharding (JAX 0.12); with Auto axes XLA picks it.
         cross_entropy = spec.auto_axes(cross_entropy, spec.token_pspec())
-    ce = cross_entropy(logits.astype(jnp.float32), batch.targets)
-    # One reduction of both, after the logits (a lone count could run beside the layers'
-    # loop: see `eqx_longctx._after`).
-    total, count = jnp.sum(jnp.stack([ce * mask, mask]), axis=(1, 2))
+    with jax.named_scope("loss"):
+        ce = cross_entropy(logits.astype(jnp.float32), batch.targets)
+        # One reduction of both, after the logits (a lone count could run beside the
+        # layers' loop: see `eqx_longctx._after`).
+        total, count = jnp.sum(jnp.stack([ce * mask, mask]), axis=(1, 2))
     return total, count
 
 

@@ -1,31 +1,20 @@
 """The trainer's compiled step, kept across Trainers: one jitted function per run settings
 that change what it compiles to, so a fresh Trainer (a resume in the same process, a test)
-reuses it; and the placement of batch fields a hook returned as host arrays."""
+reuses it."""
 
 import hashlib
 from typing import Any
 
 import jax
-import numpy as np
 
-from ._config import TrainConfig, host_offload_of
-from ._parallel import Placement
+from .._caches import on_clear_caches
+from ..run import Placement
+from ._config import TrainConfig
+from ._offload import host_offload_of
 from ._step import make_optimizer, make_train_step
 
-
-def as_global(batch, like):
-    """`batch` with every host-array field placed like the field of `like` it replaces."""
-
-    def place(x, ref):
-        if isinstance(x, jax.Array):
-            return x
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, ref.sharding, lambda i: host[i])
-
-    return type(batch)(*(place(x, ref) for x, ref in zip(batch, like, strict=True)))
-
-
 _STEP_CACHE: dict[tuple, tuple[Any, Any]] = {}
+on_clear_caches(_STEP_CACHE.clear)
 
 
 def cached_train_step(

@@ -1,26 +1,50 @@
-"""Where a training run's arrays live: one device, or a mesh with a `ShardingSpec`.
+"""Where a run's arrays live: one device, or a mesh with a `ShardingSpec`.
 
 On a mesh the batch is split over the spec's `batch_axes` (`"data"`, the fsdp axes that are
 not sequence axes, `"expert"`), the sequence over `"context"` (and `"ulysses"` under USP) in
 the spec's load-balanced layout. Every parameter is placed by the rules table
-(`eqx_longctx.param_shardings`): split over the `--fsdp-axes` (ZeRO-3), the `"tensor"` axis
+(`eqx_longctx.param_shardings`): split over the fsdp axes (ZeRO-3), the `"tensor"` axis
 (Megatron) and the `"expert"` axis, replicated over the rest; the optimizer state is laid
 out like the parameters it tracks, and the train step keeps both layouts.
+
+A `Placement` takes parsed values (axis sizes, axis names) and speaks of values in its
+errors; the command lines build one from their flags with
+[`placement_from_flags`][eqx_longctx.run.placement_from_flags], which words the errors in
+flags.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from eqx_longctx.data import place_batch
+from jax.sharding import Mesh, NamedSharding
 
 from .._sharding import ShardingSpec
-from ._placement_flags import default_mesh, fsdp_axes_of, mesh_shape
+
+MESH_AXES = ("data", "fsdp", "expert", "ulysses", "context", "tensor")
+"""The mesh axes a placement knows: `data` splits the batch, `fsdp` the weights (and the
+batch), `expert` the routed experts (and the batch), `ulysses` and `context` the sequence,
+`tensor` heads and widths."""
+
+
+class SpecError(ValueError):
+    """The `ShardingSpec` a placement's values make refused them: the message names the
+    values, `reason` is the spec's own (a command line words the values as its flags)."""
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def default_mesh(devices: int) -> dict[str, int]:
+    """The mesh of a run on `devices` devices by default: the batch over 2 of them if it can,
+    the sequence over the rest (context parallelism)."""
+    if devices >= 4 and devices % 2 == 0:
+        return {"data": 2, "context": devices // 2}
+    return {"context": devices}
 
 
 class Placement:
@@ -30,30 +54,31 @@ class Placement:
 
     - `devices`: how many devices to use; 1 without `mesh` keeps everything on the default
       device.
-    - `mesh`: axis sizes such as `"fsdp=2,context=4"` (product = `devices`), or `None` for
-      `default_mesh(devices)`. `"tensor"` and `"expert"` axes, when present, become the
-      spec's `tensor_axis` and `expert_axis`.
+    - `mesh`: axis sizes such as `{"fsdp": 2, "context": 4}` (axes from `MESH_AXES`, their
+      product `devices`), or `None` for [`default_mesh`][]`(devices)` (on one device: no
+      mesh). `"tensor"` and `"expert"` axes, when present, become the spec's
+      `tensor_axis` and `expert_axis`, a `"ulysses"` axis its `ulysses_axis`.
     - `strategy`, `load_balance`: the `ShardingSpec`'s (see `eqx_longctx.ShardingSpec`).
-    - `fsdp_axes`: `--fsdp-axes` text (see [`fsdp_axes_of`][]); `None`: `"fsdp"` when the
-      mesh has that axis.
+    - `fsdp_axes`: the mesh axes the weights are split over; `None`: `("fsdp",)` when the
+      mesh has that axis, else none.
     - `vocab_size`: the model's vocabulary; one the tensor axis does not divide (the byte
       tokenizer's 259) is kept whole rather than split over it (the embedding and output
       head then hold every row on each tensor shard; the arithmetic is unchanged).
 
     **Raises:** `ValueError` when `devices` is not in `[1, len(jax.devices())]` (in a
-    multi-process run: not the global device count); `TypeError` and `ValueError` as
-    [`mesh_shape`][] and [`fsdp_axes_of`][] for `mesh` and `fsdp_axes`, and as
-    `eqx_longctx.ShardingSpec` for `strategy`, `load_balance` and the spec the mesh makes
-    (its `ValueError`s prefixed with the flags that set it).
+    multi-process run: not the global device count), when the mesh's sizes do not
+    multiply to `devices` or name an axis outside `MESH_AXES`, when `fsdp_axes` is given
+    without a mesh; and as `eqx_longctx.ShardingSpec` for `strategy`, `load_balance`,
+    `fsdp_axes` and the spec the mesh makes (prefixed with the mesh and strategy).
     """
 
     def __init__(
         self,
         devices: int,
-        mesh: str | None = None,
+        mesh: Mapping[str, int] | None = None,
         strategy: str = "ring",
         load_balance: str = "zigzag",
-        fsdp_axes: str | None = None,
+        fsdp_axes: tuple[str, ...] | None = None,
         vocab_size: int | None = None,
     ):
         available = jax.devices()  # global: every process's devices
@@ -63,11 +88,17 @@ class Placement:
         self.device = available[0]
         self.whole_vocab = False
         if devices == 1 and mesh is None:
-            fsdp_axes_of(fsdp_axes, None, "")
+            if fsdp_axes:
+                raise ValueError(
+                    f"fsdp_axes split the weights over mesh axes, but one device without a "
+                    f"mesh has none; got fsdp_axes={tuple(fsdp_axes)}. Pass a mesh, or no "
+                    "fsdp_axes."
+                )
             return
-        text = mesh or default_mesh(devices)
-        shape = mesh_shape(mesh, devices)
-        fsdp = fsdp_axes_of(fsdp_axes, shape, text)
+        shape = dict(default_mesh(devices) if mesh is None else mesh)
+        check_mesh(shape, devices)
+        if fsdp_axes is None:
+            fsdp_axes = ("fsdp",) if "fsdp" in shape else ()
         self.mesh = Mesh(device_grid(available[:devices], tuple(shape.values())), tuple(shape))
         tensor = shape.get("tensor", 1)
         self.whole_vocab = vocab_size is not None and tensor > 1 and vocab_size % tensor != 0
@@ -78,21 +109,29 @@ class Placement:
                 load_balance=load_balance,
                 ulysses_axis="ulysses" if "ulysses" in shape else None,
                 tensor_axis="tensor" if "tensor" in shape else None,
-                fsdp_axis=fsdp,
+                fsdp_axis=tuple(fsdp_axes),
                 expert_axis="expert" if "expert" in shape else None,
                 rules={"vocab": None} if self.whole_vocab else None,
             )
         except ValueError as e:
-            flags = f"--mesh {text!r} with --strategy {strategy!r}"
-            if fsdp_axes is not None:
-                flags += f" and --fsdp-axes {fsdp_axes!r}"
-            raise ValueError(f"{flags}: {e}") from None
-        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+            axes = ",".join(f"{k}={v}" for k, v in shape.items())
+            raise SpecError(
+                f"mesh {axes} with strategy {strategy!r} and fsdp_axes {tuple(fsdp_axes)}: {e}",
+                reason=str(e),
+            ) from None
+        self._replicated = NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
     # ---- checks ------------------------------------------------------------------------
 
     def check_run(
-        self, batch_size: int, seq_len: int, model_config, family=None, grad_accum: int = 1
+        self,
+        batch_size: int,
+        seq_len: int,
+        model_config,
+        family=None,
+        grad_accum: int = 1,
+        *,
+        name: Callable[[str], str] | None = None,
     ) -> None:
         """Check that a run's batches, the model's heads and its experts split over this
         mesh, before anything is built or traced.
@@ -100,18 +139,21 @@ class Placement:
         The rules are the attention's own (`ShardingSpec.check_batch`,
         `check_sequence_length`, the tensor and Ulysses head checks), applied to the shapes
         every step will have, and the expert axis's (the routed experts divide over it);
-        their messages are prefixed with the flags that set them.
+        their messages are prefixed with the values that set them (`batch_size=8`, or
+        as `name` writes them: the trainer passes its flag names, `--batch-size 8`).
 
         **Arguments:**
 
-        - `batch_size`, `seq_len`: `--batch-size`, `--seq-len`.
-        - `grad_accum`: `--grad-accum`; each micro-batch of `batch_size / grad_accum` rows
+        - `batch_size`, `seq_len`: rows per step and tokens per row.
+        - `grad_accum`: micro-batches per step; each micro-batch of `batch_size / grad_accum` rows
           must split over the batch axes.
         - `model_config`: the model's config.
         - `family`: its `eqx_longctx.ModelFamily` (or that family's name), which gives the
           attention heads (`attention_shape`) and the routed experts (`moe_shape`);
           `None`: the installed or registered family whose `config` class `model_config`
           is.
+        - `name`: how the messages name a value, `name("batch_size") -> "--batch-size"`;
+          `None`: by its argument name.
 
         **Raises:** `ValueError` (nothing on one device) when `family` is `None` and no
         family has `model_config`'s class; when `batch_size` (a micro-batch of it with
@@ -123,23 +165,26 @@ class Placement:
         """
         if self.spec is None:
             return
-        from eqx_longctx._layout import check_sequence_length
-        from eqx_longctx.attention._choose import resolve_strategy
-        from eqx_longctx.attention._validate import check_spec_inputs
+        from .._layout import check_sequence_length
+        from ..attention import check_spec_inputs, resolve_strategy
+
+        def shown(field: str, value) -> str:
+            return f"{field}={value}" if name is None else f"{name(field)} {value}"
 
         family = _family(family, model_config)
         spec, mesh = self.spec, dict(self.mesh.shape)
+        rows = shown("batch_size", batch_size)
         if grad_accum > 1:
             micro = batch_size // grad_accum
-            what = f"--batch-size {batch_size} / --grad-accum {grad_accum} = {micro} rows"
+            what = f"{rows} / {shown('grad_accum', grad_accum)} = {micro} rows"
             spec.check_batch(micro, what=f"a micro-batch ({what})")
         else:
-            spec.check_batch(batch_size, what=f"--batch-size {batch_size}")
+            spec.check_batch(batch_size, what=rows)
         try:
             check_sequence_length(spec, seq_len)
         except ValueError as e:
-            raise ValueError(f"--seq-len {seq_len}: {e}") from None
-        self._check_experts(model_config, family)
+            raise ValueError(f"{shown('seq_len', seq_len)}: {e}") from None
+        self._check_experts(model_config, family, shown)
         q_heads, kv_heads, head_dim, _ = family.attention_shape(model_config)
         q = jax.ShapeDtypeStruct((batch_size, seq_len, q_heads, head_dim), np.float32)
         k = jax.ShapeDtypeStruct((batch_size, seq_len, kv_heads, head_dim), np.float32)
@@ -147,27 +192,28 @@ class Placement:
             check_spec_inputs(spec, q, k, resolve_strategy(spec, q, k))
         except ValueError as e:
             raise ValueError(
-                f"--strategy {spec.strategy!r} on mesh {mesh} with the model's {q_heads} "
-                f"query / {kv_heads} key-value heads: {e}"
+                f"{shown('strategy', repr(spec.strategy))} on mesh {mesh} with the model's "
+                f"{q_heads} query / {kv_heads} key-value heads: {e}"
             ) from None
 
-    def _check_experts(self, model_config, family) -> None:
+    def _check_experts(self, model_config, family, shown) -> None:
         spec = self.spec
         if spec is None or spec.expert_axis is None:
             return
         n = spec.axis_size(spec.expert_axis)
         moe = family.moe_shape(model_config)
         name = type(model_config).__name__
+        axis = shown("mesh", f"expert={n}")
         if moe is None:
             raise ValueError(
-                f"--mesh expert={n} splits the routed experts of MoE layers, but the model "
-                f"({name}) has none. Use a model with routed experts, or move those devices "
-                "to data= or fsdp=."
+                f"{axis} splits the routed experts of MoE layers, but the model ({name}) has "
+                "none. Use a model with routed experts, or move those devices to data= or "
+                "fsdp=."
             )
         if moe.experts % n:
             raise ValueError(
-                f"--mesh expert={n} splits the model's {moe.experts} routed experts ({name}), "
-                f"so they must be divisible by {n}. Use an expert axis whose size divides "
+                f"{axis} splits the model's {moe.experts} routed experts ({name}), so they "
+                f"must be divisible by {n}. Use an expert axis whose size divides "
                 f"{moe.experts}."
             )
 
@@ -318,7 +364,7 @@ class Placement:
 
     def abstract_batch(self, batch_size: int, seq_len: int):
         """**Returns:** a `Batch` of `jax.ShapeDtypeStruct`s `[batch_size, seq_len]` placed
-        as [`shard_batch`][] places a host batch (int32 tokens, targets, positions and
+        as `eqx_longctx.data.place_batch` places a host batch (int32 tokens, targets, positions and
         segment ids, a float32 loss mask): the step's input, allocating nothing."""
         from eqx_longctx.data import Batch
 
@@ -331,36 +377,41 @@ class Placement:
         fields: list[Any] = [ids, ids, ids, ids, mask]  # abstract, where a Batch holds arrays
         return Batch(*fields)
 
-    def shard_batch(self, batch):
-        """**Returns:** `batch` (a host `Batch` of the global batch) in the spec's token
-        layout, split over the mesh. With several processes each fills only the shards its
-        own devices hold.
 
-        **Raises:** `ValueError` (on a mesh) as `eqx_longctx.data.place_batch`, when a field
-        has fewer than 2 axes or its sequence does not split under the spec's layout.
-        """
-        if self.spec is None or jax.process_count() == 1:
-            return place_batch(batch, self.spec)
-        from eqx_longctx._layout import to_layout
+def check_mesh(shape: Mapping[str, int], devices: int) -> None:
+    """Check a mesh's axis sizes against the device count.
 
-        sharding = self.spec.sharding(self.spec.token_pspec())
-
-        def put(x):
-            host = np.asarray(to_layout(np.asarray(x), self.spec, axis=1))
-            return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-        return type(batch)(*(put(x) for x in batch))
+    **Raises:** `ValueError` when an axis is not one of `MESH_AXES`, a size is not a
+    positive int, or the sizes do not multiply to `devices`.
+    """
+    axes = ",".join(f"{k}={v}" for k, v in shape.items())
+    bad = [k for k in shape if k not in MESH_AXES]
+    if bad:
+        raise ValueError(
+            f"a placement's mesh axes come from {MESH_AXES}; got mesh {axes} (unknown {bad}). "
+            "Name each axis by what it splits, e.g. {'data': 2, 'context': 4}."
+        )
+    sizes = list(shape.values())
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+        raise ValueError(f"mesh axis sizes must be positive ints; got mesh {axes}.")
+    if int(np.prod(sizes)) != devices:
+        raise ValueError(
+            f"the mesh's axis sizes must multiply to the device count; got mesh {axes} "
+            f"({int(np.prod(sizes))} devices) for {devices} devices. Use sizes whose product "
+            f"is {devices}."
+        )
 
 
 def check_device_count(devices: int, available: int, processes: int) -> None:
     """Check that a run on `devices` devices can have them.
 
     One process may use the first `devices` of its devices; a multi-process run uses all of
-    them (every process must hold part of the mesh), so `--devices` must be the global count.
+    them (every process must hold part of the mesh), so `devices` must be the global count
+    (`--devices` on the command line).
 
     **Arguments:**
 
-    - `devices`: `--devices`.
+    - `devices`: the run's device count.
     - `available`: `len(jax.devices())` (global).
     - `processes`: `jax.process_count()`.
     """
@@ -397,7 +448,7 @@ def device_grid(devices: list, shape: tuple[int, ...]) -> np.ndarray:
 def _family(family, model_config):
     """The `ModelFamily` a run's config belongs to: `family` (or the family of that name),
     else the installed or registered family whose `config` class `model_config` is."""
-    from .._family import ModelFamily, model_families, model_family
+    from .._family import ModelFamily, model_families, model_family  # noqa: I001
 
     if isinstance(family, ModelFamily):
         return family

@@ -8,21 +8,23 @@ trains float32 parameters (the checkpoint's dtype stays the compute dtype) and e
 `max_seq_len` to `--seq-len` when that is longer; `--override` may change what keeps every
 weight's shape (`rope_theta`, `rope_scaling`, `max_seq_len`, ...).
 
-A fresh run copies `config.json` and the tokenizer files into `<run_dir>/init_hf/`. From
-then on the run no longer needs the source directory: `--resume` restores the weights from
-the run's checkpoint and rebuilds the config and tokenizer from that copy, and the export
-(`python -m eqx_longctx.export`) writes the copy's tokenizer next to the trained weights.
+A fresh run copies `config.json` and the tokenizer files into `<run_dir>/init_hf/` (the
+trainer's `keep_source`). From then on the run no longer needs the source directory:
+`--resume` restores the weights from the run's checkpoint and rebuilds the config and
+tokenizer from that copy, and the export (`python -m eqx_longctx.export`) writes the copy's
+tokenizer next to the trained weights. Reading that copy is every reader's, so it lives
+here with the run directories.
 """
 
 import dataclasses
 import os
 import pathlib
-import shutil
+from collections.abc import Mapping
 from typing import Any
 
 from .._family import ModelFamily, family_names, model_family
-from ._config import TrainConfig, _coerce, check_model_fits
-from ._record import read_flags
+from ._model_config import check_model_fits, coerce_override, preset_model_config
+from ._runs import read_flags
 
 SOURCE_COPY = "init_hf"
 """The folder of a run directory that holds its copy of the source checkpoint's
@@ -63,13 +65,26 @@ class HFStart:
             raise ValueError(f"--init-hf {self.source}: {e}") from e
 
 
-def hf_start(config: TrainConfig, run_dir: pathlib.Path) -> HFStart | None:
+def hf_start(
+    run_dir: str | os.PathLike,
+    *,
+    model: str,
+    init_hf: str | os.PathLike | None,
+    seq_len: int,
+    overrides: Mapping[str, Any],
+    remat: str | None = None,
+    resume: bool = False,
+) -> HFStart | None:
     """The Hugging Face checkpoint a run reads its config and tokenizer from, or `None` for
     a run of a fresh model.
 
-    A fresh run reads `config.init_hf`. A resumed one reads its own copy
-    (`<run_dir>/init_hf/`) when it was started from a checkpoint; the checkpoint wins, so
-    `init_hf` may then be left out (if given, `--resume` checks it is the recorded one).
+    A fresh run reads `init_hf`. A resumed one (`resume`, and every reader of a run) reads
+    its own copy (`<run_dir>/init_hf/`) when it was started from a checkpoint; the
+    checkpoint wins, so `init_hf` may then be left out (if given, `--resume` checks it is
+    the recorded one).
+
+    **Arguments:** `run_dir`; and the run's `--model`, `--init-hf`, `--seq-len`,
+    `--override` (a field -> value mapping), `--remat` and `--resume`.
 
     **Raises:** `ValueError` (each naming `--init-hf`, the directory and the fix) for a
     directory that is missing or holds no readable `config.json` of `config.model`'s
@@ -81,7 +96,7 @@ def hf_start(config: TrainConfig, run_dir: pathlib.Path) -> HFStart | None:
     """
     run_dir = pathlib.Path(run_dir)
     copy = run_dir / SOURCE_COPY
-    if config.resume:
+    if resume:
         if (copy / CONFIG_FILE).is_file():
             source = copy
         else:
@@ -94,47 +109,29 @@ def hf_start(config: TrainConfig, run_dir: pathlib.Path) -> HFStart | None:
                 f"that checkpoint's config and tokenizer ({copy}) is gone. Copy config.json "
                 f"and tokenizer.json of {started} into {copy} to resume."
             )
-    elif config.init_hf is None:
+    elif init_hf is None:
         return None
     else:
-        source = pathlib.Path(config.init_hf)
-    family = model_family(config.model)
-    base = _stored_config(family, source, config.model)
+        source = pathlib.Path(init_hf)
+    family = model_family(model)
+    base = _stored_config(family, source, model)
     changes: dict[str, Any] = {
         "param_dtype": "float32",
         "compute_dtype": base.compute_dtype,
-        "max_seq_len": max(base.max_seq_len, config.seq_len),
+        "max_seq_len": max(base.max_seq_len, seq_len),
     }
-    if config.remat is not None:
-        changes["remat"] = config.remat
-    for name, value in config.model_overrides.items():
+    if remat is not None:
+        changes["remat"] = remat
+    for name, value in overrides.items():
         like = getattr(base, name, None)
-        changes[name] = _coerce(value, like, name) if hasattr(base, name) else value
+        changes[name] = coerce_override(value, like, name) if hasattr(base, name) else value
     try:
         model_config = family.config_from_hf(source, **changes)
     except (ValueError, TypeError) as e:
         raise ValueError(f"--init-hf {source} with --override: {e}") from e
-    check_model_fits(model_config, config, None)  # the tokenizer checks the vocabulary
+    check_model_fits(model_config, seq_len, None)  # the tokenizer checks the vocabulary
     tokenizer = _tokenizer(source, model_config.vocab_size)
     return HFStart(source, family, changes, model_config, tokenizer)
-
-
-def keep_source(run_dir: pathlib.Path, start: HFStart | None) -> None:
-    """Record where a fresh run starts: copy `config.json` and the tokenizer files of its
-    source checkpoint into `<run_dir>/init_hf/`, or (a fresh model) remove an earlier run's
-    copy, which would make `--resume` read that checkpoint's config."""
-    from eqx_longctx.data._hf_tokenizer import TOKENIZER_FILES
-
-    copy = pathlib.Path(run_dir) / SOURCE_COPY
-    if start is not None and copy.resolve() == start.source.resolve():
-        return
-    shutil.rmtree(copy, ignore_errors=True)
-    if start is None:
-        return
-    copy.mkdir(parents=True)
-    for name in (CONFIG_FILE, *TOKENIZER_FILES, *SOURCE_EXTRAS):
-        if (start.source / name).is_file():
-            shutil.copyfile(start.source / name, copy / name)
 
 
 def _stored_config(family: ModelFamily, source: pathlib.Path, model: str):
@@ -158,7 +155,7 @@ def _stored_config(family: ModelFamily, source: pathlib.Path, model: str):
 
 
 def _tokenizer(source: pathlib.Path, vocab_size: int):
-    from eqx_longctx.data import HFTokenizer
+    from ..data import HFTokenizer
 
     try:
         tokenizer = HFTokenizer.from_checkpoint(source)
@@ -173,18 +170,33 @@ def _tokenizer(source: pathlib.Path, vocab_size: int):
     return tokenizer
 
 
-def run_model_config(config: TrainConfig, run_dir: str | os.PathLike):
-    """The tokenizer and model config of a run, fresh or fine-tuned (as `Trainer` builds
-    them); for readers of a run's checkpoints (generate, export).
+def run_model_config(flags: Mapping[str, Any], run_dir: str | os.PathLike):
+    """The tokenizer and model config of a run, fresh or fine-tuned (as the trainer builds
+    them), from the run's recorded flags; for readers of a run's checkpoints (generate,
+    export).
+
+    **Arguments:**
+
+    - `flags`: the run's flags as `flags.json` records them (`model`, `preset`,
+      `model_overrides`, `remat`, `seq_len`, `init_hf`).
+    - `run_dir`: the run directory (its `init_hf/` copy, for a fine-tuning run).
 
     **Returns:** `(tokenizer, model config, HFStart or None)`.
+
+    **Raises:** `ValueError` as [`hf_start`][] and `preset_model_config`.
     """
-    from eqx_longctx.data import ByteTokenizer
+    from ..data import ByteTokenizer
 
-    from ._config import build_model_config
-
-    start = hf_start(dataclasses.replace(config, resume=True), pathlib.Path(run_dir))
+    overrides = flags.get("model_overrides") or {}
+    start = hf_start(
+        run_dir, model=flags["model"], init_hf=flags.get("init_hf"), seq_len=flags["seq_len"],
+        overrides=overrides, remat=flags.get("remat"), resume=True,
+    )  # fmt: skip
     if start is None:
         tokenizer = ByteTokenizer()
-        return tokenizer, build_model_config(config, tokenizer.vocab_size), None
+        config = preset_model_config(
+            flags["model"], flags["preset"], overrides, vocab_size=tokenizer.vocab_size,
+            seq_len=flags["seq_len"], remat=flags.get("remat"),
+        )  # fmt: skip
+        return tokenizer, config, None
     return start.tokenizer, start.model_config, start

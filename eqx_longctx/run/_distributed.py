@@ -185,7 +185,9 @@ def _reachable(coordinator: str) -> str:
     return ""
 
 
-def start(cluster: Cluster, *, devices: int, init_timeout: int, peer_timeout: int) -> "Runtime":
+def start_processes(
+    cluster: Cluster, *, devices: int, init_timeout: int, peer_timeout: int
+) -> "Runtime":
     """Join the multi-process run: set the CPU devices and gloo (off TPU), then
     `jax.distributed.initialize`, bounded by `init_timeout`.
 

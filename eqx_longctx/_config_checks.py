@@ -1,7 +1,7 @@
 """Checks of model configuration fields and constructor arguments, written once for every
 model family, RoPE scaling and the Hugging Face reader (the value checks they build on,
 `check_int`, `check_real`, `check_bool`, `check_spec`, are in `eqx_longctx._checks`).
-`eqx_longctx.nn` exports both sets, so a family outside this repository can use them."""
+`eqx_longctx.family` exports both sets, so a family outside this repository can use them."""
 
 import dataclasses
 from collections.abc import Iterable, Mapping
@@ -11,10 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import _seen, _short, check_bool, check_instance, check_int, check_real, check_spec
+from ._checks import check_bool, check_instance, check_int, check_real, check_spec, seen, short_repr
 
 DTYPES = ("float32", "bfloat16", "float16")
 """The parameter and compute dtypes a model config accepts, by name."""
+
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+"""The rematerialisation policies of `LayerStack(remat=...)`, the model configs' `remat` and
+the trainer's `--remat` (each is described under `eqx_longctx.nn.LayerStack`)."""
 
 
 def check_choice(value: Any, what: str, choices: Iterable[str]) -> str:
@@ -32,7 +36,7 @@ def check_choice(value: Any, what: str, choices: Iterable[str]) -> str:
     """
     choices = tuple(choices)
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{what} must be one of {choices}; got {_short(value)}.")
+        raise ValueError(f"{what} must be one of {choices}; got {short_repr(value)}.")
     return value
 
 
@@ -89,7 +93,7 @@ def check_key(key: Any, owner: str) -> None:
         seed = key if isinstance(key, int) and not isinstance(key, bool) else 0
         raise TypeError(
             f"{owner} needs key=a JAX PRNG key (a scalar from jax.random.key, or a uint32[2] "
-            f"from jax.random.PRNGKey); got {_seen(key)}"
+            f"from jax.random.PRNGKey); got {seen(key)}"
             + (f" of shape {shape}" if shape is not None else "")
             + f". Pass key=jax.random.key({seed})."
         )
@@ -137,8 +141,6 @@ def check_decoder_config(config: Any, *, scaling_cls: type) -> None:
     `scaling_cls`, say) and `ValueError` for a value out of range or not among the choices;
     each message names `Class.field`, the value and the fix.
     """
-    from ._transformer import REMAT_POLICIES  # (its module imports this one)
-
     cls = type(config).__name__
     check_fields(
         config,
@@ -159,7 +161,7 @@ def check_decoder_config(config: Any, *, scaling_cls: type) -> None:
         except Exception:  # jnp.dtype raises TypeError or ValueError, by input
             dtype_name = repr(value)
         if dtype_name not in DTYPES:
-            raise ValueError(f"{cls}.{name} must be one of {DTYPES}; got {_short(value)}.")
+            raise ValueError(f"{cls}.{name} must be one of {DTYPES}; got {short_repr(value)}.")
         object.__setattr__(config, name, dtype_name)
 
 
@@ -180,7 +182,7 @@ def check_preset(presets: Mapping[str, Any], name: Any, overrides: Mapping[str, 
     """
     if not isinstance(name, str) or name not in presets:
         raise ValueError(
-            f"unknown {family} preset {_short(name)}; choose one of {sorted(presets)}."
+            f"unknown {family} preset {short_repr(name)}; choose one of {sorted(presets)}."
         )
     preset = presets[name]
     fields = {f.name for f in dataclasses.fields(preset)}
@@ -229,7 +231,7 @@ def check_layer_windows(config: Any) -> None:
     if isinstance(types, str) or not isinstance(types, list | tuple):
         raise TypeError(
             f"{cls}.layer_types must be None or a tuple of {LAYER_TYPES}, one per layer; got "
-            f"{_seen(types)}."
+            f"{seen(types)}."
         )
     if len(types) != config.n_layers:
         raise ValueError(

@@ -1,20 +1,24 @@
-"""Read a training run's model back from its newest readable checkpoint: what `python -m
-eqx_longctx.generate --run-dir` and `python -m eqx_longctx.export` both start from."""
+"""A training run's model read back from its newest readable checkpoint: what `python -m
+eqx_longctx.generate --run-dir`, `python -m eqx_longctx.export` and the evals start from.
+"""
 
 import dataclasses
 import pathlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
+
+from ._runs import read_flags
 
 
 class RunModel(NamedTuple):
-    """A run's model as a checkpoint holds it: the `step`, the run's `train` settings
-    (`TrainConfig`), its `tokenizer`, model `config`, the `--init-hf` source (`start`, or
-    `None`) and the `model` itself."""
+    """A run's model as a checkpoint holds it: the `step`, the run's recorded `flags` (as
+    `flags.json` has them: `model`, `preset`, `seq_len`, ...), its `tokenizer`, model
+    `config`, the `--init-hf` source (`start`, an `HFStart`, or `None`) and the `model`
+    itself."""
 
     step: int
-    train: Any
+    flags: dict[str, Any]
     tokenizer: Any
     config: Any
     start: Any
@@ -27,7 +31,6 @@ def read_run_model(
     *,
     reader: str,
     step: int | None = None,
-    settings: dict[str, Any] | None = None,
 ) -> RunModel:
     """The model of `run_dir`'s newest readable checkpoint (or of `step`), each unreadable
     newer one reported in one line on stderr.
@@ -39,8 +42,6 @@ def read_run_model(
       the run against it and raise).
     - `reader`: the command reading, for messages (e.g. `"generate"`).
     - `step`: the checkpoint to read (`None`: the newest readable one).
-    - `settings`: `TrainConfig` fields to replace in the recorded ones (e.g. `devices=1`
-      to read on one device whatever mesh trained it).
 
     **Returns:** a `RunModel`.
 
@@ -50,11 +51,10 @@ def read_run_model(
     import jax
 
     from .._family import model_family
-    from ._checkpoint import CheckpointReader, check_meta_matches, unreadable_reason
-    from ._config import TrainConfig
-    from ._init_hf import run_model_config
-    from ._record import read_flags
+    from ._checkpoints import CheckpointReader, check_meta_matches, unreadable_reason
+    from ._hf_source import run_model_config
 
+    run_dir = pathlib.Path(run_dir)
     checkpoints = CheckpointReader(run_dir / "checkpoints")
     try:
         steps = checkpoints.steps()
@@ -69,7 +69,6 @@ def read_run_model(
                 "Train first (python -m eqx_longctx.train --run-dir ...), or point at a run "
                 "that saved one."
             )
-        names = {f.name for f in dataclasses.fields(TrainConfig)}
         failures = []
         for s in [step] if step is not None else list(reversed(steps)):
             where = str(checkpoints.directory / str(s))
@@ -84,12 +83,10 @@ def read_run_model(
                     f"{where} records no training flags and {run_dir} has no flags.json; "
                     f"{reader} reads runs of python -m eqx_longctx.train only."
                 )
-            fields = {k: v for k, v in flags.items() if k in names}
-            fields.update(settings or {}, run_dir=str(run_dir))
-            train = TrainConfig(**fields)
-            tokenizer, config, start = run_model_config(train, run_dir)
+            _check_recorded(flags, where)
+            tokenizer, config, start = run_model_config(flags, run_dir)
             check_meta_matches(meta, dataclasses.asdict(config), where)
-            family = model_family(train.model)
+            family = model_family(flags["model"])
             placement = placement_of(config, family)
             abstract = placement.abstract_model(
                 lambda spec: family.model(config, key=jax.random.key(0), spec=spec)  # noqa: B023
@@ -101,10 +98,26 @@ def read_run_model(
                 continue
             for failure in failures:
                 print(f"checkpoint {failure} cannot be read; using step {s}", file=sys.stderr)
-            return RunModel(s, train, tokenizer, config, start, model)
+            return RunModel(s, dict(flags), tokenizer, config, start, model)
         raise ValueError(
             f"--run-dir {run_dir}: no checkpoint in {checkpoints.directory} can be read "
             f"({'; '.join(failures)})."
         )
     finally:
         checkpoints.close()
+
+
+_RECORDED = {"model": str, "preset": str, "seq_len": int, "model_overrides": Mapping}
+
+
+def _check_recorded(flags: Mapping[str, Any], where: str) -> None:
+    """**Raises:** `ValueError` when a run's record lacks a flag its model is built from."""
+    bad = [
+        name for name, kind in _RECORDED.items()
+        if not isinstance(flags.get(name, {} if kind is Mapping else None), kind)
+    ]  # fmt: skip
+    if bad:
+        raise ValueError(
+            f"{where} records its flags without a readable {', '.join(bad)}; only runs of "
+            "python -m eqx_longctx.train can be read. Point --run-dir at such a run."
+        )

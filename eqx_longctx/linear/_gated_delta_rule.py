@@ -1,0 +1,120 @@
+"""The public op: validate eagerly, then run the chunked form (`_chunked.py`).
+
+With `spec=None` the whole sequence is on one device and `chunk_gated_delta` runs once.
+The context-parallel path (issue 46, item 2: each device summarises its pieces as an
+affine map of the state they receive) goes beside it, in `_context_parallel.py`, and
+takes the same `document_starts` flags, computed in natural token order.
+"""
+
+import functools
+from typing import no_type_check
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from .._sharding import ShardingSpec
+from ._chunked import chunk_gated_delta, document_starts
+from ._validate import check_inputs, check_options
+
+
+@no_type_check  # validated eagerly, with errors that say what to fix
+def gated_delta_rule(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    *,
+    segment_ids: ArrayLike | None = None,
+    initial_state: ArrayLike | None = None,
+    scale: float | None = None,
+    spec: ShardingSpec | None = None,
+    return_state: bool = False,
+    chunk: int = 64,
+):
+    """Linear attention by the gated delta rule: Gated DeltaNet (a decay per head) and
+    Kimi Delta Attention (a decay per key channel).
+
+    Per batch row and head, a state `S` `[dk, dv]` is updated at each token `t`:
+
+    - `S <- diag(exp(g_t)) S` (the decay; `exp(g_t)` is one number for a GDN gate);
+    - `S <- S + k_t (beta_t (v_t - S^T k_t))^T` (the delta rule: write the part of `v_t`
+      that `S` does not already predict from `k_t`);
+    - `o_t = S^T (scale q_t)`.
+
+    This is the recurrence of transformers' `torch_recurrent_gated_delta_rule`
+    (`models/qwen3_5`, `models/qwen3_next`) and `recurrent_kimi_delta_attention`
+    (`models/kimi_linear`): they too decay the state before reading it, and apply `beta` to
+    the difference `v_t - S^T k_t`. Unlike them the op does not L2-normalise `q` and `k`
+    (the layers do) and does not repeat grouped heads.
+
+    `S` is zero at each document's first token: a token whose segment id differs from its
+    predecessor's. `initial_state`, when given, is the state before token 0; it carries
+    into the row's first document only.
+
+    Runs the chunked parallel form (the UT transform of Gated DeltaNet, Yang, Kautz and
+    Hatamizadeh, arXiv:2412.06464; per key channel as in Kimi Linear, arXiv:2510.26692): a
+    triangular solve and a few `chunk x chunk` matmuls per chunk, the state passed from
+    chunk to chunk. Decays only appear as `exp` of log decays summed over spans of one
+    document, never positive, so strong decays (`g = -20` over a chunk of 64) stay finite
+    and weak ones that follow them keep their precision. Computes in float32 whatever the
+    input dtype. The backward recomputes each chunk and keeps one state per chunk,
+    never one per token.
+
+    **Arguments:**
+
+    - `q`, `k`: `[batch, seq, heads, dk]`.
+    - `v`: `[batch, seq, heads, dv]`.
+    - `g`: the log decay, `<= 0`: `[batch, seq, heads]` (GDN) or
+      `[batch, seq, heads, dk]` (KDA).
+    - `beta`: `[batch, seq, heads]`, the write strength (usually in `(0, 1)`).
+    - `segment_ids`: `[batch, seq]` ints; packed documents, each starting from a zero
+      state (or `None`: one document per row).
+    - `initial_state`: `[batch, heads, dk, dv]`, the state before token 0, or `None` for
+      zeros.
+    - `scale`: the factor on `q`, default `dk ** -0.5`.
+    - `spec`: `None` (one device). Splitting the sequence over a `ShardingSpec` is not
+      available yet in this version.
+    - `return_state`: also return the state after the last token.
+    - `chunk`: tokens per chunk of the chunked form (default 64; a sequence that is not a
+      multiple is padded with tokens that change nothing).
+
+    **Returns:** `out` `[batch, seq, heads, dv]` in the promoted dtype of `q`, `k` and `v`
+    (NumPy arrays are accepted); with `return_state=True`, `(out, final_state)` where
+    `final_state` is `[batch, heads, dk, dv]` float32.
+
+    **Raises:** `TypeError` for non-float `q`, `k`, `v`, `g`, `beta` or `initial_state`,
+    non-integer `segment_ids`, a `spec` that is not a `ShardingSpec` or a non-int `chunk`;
+    `ValueError` for shapes that disagree, `g` neither `[batch, seq, heads]` nor
+    `[batch, seq, heads, dk]`, a positive entry in a concrete `g` (checked when its values
+    are known, not under `jax.jit`), an `initial_state` of the wrong shape, `chunk < 1`, or
+    a `ShardingSpec` (not available yet).
+    """
+    where = "gated_delta_rule"
+    chunk = check_options(where, spec, return_state, chunk)
+    q, k, v, g, beta, segment_ids, initial_state, scale = check_inputs(
+        where, q, k, v, g, beta, segment_ids, initial_state, scale
+    )
+    if spec is not None:
+        raise ValueError(
+            "gated_delta_rule under a ShardingSpec: not available yet in this version (the "
+            "sequence split lands with issue 46, item 2); pass spec=None and the whole "
+            "sequence on one device."
+        )
+    out, state = _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk)
+    out = out.astype(jnp.result_type(q.dtype, k.dtype, v.dtype))
+    return (out, state) if return_state else out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk"))
+def _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk):
+    b, s, h, dk = q.shape
+    dv = v.shape[-1]
+    if initial_state is None:
+        initial_state = jnp.zeros((b, h, dk, dv), jnp.float32)
+    starts = document_starts(segment_ids, b, s)
+    q, k, v, g, beta, initial_state = (
+        x.astype(jnp.float32) for x in (q, k, v, g, beta, initial_state)
+    )
+    return chunk_gated_delta(q, k, v, g, beta, starts, initial_state, scale=scale, chunk=chunk)

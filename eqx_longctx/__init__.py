@@ -37,6 +37,8 @@ from .attention import explain as explain
 from .attention import flash_attention as flash_attention
 from .attention import latent_attention as latent_attention
 from .attention import reference_attention as reference_attention
+from .linear import gated_delta_rule as gated_delta_rule
+from .linear import reference_gated_delta_rule as reference_gated_delta_rule
 
 if TYPE_CHECKING:  # loaded lazily at run time (see `_LAZY`)
     from .inference import KVCache as KVCache

@@ -32,6 +32,21 @@ if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _xla_accepts
 ):
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
+# Not used: JAX's persistent compilation cache (one directory per session, shared by the
+# xdist workers and their child processes through JAX_COMPILATION_CACHE_DIR, every program
+# written). CI starts from an empty cache, so only reuse within a run counts, and there it
+# saved nothing reliable. CPU seconds (user + sys) of `pytest -n 2` without / with, runs
+# alternated on this 2-core machine: the trainer files (test_train, _train_sharded,
+# _grad_accum, _host_offload) 201 / 202 and 212 / 216 while it was quiet, 255 / 228 under
+# other users' load; the attention grids (test_context_parallel, _window, _zigzag_halves,
+# _impls, _latent_attention) 449 / 466; the files that start processes (test_export,
+# _generate_cli, _preemption, _multihost, _multihost_examples, _grain_multiprocess) 284,
+# 284 / 291, 241, and 277, 279 with the cache in the child processes alone. About 40% of
+# the entries were read again, but writing every program costs about what those reads
+# save. No test failed with it, and with a warm cache (every program read back) the
+# compile-bound files took half the CPU (753 -> 356 s): it pays across runs, which CI's
+# fresh clone does not have.
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

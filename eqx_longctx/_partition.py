@@ -8,7 +8,7 @@ get a leading `"layers"` axis. One table, `ShardingRules`, maps logical axes to 
 | logical axes                              | mesh axes (default)      | parallelism          |
 |-------------------------------------------|--------------------------|----------------------|
 | `embed`                                   | `spec.fsdp_axis`         | FSDP (ZeRO-3)        |
-| `q_heads`, `kv_heads`, `heads`, `hidden`  | `spec.tensor_axis`       | tensor (Megatron)    |
+| `q_heads`, `kv_heads`, `heads`, `key_heads`, `hidden` | `spec.tensor_axis` | tensor (Megatron) |
 | `vocab`                                   | `spec.tensor_axis`       | vocabulary-parallel  |
 | `experts`                                 | `spec.expert_axis`       | expert               |
 | `q_lora_rank`, `kv_lora_rank` (MLA)       | `spec.fsdp_axis`, as a fallback | FSDP          |
@@ -47,6 +47,7 @@ DEFAULT_ROLES: dict[str, str | None] = {
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "heads": "tensor",
+    "key_heads": "tensor",  # Gated DeltaNet's query/key heads (its value heads are "heads")
     "hidden": "tensor",
     "vocab": "tensor",
     "experts": "expert",
@@ -56,7 +57,7 @@ DEFAULT_ROLES: dict[str, str | None] = {
         name: None
         for name in (
             "layers", "head_dim", "dim", "qk_head_dim", "v_head_dim", "latent_and_rope",
-            "nope_and_v", "nope_plus_v",
+            "nope_and_v", "nope_plus_v", "conv", "gate_rank",
         )
     },
 }  # fmt: skip

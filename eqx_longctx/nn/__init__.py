@@ -1,6 +1,7 @@
-"""Transformer building blocks: norms, RoPE, MLPs, attention layers, layer stacks, the
-decoder scaffolding and the loss. (The checks a family's config and constructor run are on
-`eqx_longctx.family`, the face a plugin author imports.)
+"""Transformer building blocks: norms, RoPE, MLPs, attention layers (softmax, and linear:
+Gated DeltaNet, Kimi Delta Attention), layer stacks, the decoder scaffolding and the loss.
+(The checks a family's config and constructor run are on `eqx_longctx.family`, the face a
+plugin author imports.)
 
 Every layer keeps an explicit batch axis and takes the sharding spec explicitly.
 """
@@ -8,9 +9,11 @@ Every layer keeps an explicit batch axis and takes the sharding spec explicitly.
 from .._config_checks import REMAT_POLICIES as REMAT_POLICIES
 from ._attention import SelfAttention as SelfAttention
 from ._decoder import AbstractDecoder as AbstractDecoder
+from ._gated_delta_net import GatedDeltaNet as GatedDeltaNet
 from ._inputs import check_shapes as check_shapes
 from ._inputs import check_token_ids as check_token_ids
 from ._inputs import prepare_inputs as prepare_inputs
+from ._kimi_delta import KimiDeltaAttention as KimiDeltaAttention
 from ._loss import LOSS_CHUNK_BYTES as LOSS_CHUNK_BYTES
 from ._loss import check_loss_chunk as check_loss_chunk
 from ._loss import chunked_cross_entropy as chunked_cross_entropy
@@ -45,6 +48,8 @@ __all__ = [
     "AbstractRopeScaling",
     "check_routing",
     "DecoderBlock",
+    "GatedDeltaNet",
+    "KimiDeltaAttention",
     "LayerStack",
     "Llama3RopeScaling",
     "MoE",

@@ -2,7 +2,7 @@
 gradients), on one device and split over the sequence: none / zig-zag / striped on
 (data 2, context 4) and (context 8), with packed documents that cross device boundaries;
 plus the ulysses x context split, a tensor axis over the channels, a kernel longer than
-the striped axis, and the documented errors.
+the striped axis, the halo bytes read from the compiled program, and the documented errors.
 """
 
 import functools
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import assert_close, make_mesh, need_devices, segment_ids_from_lengths
 
-from eqx_longctx import ShardingSpec, from_layout, to_layout
+from eqx_longctx import ShardingSpec, collective_bytes, from_layout, to_layout
 from eqx_longctx.linear import short_conv
 
 BATCH, SEQ, CHANNELS = 2, 48, 6
@@ -146,6 +146,27 @@ def test_other_axes(shape, names, kw):
     x, w, b, seg, ct = inputs()
     out, grads = run(spec, x, w, b, seg, ct)
     check(out, grads, numpy_conv(x, w, b, seg, "silu", ct), str(names))
+
+
+@pytest.mark.parametrize("layout", ["none", "zigzag", "striped"])
+def test_collective_bytes(layout):
+    """The halo bytes of the docstring, read from the compiled program: per device,
+    `(K-1) b c p` contiguous, twice that zig-zag, `(K-1) L b c p` striped, plus the int32
+    segment ids; the backward sends the halos' cotangents back and all-reduces `dw`."""
+    need_devices(8)
+    spec = ShardingSpec(make_mesh((8,), ("context",)), load_balance=layout)
+    x, w, _, seg, _ = inputs()
+    f = lambda x, w: short_conv(x, w, segment_ids=seg, spec=spec)  # noqa: E731
+    grad = jax.grad(lambda x, w: jnp.sum(f(x, w)), argnums=(0, 1))
+    with jax.set_mesh(spec.mesh):
+        forward = collective_bytes(jax.jit(f).lower(x, w).compile())
+        backward = collective_bytes(jax.jit(grad).lower(x, w).compile())
+    tokens = {"none": 3, "zigzag": 2 * 3, "striped": 3 * SEQ // 8}[layout]  # K - 1 = 3
+    halo, ids = tokens * BATCH * CHANNELS * 4, tokens * BATCH * 4
+    assert forward == dict.fromkeys(forward, 0) | {"collective-permute": halo + ids}
+    dw = round(2 * 7 / 8 * CHANNELS * 4 * 4)  # an all-reduce over 8 devices of [c, K] f32
+    expected = {"collective-permute": 2 * halo + ids, "all-reduce": dw}
+    assert backward == dict.fromkeys(backward, 0) | expected
 
 
 def test_errors():

@@ -81,7 +81,10 @@ def short_conv(
 
     With `segment_ids`, the same hops carry their int32 ids (`4/(c p)` of the bytes
     above). The backward (autodiff through `ppermute`) sends the cotangents of the halos
-    back: the same bytes again. Nothing else moves. The gradients are exact.
+    back, the same bytes again, and sums the gradients of `weight` and `bias` over the
+    devices that share them (one all-reduce of `c (K + 1)` floats). The gradients are
+    exact. (On (context 8), batch 2, 6 float32 channels, `K = 4`, 48 tokens, compiled:
+    144, 288 and 864 bytes forward for contiguous, zig-zag and striped.)
 
     **Arguments:**
 

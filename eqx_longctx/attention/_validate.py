@@ -51,7 +51,11 @@ def as_ids(x, name: str):
 
 
 def check_options(where: str, spec, causal, scale, window=None) -> int | None:
-    """The keyword options every attention entry point shares; **returns** the window."""
+    """The keyword options every attention entry point shares; **returns** the window.
+
+    **Raises:** `TypeError` for a `spec` that is not a `ShardingSpec`, or options of the
+    wrong type; `ValueError` for a window below 1, or a window without `causal`.
+    """
     check_spec(spec, where)
     check_bool(causal, f"{where}: causal")
     if scale is not None:
@@ -144,6 +148,8 @@ def check_tensor_heads(spec, q_heads: int, kv_heads: int) -> int:
     and values each tensor shard up-projects from the latent): both must divide over it.
 
     **Returns:** the tensor axis size (1 without one).
+
+    **Raises:** `ValueError` when `q_heads` or `kv_heads` is not divisible by it.
     """
     nt = spec.axis_size(spec.tensor_axis)
     if q_heads % nt or kv_heads % nt:
@@ -157,7 +163,12 @@ def check_tensor_heads(spec, q_heads: int, kv_heads: int) -> int:
 
 def check_spec_inputs(spec, q, k, strategy: str) -> None:
     """Check shapes against a `ShardingSpec` for the strategy that runs (the spec's, or the
-    one `"auto"` chose: `_choose.resolve_strategy`)."""
+    one `"auto"` chose: `resolve_strategy`).
+
+    **Raises:** `ValueError` when the batch does not split over the batch axes, the
+    sequence over the layout, the heads over the tensor axis, or (Ulysses, USP) the local
+    heads over the all-to-all axis.
+    """
     from .._layout import check_sequence_length
 
     b, s, hq, _ = q.shape

@@ -74,7 +74,9 @@ def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KV
     **Raises:** `TypeError` for a model that is not an `AbstractDecoder` with layer stacks,
     a `dtype` that is not floating-point, or arguments of the wrong type; `ValueError` for
     a batch or `max_len` that is not positive, a `max_len` above `max_seq_len`, a batch
-    the spec's batch axes do not split, or heads the spec's tensor axis does not split.
+    the spec's batch axes do not split, or heads the spec's tensor axis does not split;
+    `NotImplementedError` for a layer whose cache is a fixed-size state (linear attention:
+    its decoding is not in this version).
     """
     check_model(model)
     batch, max_len = check_cache(model, batch, max_len)

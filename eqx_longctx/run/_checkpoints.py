@@ -104,7 +104,8 @@ def check_meta_matches(meta: dict[str, Any], model_config: dict[str, Any], where
     - `model_config`: the requested config as a dict.
     - `where`: the checkpoint path, for the message.
 
-    **Returns:** nothing; raises `ValueError` listing the fields that differ.
+    **Raises:** `ValueError` listing the fields that differ, or when `meta` records no
+    model config.
     """
     saved = meta.get("model_config")
     wanted = to_json(model_config)

@@ -27,6 +27,7 @@ class Parser(argparse.ArgumentParser):
     reports them in its one line) instead of printing usage and exiting."""
 
     def error(self, message: str):  # pyright: ignore[reportIncompatibleMethodOverride]
+        """**Raises:** `UsageError` with argparse's `message` (always)."""
         raise UsageError(message)
 
 
@@ -52,7 +53,10 @@ def positive_int(text: str) -> int:
 
 def parse_override(text: str) -> tuple[str, str]:
     """An argparse type: `--override FIELD=VALUE` as `(field, value text)` (the value is
-    parsed later, against the preset: see `eqx_longctx.run.resolve_overrides`)."""
+    parsed later, against the preset: see `eqx_longctx.run.resolve_overrides`).
+
+    **Raises:** `argparse.ArgumentTypeError` for text without `=` or without a field.
+    """
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(

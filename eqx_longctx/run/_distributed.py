@@ -77,7 +77,11 @@ def cluster_from_flags(
     - `devices`: `--devices`, the global device count; split evenly over the processes.
 
     **Returns:** a [`Cluster`][], or `None` for a single-process run (no flags and not a
-    Cloud TPU slice of several workers). Raises `ValueError` naming the rule otherwise.
+    Cloud TPU slice of several workers).
+
+    **Raises:** `ValueError` naming the rule for flags given partly, a process count below
+    1, a process id out of range, a coordinator that is not `HOST:PORT`, or devices that do
+    not split evenly over the processes.
     """
     given = {
         "--coordinator": coordinator,
@@ -298,7 +302,7 @@ class Runtime:
 
         - `flags`: this process's flags, JSON-serialisable (leave out `--process-id`).
 
-        **Returns:** nothing; raises `ValueError` naming each flag where a process differs
+        **Raises:** `ValueError` naming each flag where a process differs
         from process 0 (the same message on every process).
         """
         mine = json.dumps(flags, sort_keys=True, default=str)

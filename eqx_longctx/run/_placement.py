@@ -69,7 +69,8 @@ class Placement:
     multi-process run: not the global device count), when the mesh's sizes do not
     multiply to `devices` or name an axis outside `MESH_AXES`, when `fsdp_axes` is given
     without a mesh; and as `eqx_longctx.ShardingSpec` for `strategy`, `load_balance`,
-    `fsdp_axes` and the spec the mesh makes (prefixed with the mesh and strategy).
+    `fsdp_axes` and the spec the mesh makes (a `SpecError`, a `ValueError` prefixed with
+    the mesh and strategy whose `reason` is the spec's own message).
     """
 
     def __init__(

@@ -58,7 +58,8 @@ def agree(name: str, value: Any, timeout: float = INIT_TIMEOUT) -> None:
     """Check that `value` (JSON-serialisable) is the same on every process (nothing in a
     single-process run).
 
-    **Returns:** nothing; raises `RuntimeError` listing each process's value otherwise.
+    **Raises:** `RuntimeError` listing each process's value when they differ; `ValueError`
+    when a process does not report within `timeout` seconds.
     """
     import jax
 

@@ -40,8 +40,10 @@ def default_run_dir(resume: bool, root: str = "runs") -> pathlib.Path:
 
 def read_flags(run_dir: str | pathlib.Path) -> dict[str, Any] | None:
     """**Returns:** the recorded flags of the run in `run_dir`, or `None` when it has no
-    `flags.json` (deleted: then `--resume` compares with the newest checkpoint's record);
-    raises `ValueError` when the file cannot be read."""
+    `flags.json` (deleted: then `--resume` compares with the newest checkpoint's record).
+
+    **Raises:** `ValueError` when the file cannot be read as a JSON object.
+    """
     path = pathlib.Path(run_dir) / FLAGS_FILE
     if not path.exists():
         return None

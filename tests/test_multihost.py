@@ -426,7 +426,7 @@ def test_error_device_count():
 def test_cloud_tpu_slice_needs_no_flags(monkeypatch):
     """On a Cloud TPU slice of several workers no flag is needed: the processes come from
     the TPU metadata (`jax.distributed.initialize()` finds the coordinator and the ids)."""
-    from eqx_longctx.train import _distributed
+    from eqx_longctx.run import _distributed
 
     monkeypatch.setattr(_distributed, "tpu_worker_count", lambda: 4)
     cluster = cluster_from_flags(None, None, None, 16)

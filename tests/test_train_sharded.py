@@ -362,7 +362,7 @@ def test_config_rule(tmp_path, changes, match):
             r"--mesh 'data=2,context=4' with --strategy 'ring' and --fsdp-axes 'data': .*"
             r"'data' is used twice, as fsdp_axis and batch_axis",
         ),
-        ("fsdp=4,context=2", None, LLAMA, 6, r"--batch-size 6 must be divisible by 4"),
+        ("fsdp=4,context=2", None, LLAMA, 6, r"batch_size=6 must be divisible by 4"),
         ("expert=2,context=4", None, LLAMA, 8, r"expert=2 splits the routed experts .*none\."),
         ("expert=8,context=1", None, FOUR_EXPERTS, 8, r"model's 4 routed experts .* by 8"),
         ("tensor=8,context=1", None, DEEPSEEK, 8,

@@ -26,7 +26,7 @@ from helpers import CHILD_XLA_FLAGS, ROOT
 
 import eqx_longctx as el
 from eqx_longctx.plan import CHIPS, main, plan_train_step
-from eqx_longctx.train import Placement
+from eqx_longctx.run import placement_from_flags
 
 T, CHIPS_USED, V5P = 14680064, 64, 459e12
 L, DIM, HEADS, KV, HD, HIDDEN, VOCAB = 32, 4096, 32, 8, 128, 14336, 128256
@@ -63,7 +63,7 @@ def test_the_seeds_step_time_is_a_hand_count_of_its_flops():
 
 
 def _spec(mesh: str = "context=8", strategy: str = "ring") -> el.ShardingSpec:
-    spec = Placement(8, mesh, strategy).spec  # the trainer's
+    spec = placement_from_flags(8, mesh, strategy).spec  # the trainer's
     assert spec is not None
     return spec
 

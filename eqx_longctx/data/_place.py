@@ -163,8 +163,8 @@ def place_local(local: Any, part: ProcessSlice) -> Any:
     if not part.is_this_process:
         raise ValueError(
             "this slice simulates another process (process_index/process_count given), so "
-            "it can compute that process's block but not place arrays on its devices. Build "
-            "it without process_index and process_count to place batches."
+            "its block can be computed (a feed's local()) but not placed on that process's "
+            "devices. Build it without process_index and process_count to place batches."
         )
     if part.sharding is None:
         return _like(local, (jax.device_put(np.asarray(x)) for x in local))

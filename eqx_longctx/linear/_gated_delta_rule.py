@@ -1,9 +1,9 @@
 """The public op: validate eagerly, then run the chunked form (`_chunked.py`).
 
 With `spec=None` the whole sequence is on one device and `chunk_gated_delta` runs once.
-The context-parallel path (issue 46, item 2: each device summarises its pieces as an
-affine map of the state they receive) goes beside it, in `_context_parallel.py`, and
-takes the same `document_starts` flags, computed in natural token order.
+Under a `ShardingSpec` each device summarises its pieces of the sequence as an affine map
+of the state they receive, the maps are composed across devices, and each piece is
+finished from its true incoming state (`_context_parallel.py`, `_compose.py`).
 """
 
 import functools
@@ -15,6 +15,7 @@ from jax.typing import ArrayLike
 
 from .._sharding import ShardingSpec
 from ._chunked import chunk_gated_delta, document_starts
+from ._context_parallel import check_spec_inputs, context_parallel_gated_delta
 from ._validate import check_inputs, check_options
 
 
@@ -62,6 +63,23 @@ def gated_delta_rule(
     input dtype. The backward recomputes each chunk and keeps one state per chunk,
     never one per token.
 
+    **Split over the sequence.** Under a `spec` the inputs are global arrays in the spec's
+    token layout (`eqx_longctx.to_layout(x, spec, axis=1)`), as for `attention`; rows split
+    over the batch axes, heads over the tensor axis, and the sequence over all the sequence
+    axes together (the spec's strategy does not matter here). Each device runs its pieces
+    of the sequence once, with the augmented state `[I | 0]` and values `[0 | v]`, which
+    gives both the piece's affine summary `S_out = A S_in + B` and outputs that need only
+    an einsum with the true incoming state `S_in` (linearity in the state and the values).
+    The summaries are composed in natural order by one all-gather (`(N-1) P m` bytes in,
+    one collective) or by a log-depth `ppermute` scan (`ceil(log2 N)` rounds of `P m`
+    bytes, plus a few states), the cheaper under a latency + bandwidth estimate; `m` is one
+    piece's summary, `4 b h dk (dk + dv)` bytes for the device's rows and heads, and `P`
+    its pieces (1 contiguous, 2 zig-zag). None of it grows with the sequence. The striped
+    layout, whose pieces would be single tokens, is regrouped into contiguous pieces by one
+    `all_to_all` of the inputs and one of the outputs, which grow with the sequence. Exact
+    gradients by autodiff through the collectives. Details and measured bytes:
+    `docs/linear-attention.md`.
+
     **Arguments:**
 
     - `q`, `k`: `[batch, seq, heads, dk]`.
@@ -74,35 +92,39 @@ def gated_delta_rule(
     - `initial_state`: `[batch, heads, dk, dv]`, the state before token 0, or `None` for
       zeros.
     - `scale`: the factor on `q`, default `dk ** -0.5`.
-    - `spec`: `None` (one device). Splitting the sequence over a `ShardingSpec` is not
-      available yet in this version.
-    - `return_state`: also return the state after the last token.
+    - `spec`: `None` (one device) or a `ShardingSpec`: every array with a `seq` axis is
+      then in the spec's layout, `initial_state` is the state before natural token 0.
+    - `return_state`: also return the state after the last token (in natural order:
+      token `seq - 1`, wherever the layout puts it).
     - `chunk`: tokens per chunk of the chunked form (default 64; a sequence that is not a
       multiple is padded with tokens that change nothing).
 
     **Returns:** `out` `[batch, seq, heads, dv]` in the promoted dtype of `q`, `k` and `v`
-    (NumPy arrays are accepted); with `return_state=True`, `(out, final_state)` where
-    `final_state` is `[batch, heads, dk, dv]` float32.
+    (NumPy arrays are accepted), in the spec's layout under a spec; with
+    `return_state=True`, `(out, final_state)` where `final_state` is
+    `[batch, heads, dk, dv]` float32 (replicated over the sequence axes under a spec).
 
     **Raises:** `TypeError` for non-float `q`, `k`, `v`, `g`, `beta` or `initial_state`,
     non-integer `segment_ids`, a `spec` that is not a `ShardingSpec` or a non-int `chunk`;
     `ValueError` for shapes that disagree, `g` neither `[batch, seq, heads]` nor
     `[batch, seq, heads, dk]`, a positive entry in a concrete `g` (checked when its values
-    are known, not under `jax.jit`), an `initial_state` of the wrong shape, `chunk < 1`, or
-    a `ShardingSpec` (not available yet).
+    are known, not under `jax.jit`), an `initial_state` of the wrong shape, `chunk < 1`,
+    or under a spec a batch, sequence or head count that its mesh does not split (the
+    sequence into `N` shards, `2N` chunks for zig-zag).
     """
     where = "gated_delta_rule"
     chunk = check_options(where, spec, return_state, chunk)
     q, k, v, g, beta, segment_ids, initial_state, scale = check_inputs(
         where, q, k, v, g, beta, segment_ids, initial_state, scale
     )
-    if spec is not None:
-        raise ValueError(
-            "gated_delta_rule under a ShardingSpec: not available yet in this version (the "
-            "sequence split lands with issue 46, item 2); pass spec=None and the whole "
-            "sequence on one device."
-        )
-    out, state = _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk)
+    if spec is None:
+        out, state = _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk)
+    else:
+        check_spec_inputs(where, spec, q, v)
+        out, state = context_parallel_gated_delta(
+            q, k, v, g, beta, segment_ids, initial_state,
+            spec=spec, scale=scale, chunk=chunk, return_state=return_state,
+        )  # fmt: skip
     out = out.astype(jnp.result_type(q.dtype, k.dtype, v.dtype))
     return (out, state) if return_state else out
 

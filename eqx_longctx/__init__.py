@@ -15,10 +15,13 @@ from ._caches import clear_caches as clear_caches
 from ._family import AttentionShape as AttentionShape
 from ._family import ModelFamily as ModelFamily
 from ._family import MoEShape as MoEShape
+from ._family import family_for_model_type as family_for_model_type
 from ._family import family_names as family_names
+from ._family import from_hf as from_hf
 from ._family import model_families as model_families
 from ._family import model_family as model_family
 from ._family import register_family as register_family
+from ._family import to_hf as to_hf
 from ._hlo import collective_bytes as collective_bytes
 from ._layout import from_layout as from_layout
 from ._layout import layout_order as layout_order

@@ -67,12 +67,15 @@ class ModelFamily(abc.ABC):
     - `config`: the config class.
     - `model`: the model class.
     - `presets`: preset name -> config (`--preset`).
+    - `model_types`: the Hugging Face `config.json` `model_type`s `from_hf` reads (what
+      `eqx_longctx.from_hf` picks the family by); empty for a family without a reader.
     """
 
     name: str
     config: type
     model: type
     presets: Mapping[str, Any]
+    model_types: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ checkpoints
     def from_hf(self, path: Any, **kwargs) -> Any:
@@ -207,3 +210,75 @@ def model_family(name: str) -> ModelFamily:
         )
     _REGISTERED[name] = family
     return family
+
+
+def family_for_model_type(model_type: str) -> ModelFamily:
+    """The installed or registered family whose `model_types` include `model_type`.
+
+    **Raises:** `ValueError` when no family reads it, listing the model types that are read.
+    """
+    families = model_families()
+    for family in families.values():
+        if model_type in family.model_types:
+            return family
+    known = sorted(t for f in families.values() for t in f.model_types)
+    raise ValueError(
+        f"no installed model family reads model_type {model_type!r}; the supported model "
+        f"types are {known}. Install a family plugin that declares it in model_types."
+    )
+
+
+def from_hf(path: Any, *, spec: Any = None, **kwargs) -> Any:
+    """Read a Hugging Face checkpoint directory into a model of whichever installed family
+    reads its `config.json`'s `model_type` (each family declares its `model_types`).
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory (`config.json` and safetensors weights).
+    - `spec`: the sharding spec of the returned model, or `None` for one device.
+    - `**kwargs`: passed on to the family's reader (`dtype`, config overrides).
+
+    **Returns:** the model.
+
+    **Raises:** `ValueError` when `path` has no readable `config.json`, when it names no
+    `model_type`, or when no installed family reads that model type (the message lists the
+    supported ones); as the family's `from_hf` otherwise.
+    """
+    return family_for_model_type(_model_type(path)).from_hf(path, spec=spec, **kwargs)
+
+
+def to_hf(model: Any, path: Any, **kwargs) -> None:
+    """Write a model of any installed family as a Hugging Face checkpoint directory (the
+    family whose model class `model` is an instance of writes it).
+
+    **Raises:** `TypeError` when no installed family builds models of `type(model)`; as
+    the family's `to_hf` otherwise.
+    """
+    for family in model_families().values():
+        if isinstance(model, family.model):
+            family.to_hf(model, path, **kwargs)
+            return
+    raise TypeError(
+        f"no installed model family builds {type(model).__name__} models; to_hf writes "
+        f"models of the families {family_names()}."
+    )
+
+
+def _model_type(path: Any) -> str:
+    import json
+    from pathlib import Path
+
+    file = Path(path) / "config.json"
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"from_hf needs a checkpoint directory with a readable config.json; reading "
+            f"{file} failed: {e}"
+        ) from None
+    model_type = hf.get("model_type") if isinstance(hf, dict) else None
+    if not isinstance(model_type, str):
+        raise ValueError(
+            f"{file} names no model_type (a string); it cannot say which family reads it."
+        )
+    return model_type

@@ -54,6 +54,7 @@ class LlamaFamily(_ZooFamily):
     """Llama 3 / Mistral / Qwen2 / Qwen3 (`models.llama`): GQA attention, SwiGLU MLP."""
 
     name = "llama"
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
     _module = "models.llama"
     _names = ("LlamaConfig", "Llama")
 
@@ -77,6 +78,7 @@ class DeepSeekFamily(_ZooFamily):
     experts after `first_k_dense` dense layers."""
 
     name = "deepseek"
+    model_types = ("deepseek_v2", "deepseek_v3")
     _module = "models.deepseek"
     _names = ("DeepSeekConfig", "DeepSeek")
 

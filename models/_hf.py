@@ -50,12 +50,16 @@ class HFTensor:
     - `n_in`: number of leading (per-index) zoo axes that are inputs, for `"linear"`.
     - `offsets`: `((field, offset), ...)`: index `i` of that stacking axis is named
       `i + offset` (e.g. a stack of MoE layers that starts after some dense layers).
+    - `stored_shape`: for `"same"`, the Hugging Face shape of one tensor where it holds
+      the zoo's elements in the same order under another shape (a depthwise convolution's
+      `[channels, 1, width]` for the zoo's `[heads, head_dim, width]`); `None`: the zoo's.
     """
 
     name: str
     kind: Literal["same", "flat", "linear"] = "same"
     n_in: int = 1
     offsets: tuple[tuple[str, int], ...] = ()
+    stored_shape: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.kind not in ("same", "flat", "linear") or self.n_in < 1:
@@ -68,6 +72,11 @@ class HFTensor:
             raise ValueError(
                 f"HFTensor({self.name!r}) has offsets for {unknown}, which are not "
                 f"{{fields}} of its name (fields: {list(self.fields)})."
+            )
+        if self.stored_shape is not None and self.kind != "same":
+            raise ValueError(
+                f"HFTensor({self.name!r}) gives a stored_shape, which only kind 'same' reads; "
+                f"got kind={self.kind!r}."
             )
 
     @property
@@ -85,6 +94,8 @@ class HFTensor:
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Hugging Face shape of one tensor, given the zoo shape of one (unstacked) slice."""
+        if self.stored_shape is not None:
+            return self.stored_shape
         if self.kind == "flat":
             return (math.prod(shape),)
         if self.kind == "linear":

@@ -130,6 +130,18 @@ CHILD_XLA_FLAGS = " ".join(
     if not f.startswith("--xla_force_host_platform_device_count")
 )  # fmt: skip
 
+
+def plan_json(argv: list[str]) -> dict:
+    """`python -m eqx_longctx.plan *argv` (which must include `--json`) in its own process,
+    for meshes larger than this process's 8 devices; **returns** its JSON record."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": CHILD_XLA_FLAGS}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "eqx_longctx.plan", *argv], text=True,
+                          capture_output=True, timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
 # Runs in a fresh process with argv[2] fake CPU devices. For each `[module, *flags]` it
 # parses the flags with that CLI's own parser and runs its checks up to the point where
 # the work would start, printing one JSON line: {"ok": mesh} or {"refused": message}.

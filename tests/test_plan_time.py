@@ -17,12 +17,9 @@ vocabulary 128256, one row of T = 14680064 tokens on 64 chips.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from helpers import CHILD_XLA_FLAGS, ROOT
+from helpers import plan_json
 
 import eqx_longctx as el
 from eqx_longctx.plan import CHIPS, main, plan_train_step
@@ -42,13 +39,7 @@ def test_the_seeds_step_time_is_a_hand_count_of_its_flops():
         "--mesh", f"context={CHIPS_USED}", "--fsdp-axes", "context", "--train", "--override",
         "compute_dtype=bfloat16", "--chip", "v5p", "--json",
     ]  # fmt: skip
-    # Its own process: 64 devices, which this one (started with 8) cannot have.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": CHILD_XLA_FLAGS}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "eqx_longctx.plan", *argv], text=True,
-                          capture_output=True, timeout=300, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    record = json.loads(proc.stdout)
+    record = plan_json(argv)  # its own process: 64 devices, more than this one's 8
     assert (record["strategy"], record["remat"], record["chip"]) == ("ring", "offload", "v5p")
     assert record["memory_budget_bytes"] == 95 * 2**30  # the chip's HBM, no budget flag
     assert MODEL_FLOPS == pytest.approx(1.70e20, rel=0.01)

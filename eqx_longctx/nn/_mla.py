@@ -9,6 +9,9 @@ one rotary key shared by every head (`qk_rope_head_dim` wide); each head's key (
 and value are linear up-projections of the latent. RoPE is "decoupled": only the last
 `qk_rope_head_dim` features of queries and keys are rotated, so the up-projection stays
 position-free.
+With `rope=None` nothing is rotated (NoPE, as Kimi Linear's MLA layers): the
+`qk_rope_head_dim` features are still computed, and the shared key part still broadcast over
+heads, but they carry no position.
 
 References: DeepSeek-AI 2024, "DeepSeek-V2: A Strong, Economical, and Efficient
 Mixture-of-Experts Language Model" (arXiv:2405.04434); Peng et al. 2023, "YaRN: Efficient
@@ -64,7 +67,7 @@ class MultiHeadLatentAttention(eqx.Module):
     kv_norm: RMSNorm
     wkv_b: Float[Array, "kv_lora_rank heads nope_and_v"]
     wo: Float[Array, "heads v_head_dim embed"]
-    rope: RoPE
+    rope: RoPE | None
     n_heads: int = eqx.field(static=True)
     qk_nope_head_dim: int = eqx.field(static=True)
     qk_rope_head_dim: int = eqx.field(static=True)
@@ -83,7 +86,7 @@ class MultiHeadLatentAttention(eqx.Module):
         qk_nope_head_dim: int,
         qk_rope_head_dim: int,
         v_head_dim: int,
-        rope: RoPE,
+        rope: RoPE | None,
         key: PRNGKeyArray,
         norm_eps: float = 1e-6,
         init_std: float = 0.02,
@@ -100,7 +103,9 @@ class MultiHeadLatentAttention(eqx.Module):
         - `qk_nope_head_dim`, `qk_rope_head_dim`: position-free and rotary widths of each
           query/key head.
         - `v_head_dim`: width of each value head.
-        - `rope`: the rotary embedding of the `qk_rope_head_dim` part.
+        - `rope`: the rotary embedding of the `qk_rope_head_dim` part, or `None` for no
+          position encoding (NoPE: that part is used unrotated; `qk_rope_head_dim` may
+          then be 0).
         - `key`: PRNG key for the normal initialisation.
         - `norm_eps`: epsilon of the latent RMSNorms.
         - `init_std`, `out_init_std`: standard deviations of the input projections and of
@@ -109,8 +114,8 @@ class MultiHeadLatentAttention(eqx.Module):
         - `spec`: the sharding spec passed to `eqx_longctx.attention`; `None` = one device.
 
         **Raises:** `TypeError` when `spec` is not a `ShardingSpec` (or `None`); `ValueError`
-        for a width that is not positive, or when `rope.head_dim` differs from
-        `qk_rope_head_dim`.
+        for a width that is not positive (`qk_rope_head_dim` negative), or when
+        `rope.head_dim` differs from `qk_rope_head_dim`.
         """
         check_spec(spec, "MultiHeadLatentAttention")
         for name, value in (
@@ -152,12 +157,18 @@ class MultiHeadLatentAttention(eqx.Module):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.kv_lora_rank = kv_lora_rank
-        correction = 1.0 if rope.scaling is None else rope.scaling.softmax_scale_factor()
+        scaling = None if rope is None else rope.scaling
+        correction = 1.0 if scaling is None else scaling.softmax_scale_factor()
         self.softmax_scale = qk_head_dim**-0.5 * correction
         self.spec = spec
 
     def __check_init__(self):
-        if self.rope.head_dim != self.qk_rope_head_dim:
+        if self.qk_rope_head_dim < 0:
+            raise ValueError(
+                "MultiHeadLatentAttention needs qk_rope_head_dim >= 0; got "
+                f"qk_rope_head_dim={self.qk_rope_head_dim}."
+            )
+        if self.rope is not None and self.rope.head_dim != self.qk_rope_head_dim:
             raise ValueError(
                 "MultiHeadLatentAttention's RoPE must rotate the qk_rope_head_dim features; got "
                 f"qk_rope_head_dim={self.qk_rope_head_dim} but rope.head_dim="
@@ -196,7 +207,7 @@ class MultiHeadLatentAttention(eqx.Module):
             q = self.q_norm(jnp.einsum("bse,er->bsr", x, self.wq_a.astype(dtype)))
             q = jnp.einsum("bsr,rhd->bshd", q, self.wq_b.astype(dtype))
         q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim :]
-        return jnp.concatenate([q_nope, self.rope(q_rope, positions)], axis=-1)
+        return jnp.concatenate([q_nope, self._rotate(q_rope, positions)], axis=-1)
 
     def latent(
         self, x: Hidden, positions: Positions | RotaryTables
@@ -214,8 +225,11 @@ class MultiHeadLatentAttention(eqx.Module):
         """
         compressed = jnp.einsum("bse,ec->bsc", x, self.wkv_a.astype(x.dtype))
         latent = self.kv_norm(compressed[..., : self.kv_lora_rank])
-        k_rope = self.rope(compressed[..., None, self.kv_lora_rank :], positions)[:, :, 0]
+        k_rope = self._rotate(compressed[..., None, self.kv_lora_rank :], positions)[:, :, 0]
         return latent, k_rope
+
+    def _rotate(self, x, positions):
+        return x if self.rope is None else self.rope(x, positions)
 
     def up_project(
         self,
@@ -262,10 +276,11 @@ class MultiHeadLatentAttention(eqx.Module):
         """
         return self.prefill(x, positions, segment_ids)[0]
 
-    def rotary_tables(self, positions: Positions) -> RotaryTables:
+    def rotary_tables(self, positions: Positions) -> RotaryTables | None:
         """**Returns:** this layer's RoPE tables at `positions`, which `__call__` accepts in
-        their place (`LayerStack` computes them once for all its layers)."""
-        return self.rope.tables(positions)
+        their place (`LayerStack` computes them once for all its layers); `None` without
+        RoPE (the positions are then passed on, unused)."""
+        return None if self.rope is None else self.rope.tables(positions)
 
     # ---- inference (eqx_longctx.inference): the cache holds the latent and rotary key ----
 
@@ -296,7 +311,7 @@ class MultiHeadLatentAttention(eqx.Module):
         """
         # Context-parallel strategies move the latent (kv_lora_rank + qk_rope_head_dim per
         # token), not per-head K/V; each device up-projects the tokens it holds.
-        tables = self.rope.tables(positions)  # once for the queries and the keys
+        tables = self._tables(positions)  # once for the queries and the keys
         latent = self.latent(x, tables)
         out = latent_attention(
             self.queries(x, tables),
@@ -310,6 +325,9 @@ class MultiHeadLatentAttention(eqx.Module):
         )
         out = jnp.einsum("bshv,hve->bse", out, self.wo.astype(x.dtype))
         return out, (jnp.concatenate(latent, axis=-1)[:, :, None, :],)
+
+    def _tables(self, positions):
+        return positions if self.rope is None else self.rope.tables(positions)
 
     def decode(
         self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl
@@ -325,7 +343,7 @@ class MultiHeadLatentAttention(eqx.Module):
         **Returns:** `(out, (latent,))`: the output and the new token's cache entry.
         """
         dtype = x.dtype
-        tables = self.rope.tables(positions)
+        tables = self._tables(positions)
         q = self.queries(x, tables)
         new = jnp.concatenate(self.latent(x, tables), axis=-1)[:, :, None, :]
         nope = self.qk_nope_head_dim

@@ -1,13 +1,15 @@
 """The public op: validate eagerly, then run the chunked form (`_chunked.py`).
 
-With `spec=None` the whole sequence is on one device and `chunk_gated_delta` runs once.
+With `spec=None` the whole sequence is on one device and `chunk_gated_delta` runs once, or
+its Pallas twin `eqx_longctx.kernels.pallas_chunk_gated_delta` (`impl`, resolved by
+`resolve_gated_delta_impl`, the one place that decides which).
 Under a `ShardingSpec` each device summarises its pieces of the sequence as an affine map
 of the state they receive, the maps are composed across devices, and each piece is
 finished from its true incoming state (`_context_parallel.py`, `_compose.py`).
 """
 
 import functools
-from typing import no_type_check
+from typing import Any, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,7 @@ def gated_delta_rule(
     spec: ShardingSpec | None = None,
     return_state: bool = False,
     chunk: int = 64,
+    impl: Any = None,
 ):
     """Linear attention by the gated delta rule: Gated DeltaNet (a decay per head) and
     Kimi Delta Attention (a decay per key channel).
@@ -98,6 +101,11 @@ def gated_delta_rule(
       token `seq - 1`, wherever the layout puts it).
     - `chunk`: tokens per chunk of the chunked form (default 64; a sequence that is not a
       multiple is padded with tokens that change nothing).
+    - `impl`: who does each chunk's work on one device: `None` (the Pallas kernel on a
+      TPU where it runs this `chunk` and these head dims, else the XLA path), `"xla"`,
+      `"pallas"` (the kernel, compiled on a TPU and interpreted elsewhere; `chunk` a
+      multiple of 8) or an `eqx_longctx.kernels.PallasGatedDeltaImpl`; see
+      `resolve_gated_delta_impl`. Under a `spec` the XLA path runs (`None` or `"xla"`).
 
     **Returns:** `out` `[batch, seq, heads, dv]` in the promoted dtype of `q`, `k` and `v`
     (NumPy arrays are accepted), in the spec's layout under a spec; with
@@ -110,7 +118,9 @@ def gated_delta_rule(
     `[batch, seq, heads, dk]`, a positive entry in a concrete `g` (checked when its values
     are known, not under `jax.jit`), an `initial_state` of the wrong shape, `chunk < 1`,
     or under a spec a batch, sequence or head count that its mesh does not split (the
-    sequence into `N` shards, `2N` chunks for zig-zag).
+    sequence into `N` shards, `2N` chunks for zig-zag); for `impl` as
+    `resolve_gated_delta_impl`, and with the kernel a `chunk` that is not a multiple of 8
+    or whose VMEM does not fit.
     """
     where = "gated_delta_rule"
     chunk = check_options(where, spec, return_state, chunk)
@@ -118,8 +128,22 @@ def gated_delta_rule(
         where, q, k, v, g, beta, segment_ids, initial_state, scale
     )
     if spec is None:
-        out, state = _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk)
+        run = resolve_gated_delta_impl(impl)
+        if run != "xla":
+            try:
+                run.check(chunk=chunk, dk=q.shape[-1], dv=v.shape[-1], kda=g.ndim == 4)
+            except ValueError:
+                if impl is not None:
+                    raise
+                run = "xla"  # the default takes the kernel only where it runs
+        out, state = _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk, run)
     else:
+        if impl is not None and resolve_gated_delta_impl(impl) != "xla":
+            raise ValueError(
+                f"{where} runs the XLA path under a ShardingSpec (the Pallas kernel is not "
+                f"wired into the sequence split); got impl={impl!r} with a spec. Pass "
+                "impl=None or 'xla' with a spec, or spec=None for the kernel on one device."
+            )
         check_spec_inputs(where, spec, q, v)
         out, state = context_parallel_gated_delta(
             q, k, v, g, beta, segment_ids, initial_state,
@@ -129,8 +153,41 @@ def gated_delta_rule(
     return (out, state) if return_state else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "chunk"))
-def _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk):
+def resolve_gated_delta_impl(impl: Any = None, *, platform: str | None = None):
+    """Which implementation runs the gated delta rule's chunks on one device; the one place
+    that decides it, as `eqx_longctx.attention.resolve_block_impl` does for attention.
+
+    **Arguments:**
+
+    - `impl`: `None` (the Pallas kernel on a TPU, the XLA path on any other platform),
+      `"xla"`, `"pallas"`, or an `eqx_longctx.kernels.PallasGatedDeltaImpl` (returned as
+      is).
+    - `platform`: the devices' platform for `None`; default the default device's.
+
+    **Returns:** `"xla"` or a `PallasGatedDeltaImpl` (for `"pallas"`: compiled on a TPU,
+    Pallas' interpreter on any other platform, chosen where the program is lowered).
+
+    **Raises:** `ValueError` for any other `impl`, naming the choices.
+    """
+    from ..kernels import PallasGatedDeltaImpl
+
+    if isinstance(impl, PallasGatedDeltaImpl):
+        return impl
+    if impl is None:
+        platform = jax.devices()[0].platform if platform is None else platform
+        impl = "pallas" if platform == "tpu" else "xla"
+    if isinstance(impl, str) and impl == "xla":
+        return "xla"
+    if isinstance(impl, str) and impl == "pallas":
+        return PallasGatedDeltaImpl()
+    raise ValueError(
+        f"gated_delta_rule: impl must be None, 'xla', 'pallas' or a PallasGatedDeltaImpl; "
+        f"got impl={impl!r}. None runs the Pallas kernel on a TPU and the XLA path elsewhere."
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk", "run"))
+def _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk, run):
     b, s, h, dk = q.shape
     dv = v.shape[-1]
     if initial_state is None:
@@ -139,4 +196,5 @@ def _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk):
     q, k, v, g, beta, initial_state = (
         x.astype(jnp.float32) for x in (q, k, v, g, beta, initial_state)
     )
-    return chunk_gated_delta(q, k, v, g, beta, starts, initial_state, scale=scale, chunk=chunk)
+    chunks = chunk_gated_delta if run == "xla" else run
+    return chunks(q, k, v, g, beta, starts, initial_state, scale=scale, chunk=chunk)

@@ -1,0 +1,316 @@
+"""A Pallas TPU kernel for the gated delta rule's chunk work (Gated DeltaNet, Kimi Delta
+Attention), beside its XLA twin (`_gated_delta_twin.py`).
+
+**What is in the kernel.** One grid step is one chunk of one head of one batch row, grid
+`(batch, heads, chunks)`, every axis "parallel": the work that does not depend on the state.
+From the chunk's `q` (scaled), `k`, `v`, log decays `g`, `beta` and document starts it
+writes the UT transform's solution `W_k`, `W_v` (forward substitution of the unit
+lower-triangular `C x C` system), the decayed `q`-`k` scores `P`, and the decayed `q_in`,
+`k_out` (see the twin's docstring for the formulas). The prefix sums of the decays and the
+pair masks are products with `C x C` triangles of ones on the MXU: the span
+`g_{j+1} + ... + g_t` of a GDN decay is `tril(1) @ (g * (i > j))`, a sum of the g's
+themselves, never a difference of prefix sums. A KDA decay is per key channel, so its
+`[C, C, dk]` spans are never held: the kernel walks the key tokens `j` from the last to the
+first, each step adding one row of `g` to the running spans `[C, dk]` (the same one-signed
+sums) and filling column `j` of `A` and `P`.
+
+**What stays XLA.** The state scan (`_gated_delta_twin.scan_chunks`): per chunk three
+`[C, dk] x [dk, dv]` products and one `[C, C] x [C, dv]` with the state, sequential over
+chunks; and the backward: the VJP of the twin, recomputed one chunk at a time, so the
+gradients are the XLA path's own. The scan's residuals are the kernel's outputs (about 1.5x
+the inputs at `dk = dv = 128`, `C = 64`) and one state per chunk.
+
+**Blocks.** `q`, `k`, `q_in`, `k_out`, `W_k`: `(C, dk)`; `v`, `W_v`: `(C, dv)`; `P`:
+`(C, C)`; `g`: `(C, dk)` or `(C, 1)`; `beta` `(C, 1)` and the starts `(C, 1)` (shared by
+the heads). Every block's second-minor dim is the chunk (a multiple of 8) and its minor dim
+the whole array's (a multiple of 128 at `dk = dv = 128`), as Mosaic asks. VMEM per grid
+step (`gated_delta_vmem`) does not depend on the heads, the batch or the sequence.
+"""
+
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ._blocks import call_kernel
+from ._gated_delta_twin import by_chunk, intra_chunk_backward, scan_chunks
+from ._operands import NUM_LANES, NUM_SUBLANES, out_struct
+from ._vmem import VMEM_HEADROOM, MiB, VmemEstimate, vmem_budget
+
+_NN = (((1,), (0,)), ((), ()))
+_NT = (((1,), (1,)), ((), ()))
+
+
+def _dot(a, b, dims=_NN):
+    return lax.dot_general(
+        a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref,
+            wk_ref, wv_ref, p_ref, qin_ref, kout_ref, *, kda: bool):  # fmt: skip
+    q, k, v, beta, starts = q_ref[...], k_ref[...], v_ref[...], beta_ref[...], starts_ref[...]
+    size, dk = k.shape
+    rows = lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    causal, strict = rows >= cols, rows > cols
+    lower, upper = causal.astype(jnp.float32), (cols > rows).astype(jnp.float32)
+    g = jnp.broadcast_to(g_ref[...], (size, dk))
+    # Documents from the starts: counted over spans by the same triangles.
+    wide = jnp.broadcast_to(starts, (size, NUM_LANES))
+    reached = _dot(lower, wide)[:, :1] == 0.0  # no start in [0, t]: the state reaches t
+    last = _dot(upper, wide)[:, :1] == 0.0  # no start in (t, C-1]: t writes the state
+    same = causal & (_dot(lower, starts * strict.astype(jnp.float32)) == 0.0)
+    from_start = jnp.exp(_dot(lower, g))
+    qin_ref[...] = jnp.where(reached, q * from_start, 0.0)
+    kout_ref[...] = jnp.where(last, k * jnp.exp(_dot(upper, g)), 0.0)
+    if kda:
+        a, p = _channel_scores(q, k, g, same)
+    else:
+        span = _dot(lower, g_ref[...] * strict.astype(jnp.float32))  # g_{j+1} + ... + g_t
+        decay = jnp.exp(jnp.where(same, span, -jnp.inf))
+        a, p = _dot(k, k, _NT) * decay, _dot(q, k, _NT) * decay
+    p_ref[...] = p
+    a = jnp.where(strict, a, 0.0) * beta
+    w_k, w_v = _forward_substitution(a, jnp.where(reached, k * from_start, 0.0) * beta, v * beta)
+    wk_ref[...] = w_k
+    wv_ref[...] = w_v
+
+
+def _row(x, pick):
+    """Row `pick` (`[C, 1]` bool, one true) of `x` as `[1, d]`: a masked sum, exact."""
+    return jnp.sum(jnp.where(pick, x, 0.0), axis=0, keepdims=True)
+
+
+def _channel_scores(q, k, g, same):
+    """`A` (before the strict mask and `beta`) and `P` of a per-channel (KDA) decay, column
+    by column from the last key token: `span[t] = g_{j+1} + ... + g_t` grows by one row of
+    `g` per step."""
+    size, dk = k.shape
+    row = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+    col = lax.broadcasted_iota(jnp.int32, (1, size), 1)
+    same = same.astype(jnp.float32)
+
+    def step(i, carry):
+        a, p, span = carry
+        j = size - 1 - i
+        span = jnp.where(row > j, span + _row(g, row == j + 1), 0.0)
+        pick_col = col == j
+        ok = jnp.sum(jnp.where(pick_col, same, 0.0), axis=1, keepdims=True) > 0.0  # [C, 1]
+        kd = _row(k, row == j) * jnp.exp(jnp.where(ok, span, -jnp.inf))
+        a = jnp.where(pick_col, jnp.sum(k * kd, axis=1, keepdims=True), a)
+        p = jnp.where(pick_col, jnp.sum(q * kd, axis=1, keepdims=True), p)
+        return a, p, span
+
+    zeros = jnp.zeros((size, size), jnp.float32)
+    a, p, _ = lax.fori_loop(0, size, step, (zeros, zeros, jnp.zeros((size, dk), jnp.float32)))
+    return a, p
+
+
+def _forward_substitution(a, r_k, r_v):
+    """`(I + a)^{-1} [r_k | r_v]` for a strictly lower `a`: column `j` of `a` times the
+    finished row `j` is taken off every later row (rows `<= j` get `a_tj = 0`)."""
+    size = a.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+    col = lax.broadcasted_iota(jnp.int32, (1, size), 1)
+
+    def step(j, carry):
+        w_k, w_v = carry
+        a_j = jnp.sum(jnp.where(col == j, a, 0.0), axis=1, keepdims=True)  # [C, 1]
+        pick = row == j
+        return w_k - a_j * _row(w_k, pick), w_v - a_j * _row(w_v, pick)
+
+    return lax.fori_loop(0, size, step, (r_k, r_v))
+
+
+def _padded(rows: int, cols: int) -> int:
+    """Bytes of a float32 `[rows, cols]` VMEM tile, padded to whole `(8, 128)` tiles."""
+    return (-(-rows // NUM_SUBLANES) * NUM_SUBLANES) * (-(-cols // NUM_LANES) * NUM_LANES) * 4
+
+
+def gated_delta_vmem(*, chunk: int, dk: int, dv: int, kda: bool) -> VmemEstimate:
+    """VMEM of one grid step of the gated delta kernel (float32 throughout).
+
+    **Arguments:** `chunk` the tokens per chunk; `dk`, `dv` the key and value head dims;
+    `kda` whether the decay is per key channel.
+
+    **Returns:** a `VmemEstimate`: the blocks read and written, twice (Pallas
+    double-buffers them), exact; no scratch; temporaries an estimate (Mosaic decides what
+    stays live): the `[C, C]` triangles, masks, spans and scores, and the `[C, dk]`,
+    `[C, dv]` decayed rows and right-hand sides (KDA: the running spans and one decayed
+    key per step, besides).
+    """
+    c = chunk
+    ins = [_padded(c, dk)] * 2 + [_padded(c, dv), _padded(c, dk if kda else 1)]
+    ins += [_padded(c, 1)] * 2
+    outs = [_padded(c, dk)] * 3 + [_padded(c, dv), _padded(c, c)]
+    square, key_rows, value_rows = 10, 6 + (4 if kda else 0), 3
+    temporaries = square * _padded(c, c) + key_rows * _padded(c, dk) + value_rows * _padded(c, dv)
+    return VmemEstimate(2 * (sum(ins) + sum(outs)), 0, temporaries)
+
+
+def check_gated_delta_kernel(chunk: int, dk: int, dv: int, kda: bool, budget=None) -> int:
+    """**Returns:** the VMEM limit the kernel asks Mosaic for (`vmem_budget()`).
+
+    **Raises:** `ValueError` when `chunk` is not a multiple of 8 (the TPU's sublane tile)
+    or the estimate of one grid step passes `VMEM_HEADROOM` of the budget.
+    """
+    if chunk % NUM_SUBLANES:
+        raise ValueError(
+            f"impl='pallas' needs a chunk that is a multiple of {NUM_SUBLANES} (the TPU's "
+            f"sublane tile: a chunk is the second-minor dim of every block); got chunk={chunk}. "
+            "Use chunk=64 (the default), or impl='xla' for this chunk."
+        )
+    budget = vmem_budget() if budget is None else budget
+    need = gated_delta_vmem(chunk=chunk, dk=dk, dv=dv, kda=kda).total
+    if need > VMEM_HEADROOM * budget:
+        raise ValueError(
+            f"the gated delta kernel needs about {need / MiB:.1f} MiB of VMEM per grid step "
+            f"at chunk={chunk}, dk={dk}, dv={dv} ({'KDA' if kda else 'GDN'}); "
+            f"{VMEM_HEADROOM:.0%} of the budget is {VMEM_HEADROOM * budget / MiB:.1f} MiB "
+            "(vmem_budget()). Use a smaller chunk (64), or impl='xla'."
+        )
+    return budget
+
+
+def intra_chunk_kernel(q, k, v, g, beta, starts, *, size: int, interpret: Any):
+    """The kernel over every chunk: heads-major inputs over a sequence padded to a multiple
+    of `size` (`q`, `k` `[b, h, S, dk]`, `v` `[b, h, S, dv]`, `g` `[b, h, S, c]`, `beta`
+    `[b, h, S, 1]`, `starts` `[b, 1, S, 1]` float32).
+
+    **Returns:** `(w_k, w_v, p, q_in, k_out)`, heads-major, `p` `[b, h, S, size]`.
+    """
+    b, h, s, dk = q.shape
+    dv, c = v.shape[-1], g.shape[-1]
+    kda = c != 1
+    vmem = check_gated_delta_kernel(size, dk, dv, kda)
+
+    def spec(width):
+        return pl.BlockSpec((None, None, size, width), lambda bi, hi, ci: (bi, hi, ci, 0))
+
+    starts_spec = pl.BlockSpec((None, None, size, 1), lambda bi, hi, ci: (bi, 0, ci, 0))
+    operands = (q, k, v, g, beta, starts)
+    in_specs = [spec(dk), spec(dk), spec(dv), spec(c), spec(1), starts_spec]
+    widths = (dk, dv, size, dk, dk)
+    out_shape = [out_struct((b, h, s, w), jnp.float32, *operands) for w in widths]
+    n = s // size
+    flops = 2 * size * size * (3 * dk + dv + 4 * size) + (8 * size * size * dk if kda else 0)
+    cost = pl.CostEstimate(
+        flops=b * h * n * flops,
+        transcendentals=b * h * s * (3 * dk + (size * dk if kda else size)),
+        bytes_accessed=4 * b * h * s * (6 * dk + 2 * dv + size + c + 1),
+    )
+    build = lambda interpret: pl.pallas_call(  # noqa: E731
+        functools.partial(_kernel, kda=kda),
+        grid=(b, h, n),
+        in_specs=in_specs,
+        out_specs=[spec(w) for w in widths],
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel"), vmem_limit_bytes=vmem
+        ),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="eqx_longctx_gated_delta_chunks",
+    )
+    return tuple(call_kernel(interpret, build, *operands))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _intra(size, interpret, q, k, v, g, beta, starts):
+    return intra_chunk_kernel(q, k, v, g, beta, starts, size=size, interpret=interpret)
+
+
+def _intra_fwd(size, interpret, *inputs):
+    return _intra(size, interpret, *inputs), inputs
+
+
+def _intra_bwd(size, interpret, inputs, cotangents):
+    return (*intra_chunk_backward(size, inputs, cotangents), None)
+
+
+_intra.defvjp(_intra_fwd, _intra_bwd)
+
+
+def pallas_chunk_gated_delta(
+    q, k, v, g, beta, starts, initial_state, *, scale: float, chunk: int, interpret: Any = None
+):  # fmt: skip
+    """The gated delta rule over a sequence with the chunk work in the Pallas kernel: the
+    contract of the XLA path's `chunk_gated_delta` (`eqx_longctx/linear/_chunked.py`).
+
+    **Arguments:**
+
+    - `q`, `k` `[batch, seq, heads, dk]`, `v` `[batch, seq, heads, dv]`, `g`
+      `[batch, seq, heads]` (GDN) or `[batch, seq, heads, dk]` (KDA), `beta`
+      `[batch, seq, heads]`, `initial_state` `[batch, heads, dk, dv]`: float32, trusted.
+    - `starts`: `[batch, seq]` bool, `True` where the state before the token is dropped.
+    - `scale`: the factor on `q`.
+    - `chunk`: tokens per chunk, a multiple of 8 (a sequence shorter than it runs one
+      chunk of its length rounded up to 8); the sequence is padded with tokens that
+      change nothing.
+    - `interpret`: `None` compiles the kernel for a TPU and interprets it on any other
+      platform, chosen for the platform the program is lowered for; `True`, `False` or a
+      `pltpu.InterpretParams` as for `pallas_call`.
+
+    **Returns:** `(out [batch, seq, heads, dv], final_state [batch, heads, dk, dv])`,
+    float32. Differentiable: the backward is the XLA twin's VJP, chunk by chunk.
+
+    **Raises:** `ValueError` as `check_gated_delta_kernel`.
+    """
+    b, s, h, dk = q.shape
+    check_gated_delta_kernel(chunk, dk, v.shape[-1], g.ndim == 4)
+    size = min(chunk, -(-s // NUM_SUBLANES) * NUM_SUBLANES)
+    n = -(-s // size)
+    pad = n * size - s
+    if g.ndim == 3:
+        g = g[..., None]
+
+    def heads_major(x):  # [b, s, h, ...] -> [b, h, n * size, ...], zero-padded
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.swapaxes(x, 1, 2)
+
+    flags = jnp.pad(starts, [(0, 0), (0, pad)])
+    starts_f = flags.astype(jnp.float32)[:, None, :, None]  # [b, 1, S, 1], shared by heads
+    inputs = (heads_major(q * scale), heads_major(k), heads_major(v), heads_major(g),
+              heads_major(beta[..., None]), starts_f)  # fmt: skip
+    parts = _intra(size, interpret, *inputs)
+    # The decay of a whole chunk, where no document starts in it (else the state is dropped).
+    whole = jnp.exp(jnp.sum(by_chunk(inputs[3], size), axis=3))  # [n, b, h, c]
+    fresh = jnp.any(flags.reshape(b, n, size), axis=-1).T[:, :, None, None]  # [n, b, 1, 1]
+    kept = jnp.where(fresh, 0.0, whole)
+    out, final_state = scan_chunks(parts, kept, initial_state, size)
+    return jnp.swapaxes(out, 1, 2)[:, :s], final_state
+
+
+class PallasGatedDeltaImpl(eqx.Module):
+    """The gated delta rule's chunk work on the Pallas TPU kernel: what
+    `eqx_longctx.gated_delta_rule(..., impl="pallas")` runs (`impl=PallasGatedDeltaImpl(...)`
+    sets the interpreter).
+
+    **Arguments:**
+
+    - `interpret`: `None` (the default) compiles the kernel for a TPU and runs Pallas'
+      interpreter on any other platform, chosen for the platform the program is lowered
+      for; `False` always compiles; `True` or a `pltpu.InterpretParams` interprets (see
+      `race_detecting_interpret`).
+    """
+
+    interpret: Any = eqx.field(static=True, default=None)
+
+    def check(self, *, chunk: int, dk: int, dv: int, kda: bool) -> None:
+        """Eager validation of a call: `check_gated_delta_kernel`.
+
+        **Raises:** `ValueError` naming the rule, the values and the fix."""
+        check_gated_delta_kernel(chunk, dk, dv, kda)
+
+    def __call__(self, q, k, v, g, beta, starts, initial_state, *, scale: float, chunk: int):
+        """`pallas_chunk_gated_delta` with this `interpret`."""
+        return pallas_chunk_gated_delta(
+            q, k, v, g, beta, starts, initial_state,
+            scale=scale, chunk=chunk, interpret=self.interpret,
+        )  # fmt: skip

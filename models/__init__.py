@@ -3,13 +3,17 @@
 the `eqx_longctx.models` entry-point group (`eqx_longctx.model_family("llama")`)."""
 
 from ._family import DEEPSEEK as DEEPSEEK
+from ._family import KIMI_LINEAR as KIMI_LINEAR
 from ._family import LLAMA as LLAMA
 from ._family import DeepSeekFamily as DeepSeekFamily
+from ._family import KimiLinearFamily as KimiLinearFamily
 from ._family import LlamaFamily as LlamaFamily
 
 __all__ = [
     "DEEPSEEK",
+    "KIMI_LINEAR",
     "LLAMA",
     "DeepSeekFamily",
+    "KimiLinearFamily",
     "LlamaFamily",
 ]

@@ -129,7 +129,64 @@ class DeepSeekFamily(_ZooFamily):
         )  # fmt: skip
 
 
+class KimiLinearFamily(_ZooFamily):
+    """Kimi Linear (`models.kimi_linear`): Kimi Delta Attention and NoPE multi-head latent
+    attention layers, routed experts after `first_k_dense` dense layers."""
+
+    name = "kimi_linear"
+    model_types = ("kimi_linear",)
+    _module = "models.kimi_linear"
+    _names = ("KimiLinearConfig", "KimiLinear")
+
+    def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
+        """One layer per run of consecutive layers of one kind, in order, so that the local
+        model's layer stacks sit where the full model's stacks of the same kind do (the
+        planner pairs them by place); the MLA and KDA heads and the dense MLP's width
+        divided by `tensor`; under expert parallelism the routed experts a device holds and
+        the rows they receive, as `DeepSeekFamily.local_config` sizes them."""
+        from ._hybrid import runs
+
+        c = config
+        kinds = [kind for kind, _, _ in runs(c.layer_kinds)]
+        routing = {}
+        if expert > 1:
+            cf = c.capacity_factor
+            rows = c.top_k * expert if cf is None else math.ceil(c.top_k * cf)
+            local = min(c.n_routed_experts, max(c.n_routed_experts // expert, rows))
+            routing = dict(n_routed_experts=local, top_k=min(local, rows), n_group=1,
+                           topk_group=1, capacity_factor=None)  # fmt: skip
+        return dataclasses.replace(
+            c, n_layers=len(kinds), layer_types=tuple(k.split("/")[0] for k in kinds),
+            first_k_dense=sum(k.endswith("/dense") for k in kinds), n_heads=c.n_heads // tensor,
+            linear_n_heads=c.linear_n_heads // tensor, hidden_dim=c.hidden_dim // tensor,
+            **routing,
+        )  # fmt: skip
+
+    def attention_shape(self, config: Any) -> AttentionShape:
+        """The MLA layers' shape: `n_heads` query and key/value heads (keys and values are
+        up-projected per head), a query/key width of `qk_nope_head_dim + qk_rope_head_dim`
+        and `v_head_dim`. The planner prices every layer's attention with it, so the KDA
+        layers (`"linear_attention"`: linear in the sequence, no keys or values to move) are
+        counted as MLA layers in its attention FLOPs and communication: an overestimate."""
+        c = config
+        return AttentionShape(
+            c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+        )
+
+    def moe_shape(self, config: Any) -> MoEShape | None:
+        """The routed experts of the `n_layers - first_k_dense` MoE layers."""
+        c = config
+        if c.n_layers <= c.first_k_dense:
+            return None
+        return MoEShape(
+            c.n_routed_experts, c.top_k, c.capacity_factor, c.n_layers - c.first_k_dense,
+            c.moe_hidden_dim,
+        )  # fmt: skip
+
+
 LLAMA = LlamaFamily()
 """The Llama family plugin (`--model llama`)."""
 DEEPSEEK = DeepSeekFamily()
 """The DeepSeek family plugin (`--model deepseek`)."""
+KIMI_LINEAR = KimiLinearFamily()
+"""The Kimi Linear family plugin (`--model kimi_linear`)."""

@@ -34,12 +34,20 @@ class SelfAttention(eqx.Module):
     the head axis directly. With `qk_norm`, queries and keys are RMS-normalised over each
     head's features (one learned `[head_dim]` scale for all heads) after the biases and
     before RoPE, as in Qwen3.
+
+    Two options give Qwen3-Next's gated attention: `output_gate` multiplies each head's
+    attention output by `sigmoid(x @ wg)` (a second query-shaped projection) before the
+    output projection, and a `rope` narrower than the head rotates only the leading
+    `rope.head_dim` features of each query and key (partial RoPE), passing the rest through.
+    `norm_zero_centred` makes the q/k norms scale by `1 + weight` (`RMSNorm`'s
+    `zero_centred`).
     """
 
     wq: Float[Array, "embed q_heads head_dim"]
     wk: Float[Array, "embed kv_heads head_dim"]
     wv: Float[Array, "embed kv_heads head_dim"]
     wo: Float[Array, "q_heads head_dim embed"]
+    wg: Float[Array, "embed q_heads head_dim"] | None
     bq: Float[Array, "q_heads head_dim"] | None
     bk: Float[Array, "kv_heads head_dim"] | None
     bv: Float[Array, "kv_heads head_dim"] | None
@@ -65,6 +73,8 @@ class SelfAttention(eqx.Module):
         qkv_bias: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
+        norm_zero_centred: bool = False,
+        output_gate: bool = False,
         causal: bool = True,
         window: int | None = None,
         init_std: float = 0.02,
@@ -77,11 +87,15 @@ class SelfAttention(eqx.Module):
         - `dim`: model width (`embed`).
         - `n_heads`, `n_kv_heads`: query and key/value heads (`n_heads % n_kv_heads == 0`).
         - `head_dim`: width of each head (`n_heads * head_dim` need not equal `dim`).
-        - `rope`: the rotary embedding applied to queries and keys.
+        - `rope`: the rotary embedding applied to queries and keys: the whole head, or its
+          leading `rope.head_dim` features when narrower (partial RoPE).
         - `key`: PRNG key for the normal initialisation.
         - `qkv_bias`: add learned biases to the q/k/v projections (Qwen2); zero-initialised.
         - `qk_norm`: RMS-normalise each query and key head before RoPE (Qwen3).
         - `norm_eps`: epsilon of those norms (unused without `qk_norm`).
+        - `norm_zero_centred`: those norms scale by `1 + weight` (Qwen3-Next).
+        - `output_gate`: gate each head's output by `sigmoid(x @ wg)` before the output
+          projection (Qwen3-Next); `wg` is initialised as `wq`.
         - `causal`: query `i` attends keys `j <= i` (by token index).
         - `window`: sliding-window size `W` (needs `causal`): query `i` attends keys `j`
           with `0 <= i - j < W`; `None` = no window. Static, so that the attention skips
@@ -93,7 +107,7 @@ class SelfAttention(eqx.Module):
 
         **Raises:** `TypeError` for a `spec` that is not a `ShardingSpec` or options of the wrong
         type; `ValueError` when `n_heads` is not a multiple of `n_kv_heads`, `rope.head_dim`
-        differs from `head_dim`, or `window` is not a positive int or is set without `causal`.
+        exceeds `head_dim`, or `window` is not a positive int or is set without `causal`.
         """
         self.window = check_options("SelfAttention", spec, causal, None, window)
         out_init_std = init_std if out_init_std is None else out_init_std
@@ -102,6 +116,10 @@ class SelfAttention(eqx.Module):
         self.wk = init_std * jax.random.normal(kk, (dim, n_kv_heads, head_dim), dtype)
         self.wv = init_std * jax.random.normal(kv, (dim, n_kv_heads, head_dim), dtype)
         self.wo = out_init_std * jax.random.normal(ko, (n_heads, head_dim, dim), dtype)
+        self.wg = None
+        if output_gate:
+            kg = jax.random.fold_in(key, 4)  # the other weights' keys as without the gate
+            self.wg = init_std * jax.random.normal(kg, (dim, n_heads, head_dim), dtype)
         if qkv_bias:
             self.bq = jnp.zeros((n_heads, head_dim), dtype)
             self.bk = jnp.zeros((n_kv_heads, head_dim), dtype)
@@ -109,8 +127,10 @@ class SelfAttention(eqx.Module):
         else:
             self.bq = self.bk = self.bv = None
         if qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype)
+            self.q_norm, self.k_norm = (
+                RMSNorm(head_dim, eps=norm_eps, dtype=dtype, zero_centred=norm_zero_centred)
+                for _ in "qk"
+            )
         else:
             self.q_norm = self.k_norm = None
         self.rope = rope
@@ -134,17 +154,22 @@ class SelfAttention(eqx.Module):
                 f"both be set or both be None; got q_norm={self.q_norm is not None}, "
                 f"k_norm={self.k_norm is not None}. Build it with qk_norm=True or False."
             )
-        if self.rope.head_dim != self.head_dim:
+        if self.rope.head_dim > self.head_dim:
             raise ValueError(
-                f"SelfAttention's RoPE must rotate the whole head; got head_dim={self.head_dim} "
-                f"but rope.head_dim={self.rope.head_dim}. Build RoPE(head_dim={self.head_dim}, "
-                "...)."
+                "SelfAttention's RoPE must rotate the whole head or its leading features "
+                f"(partial RoPE); got head_dim={self.head_dim} but rope.head_dim="
+                f"{self.rope.head_dim}. Build RoPE(head_dim={self.head_dim}, ...) or narrower."
             )
 
     @property
     def qkv_bias(self) -> bool:
         """Whether the q/k/v projections have biases."""
         return self.bq is not None
+
+    @property
+    def output_gate(self) -> bool:
+        """Whether each head's output is gated by `sigmoid(x @ wg)`."""
+        return self.wg is not None
 
     @property
     def qk_norm(self) -> bool:
@@ -171,7 +196,7 @@ class SelfAttention(eqx.Module):
         integers.
         """
         q, k, v = self._project(x, positions)
-        return self._output(self._attend(q, k, v, segment_ids))
+        return self._output(self._attend(q, k, v, segment_ids), x)
 
     def _project(self, x, positions):
         """Queries, keys and values of `x` at `positions`: biases, norms and RoPE applied."""
@@ -187,7 +212,13 @@ class SelfAttention(eqx.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         tables = self.rope.tables(positions)  # once for the queries and the keys
-        return self.rope(q, tables), self.rope(k, tables), v
+        return self._rotate(q, tables), self._rotate(k, tables), v
+
+    def _rotate(self, x, tables):
+        n = self.rope.head_dim
+        if n == self.head_dim:
+            return self.rope(x, tables)
+        return jnp.concatenate([self.rope(x[..., :n], tables), x[..., n:]], axis=-1)
 
     def rotary_tables(self, positions: Positions) -> RotaryTables:
         """**Returns:** this layer's RoPE tables at `positions`, which `__call__` accepts in
@@ -200,7 +231,10 @@ class SelfAttention(eqx.Module):
             segment_ids=segment_ids, impl=impl,
         )  # fmt: skip
 
-    def _output(self, out):
+    def _output(self, out, x):
+        if self.wg is not None:
+            gate = jnp.einsum("bse,ehd->bshd", x, self.wg.astype(x.dtype))
+            out = out * jax.nn.sigmoid(gate).astype(out.dtype)
         return jnp.einsum("bshd,hde->bse", out, self.wo.astype(out.dtype))
 
     # ---- inference (eqx_longctx.inference): the cache holds K and V per KV head ----------
@@ -228,7 +262,7 @@ class SelfAttention(eqx.Module):
         `[batch, seq, kv_heads, head_dim]`.
         """
         q, k, v = self._project(x, positions)
-        return self._output(self._attend(q, k, v, segment_ids, impl)), (k, v)
+        return self._output(self._attend(q, k, v, segment_ids, impl), x), (k, v)
 
     def decode(
         self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl
@@ -246,4 +280,4 @@ class SelfAttention(eqx.Module):
             q, (k, v), cache, cache_positions, positions, spec=self.spec, impl=impl,
             window=self.window,
         )  # fmt: skip
-        return self._output(out), (k, v)
+        return self._output(out, x), (k, v)

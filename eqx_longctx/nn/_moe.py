@@ -40,6 +40,10 @@ from ._moe_dispatch import (
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
+def _none(x) -> bool:
+    return x is None
+
+
 def check_routing(
     owner: str, n_experts: int, top_k: int, topk_method: str, n_group: int, topk_group: int
 ) -> None:
@@ -105,6 +109,9 @@ class MoE(eqx.Module):
     Then the weights are divided by their sum if `norm_topk_prob`, and multiplied by
     `routed_scaling_factor`.
 
+    With `shared_gate` (Qwen2-MoE, Qwen3-Next), the shared block's output is multiplied by
+    a per-token gate, `sigmoid(x @ shared_gate)`, before it is added.
+
     With a sharding spec, each device routes its own tokens. Without `spec.expert_axis`,
     it computes them against replicated expert weights, with no communication. With it
     (expert parallelism), the routed experts are split over that axis, `experts / D`
@@ -121,6 +128,7 @@ class MoE(eqx.Module):
     w_up: Float[Array, "experts embed hidden"]
     w_down: Float[Array, "experts hidden embed"]
     shared: SwiGLU | None
+    shared_gate: Float[Array, " embed"] | None
     top_k: int = eqx.field(static=True)
     topk_method: str = eqx.field(static=True)
     n_group: int = eqx.field(static=True)
@@ -141,6 +149,8 @@ class MoE(eqx.Module):
         *,
         key: PRNGKeyArray,
         n_shared: int = 0,
+        shared_hidden_dim: int | None = None,
+        shared_gate: bool = False,
         topk_method: str = "greedy",
         n_group: int = 1,
         topk_group: int = 1,
@@ -162,6 +172,9 @@ class MoE(eqx.Module):
         - `key`: PRNG key for the normal initialisation.
         - `n_shared`: shared experts, fused into one SwiGLU `n_shared * hidden_dim` wide
           (0: none).
+        - `shared_hidden_dim`: the shared SwiGLU's width instead (with `n_shared > 0`).
+        - `shared_gate`: gate the shared block's output by `sigmoid(x @ shared_gate)` (a
+          learned `[embed]` vector, initialised as the router).
         - `topk_method`, `n_group`, `topk_group`: the routing rule (see the class docstring).
         - `norm_topk_prob`, `routed_scaling_factor`: post-processing of the routing weights.
         - `grouped_matmul`: `"ragged_dot"` (`jax.lax.ragged_dot`: one grouped matmul, native
@@ -197,11 +210,14 @@ class MoE(eqx.Module):
         self.w_gate = init_std * jax.random.normal(k_gate, shape, dtype)
         self.w_up = init_std * jax.random.normal(k_up, shape, dtype)
         self.w_down = out_init_std * jax.random.normal(k_down, (n_experts, hidden_dim, dim), dtype)
-        self.shared = None
+        self.shared = self.shared_gate = None
         if n_shared:
+            if shared_gate:
+                k_sgate = jax.random.fold_in(key, 5)  # the other weights' keys as without it
+                self.shared_gate = init_std * jax.random.normal(k_sgate, (dim,), dtype)
             self.shared = SwiGLU(
                 dim,
-                n_shared * hidden_dim,
+                n_shared * hidden_dim if shared_hidden_dim is None else shared_hidden_dim,
                 key=k_shared,
                 init_std=init_std,
                 out_init_std=out_init_std,
@@ -301,7 +317,7 @@ class MoE(eqx.Module):
             return self._expert_parallel(x)
         spec = self.spec
         act = spec.activation_pspec()
-        routed = self if self.shared is None else eqx.tree_at(lambda m: m.shared, self, None)
+        routed = eqx.tree_at(lambda m: (m.shared, m.shared_gate), self, (None, None), is_leaf=_none)
         params, static = eqx.partition(routed, eqx.is_array)
 
         def local(params, x):
@@ -318,7 +334,7 @@ class MoE(eqx.Module):
             check_vma=False,
         )
         out = mapped(params, spec.place(x, act))
-        return out if self.shared is None else out + self.shared(x)
+        return out if self.shared is None else out + self._shared(x)
 
     def _local(self, x):
         b, s, e = x.shape
@@ -328,9 +344,16 @@ class MoE(eqx.Module):
         method = resolve_grouped_matmul(self.grouped_matmul)
         out = routed_experts(tokens, indices, weights, *w, method=method, tile=self.tile)
         out = out.reshape(b, s, e)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+        return out if self.shared is None else out + self._shared(x)
+
+    def _shared(self, x):
+        """The shared block's output, gated if `shared_gate`."""
+        assert self.shared is not None
+        out = self.shared(x)
+        if self.shared_gate is None:
+            return out
+        gate = jnp.einsum("bse,e->bs", x, self.shared_gate.astype(x.dtype))
+        return out * jax.nn.sigmoid(gate)[..., None]
 
     def _expert_parallel(self, x):
         """The routed experts split over `spec.expert_axis`, tokens sent to them by
@@ -347,8 +370,9 @@ class MoE(eqx.Module):
             for w in (self.w_gate, self.w_up, self.w_down)
         )
         routed = eqx.tree_at(lambda m: (m.w_gate, m.w_up, m.w_down), self, experts)
-        if routed.shared is not None:
-            routed = eqx.tree_at(lambda m: m.shared, routed, None)
+        routed = eqx.tree_at(
+            lambda m: (m.shared, m.shared_gate), routed, (None, None), is_leaf=_none
+        )
         params, static = eqx.partition(routed, eqx.is_array)
         in_specs = jax.tree.map(lambda _: PartitionSpec(), params)
         in_specs = eqx.tree_at(
@@ -376,6 +400,4 @@ class MoE(eqx.Module):
             check_vma=False,
         )
         out = mapped(params, spec.place(x, act))
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+        return out if self.shared is None else out + self._shared(x)

@@ -19,21 +19,32 @@ class RMSNorm(eqx.Module):
     The statistics are computed in float32 whatever the input dtype; the normalised value
     is cast back to the input dtype before the weight is applied (the Hugging Face Llama
     order, so bfloat16 activations round exactly as in those checkpoints).
+
+    With `zero_centred`, the scale is stored as its offset from one: `x / sqrt(mean(x**2)
+    + eps) * (1 + weight)`, the weight starting at zero (Gemma's and Qwen3-Next's norm, so
+    their checkpoints' weights are read and written as they are). That form scales in
+    float32 and casts the product back, as those checkpoints' code does.
     """
 
     weight: Float[Array, " dim"]
     eps: float = eqx.field(static=True)
+    zero_centred: bool = eqx.field(static=True, default=False)
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, dtype=jnp.float32):
+    def __init__(
+        self, dim: int, *, eps: float = 1e-5, dtype=jnp.float32, zero_centred: bool = False
+    ):
         """**Arguments:**
 
         - `dim`: size of the normalised (last) axis.
         - `eps`: added to the mean square before the reciprocal square root.
-        - `dtype`: dtype of the learned scale (initialised to ones).
+        - `dtype`: dtype of the learned scale (initialised to ones, or to zeros when
+          `zero_centred`).
+        - `zero_centred`: scale by `1 + weight` instead of `weight`.
 
         **Raises:** `ValueError` unless `eps > 0`.
         """
-        self.weight = jnp.ones((dim,), dtype)
+        self.zero_centred = bool(zero_centred)
+        self.weight = (jnp.zeros if self.zero_centred else jnp.ones)((dim,), dtype)
         self.eps = float(eps)
 
     def __check_init__(self):
@@ -52,5 +63,7 @@ class RMSNorm(eqx.Module):
         """
         x32 = x.astype(jnp.float32)
         mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        normed = (x32 * jax.lax.rsqrt(mean_square + self.eps)).astype(x.dtype)
-        return normed * self.weight.astype(x.dtype)
+        normed = x32 * jax.lax.rsqrt(mean_square + self.eps)
+        if self.zero_centred:
+            return (normed * (1.0 + self.weight.astype(jnp.float32))).astype(x.dtype)
+        return normed.astype(x.dtype) * self.weight.astype(x.dtype)

@@ -51,6 +51,7 @@ class DecoderBlock(eqx.Module):
         dim: int,
         norm_eps: float = 1e-5,
         dtype=jnp.float32,
+        zero_centred_norms: bool = False,
     ):
         """**Arguments:**
 
@@ -62,6 +63,8 @@ class DecoderBlock(eqx.Module):
         - `dim`: model width (`embed`), the size the two RMSNorms normalise.
         - `norm_eps`: RMSNorm epsilon.
         - `dtype`: dtype of the norm weights.
+        - `zero_centred_norms`: the two norms scale by `1 + weight` (`RMSNorm`'s
+          `zero_centred`, as Gemma and Qwen3-Next).
 
         **Raises:** `TypeError` when `attn` or `mlp` is not a callable Equinox module; as
         `RMSNorm` for `dim` or `norm_eps`.
@@ -73,9 +76,10 @@ class DecoderBlock(eqx.Module):
                     f"{'SelfAttention' if name == 'attn' else 'SwiGLU'}(...)); got "
                     f"{type(layer).__name__}."
                 )
-        self.attn_norm = RMSNorm(dim, eps=norm_eps, dtype=dtype)
+        self.attn_norm, self.mlp_norm = (
+            RMSNorm(dim, eps=norm_eps, dtype=dtype, zero_centred=zero_centred_norms) for _ in "am"
+        )
         self.attn = attn
-        self.mlp_norm = RMSNorm(dim, eps=norm_eps, dtype=dtype)
         self.mlp = mlp
 
     def __call__(
@@ -109,12 +113,20 @@ class DecoderBlock(eqx.Module):
         return None if tables is None else tables(positions)
 
     def prefill(
-        self, x: Hidden, positions: Positions, segment_ids: SegmentIds | None = None, *, impl=None
+        self,
+        x: Hidden,
+        positions: Positions,
+        segment_ids: SegmentIds | None = None,
+        *,
+        impl=None,
+        lengths=None,
     ):
         """`__call__`, also returning the attention's cache entry (`attn.prefill`, which
-        gets the block implementation `impl`: `None` for the spec's)."""
+        gets the block implementation `impl`: `None` for the spec's; and `lengths`, each
+        row's real tokens, when given: a layer with a fixed-size state takes it)."""
+        kw = {} if lengths is None else {"lengths": lengths}
         with jax.named_scope("attention"):
-            a, entry = self.attn.prefill(self.attn_norm(x), positions, segment_ids, impl=impl)  # pyright: ignore[reportAttributeAccessIssue]
+            a, entry = self.attn.prefill(self.attn_norm(x), positions, segment_ids, impl=impl, **kw)  # pyright: ignore[reportAttributeAccessIssue]
         x = x + a
         with jax.named_scope("mlp"):
             return x + self.mlp(self.mlp_norm(x)), entry
@@ -268,13 +280,18 @@ class LayerStack(eqx.Module):
         static = eqx.filter(self.layers, eqx.is_array, inverse=True)
         return gather_for_compute(eqx.combine(layer_params, static), self.spec)
 
-    def prefill(self, x: Hidden, positions: Positions, segment_ids, store: Callable, *, impl=None):
+    def prefill(
+        self, x: Hidden, positions: Positions, segment_ids, store: Callable, *, impl=None,
+        lengths=None,
+    ):  # fmt: skip
         """Run the layers as `__call__` does (no remat: inference), keeping each layer's
         cache entry as `store` turns it into cache slots.
 
         **Arguments:** as `__call__`; `store(entry) -> stored` maps one layer's `[batch, seq,
         ...]` cache entry (what `layer.prefill` returns) to what the cache keeps; `impl` the
-        block implementation every layer's attention runs (`None`: the spec's).
+        block implementation every layer's attention runs (`None`: the spec's); `lengths`
+        `[batch]` each row's real tokens (the rest is padding), for layers that keep a
+        fixed-size state (`None`: every token is real).
 
         **Returns:** `(x, stored)`: the residual stream after all layers and the stored
         entries, stacked over the layers.
@@ -282,7 +299,8 @@ class LayerStack(eqx.Module):
 
         def body(h, layer_params):
             layer = self._compute_layer(layer_params)
-            h, entry = layer.prefill(h, positions, segment_ids, impl=impl)  # pyright: ignore[reportAttributeAccessIssue]
+            kw = {} if lengths is None else {"lengths": lengths}
+            h, entry = layer.prefill(h, positions, segment_ids, impl=impl, **kw)  # pyright: ignore[reportAttributeAccessIssue]
             return h, store(entry)
 
         with jax.named_scope("layer_stack"):

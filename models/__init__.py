@@ -5,15 +5,23 @@ the `eqx_longctx.models` entry-point group (`eqx_longctx.model_family("llama")`)
 from ._family import DEEPSEEK as DEEPSEEK
 from ._family import KIMI_LINEAR as KIMI_LINEAR
 from ._family import LLAMA as LLAMA
+from ._family import QWEN3_5 as QWEN3_5
+from ._family import QWEN3_NEXT as QWEN3_NEXT
 from ._family import DeepSeekFamily as DeepSeekFamily
 from ._family import KimiLinearFamily as KimiLinearFamily
 from ._family import LlamaFamily as LlamaFamily
+from ._family import Qwen3NextFamily as Qwen3NextFamily
+from ._family import Qwen35Family as Qwen35Family
 
 __all__ = [
     "DEEPSEEK",
     "KIMI_LINEAR",
     "LLAMA",
+    "QWEN3_5",
+    "QWEN3_NEXT",
     "DeepSeekFamily",
     "KimiLinearFamily",
     "LlamaFamily",
+    "Qwen35Family",
+    "Qwen3NextFamily",
 ]

@@ -184,9 +184,81 @@ class KimiLinearFamily(_ZooFamily):
         )  # fmt: skip
 
 
+class Qwen3NextFamily(_ZooFamily):
+    """Qwen3-Next (`models.qwen3_next`): Gated DeltaNet and gated softmax attention layers
+    (`layer_types`), routed experts with a gated shared expert."""
+
+    name = "qwen3_next"
+    model_types = ("qwen3_next",)
+    _module = "models.qwen3_next"
+    _names = ("Qwen3NextConfig", "Qwen3Next")
+
+    def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
+        """One layer per run of consecutive layers of one kind, in order (as
+        `KimiLinearFamily.local_config`, so the planner pairs the local stacks with the
+        full model's by place); attention and DeltaNet heads, the dense MLP's and the
+        shared expert's widths divided by `tensor`; under expert parallelism the routed
+        experts a device holds and the rows they receive, as `DeepSeekFamily.local_config`
+        sizes them."""
+        from ._hybrid import runs
+
+        c = config
+        kinds = [kind for kind, _, _ in runs(c.kinds)]
+        routing = {}
+        if expert > 1 and c.n_experts:
+            cf = c.capacity_factor
+            rows = c.top_k * expert if cf is None else math.ceil(c.top_k * cf)
+            local = min(c.n_experts, max(c.n_experts // expert, rows))
+            routing = dict(n_experts=local, top_k=min(local, rows), capacity_factor=None)
+        return dataclasses.replace(
+            c, n_layers=len(kinds), layer_types=tuple(k.split("/")[0] for k in kinds),
+            decoder_sparse_step=1,
+            mlp_only_layers=tuple(i for i, k in enumerate(kinds) if k.endswith("/dense")),
+            n_heads=c.n_heads // tensor, n_kv_heads=max(1, c.n_kv_heads // tensor),
+            linear_n_heads=c.linear_n_heads // tensor,
+            linear_n_key_heads=max(1, c.linear_n_key_heads // tensor),
+            hidden_dim=c.hidden_dim // tensor,
+            shared_hidden_dim=c.shared_hidden_dim // tensor if c.shared_hidden_dim else 0,
+            **routing,
+        )  # fmt: skip
+
+    def attention_shape(self, config: Any) -> AttentionShape:
+        """The gated softmax attention's shape: `n_heads` query and `n_kv_heads` key/value
+        heads of `head_dim`. The planner prices every layer's attention with it, so the
+        DeltaNet layers (`"linear_attention"`: linear in the sequence, no keys or values to
+        move) are counted as softmax layers in its attention FLOPs and communication: an
+        overestimate."""
+        c = config
+        return AttentionShape(c.n_heads, c.n_kv_heads, c.head_dim, c.head_dim)
+
+    def moe_shape(self, config: Any) -> MoEShape | None:
+        """The routed experts of the layers `Qwen3NextConfig.moe_layers` marks."""
+        c = config
+        layers = sum(c.moe_layers)
+        if not layers:
+            return None
+        return MoEShape(c.n_experts, c.top_k, c.capacity_factor, layers, c.moe_hidden_dim)
+
+
+class Qwen35Family(Qwen3NextFamily):
+    """Qwen3.5 (`models.qwen3_next`, presets `QWEN3_5_PRESETS`): the Qwen3-Next decoder with
+    Qwen3.5's checkpoint layout; the text model of its vision-language checkpoints."""
+
+    name = "qwen3_5"
+    model_types = ("qwen3_5", "qwen3_5_text")
+
+    @property
+    def presets(self):  # type: ignore[override]
+        return self._mod.QWEN3_5_PRESETS
+
+
 LLAMA = LlamaFamily()
 """The Llama family plugin (`--model llama`)."""
 DEEPSEEK = DeepSeekFamily()
 """The DeepSeek family plugin (`--model deepseek`)."""
 KIMI_LINEAR = KimiLinearFamily()
 """The Kimi Linear family plugin (`--model kimi_linear`)."""
+QWEN3_NEXT = Qwen3NextFamily()
+"""The Qwen3-Next family plugin (`--model qwen3_next`)."""
+QWEN3_5 = Qwen35Family()
+"""The Qwen3.5 family plugin (`--model qwen3_5`)."""

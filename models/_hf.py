@@ -254,7 +254,7 @@ def _check_table(paths: list[str], table: Mapping[str, HFTensor]) -> None:
 def load_params(
     abstract,
     table: Mapping[str, HFTensor],
-    checkpoint: SafetensorsCheckpoint,
+    checkpoint: Any,  # a SafetensorsCheckpoint, or a view of one (models/_hf_fused.py)
     *,
     dtype,
     sharding: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None],
@@ -268,7 +268,9 @@ def load_params(
     - `abstract`: the model from `eqx.filter_eval_shape` (leaves are `ShapeDtypeStruct`s).
     - `table`: `{parameter path: HFTensor}` for every leaf (paths as `jax.tree_util.keystr(
       path, simple=True, separator=".")`, e.g. `"layers.layers.attn.wq"`).
-    - `checkpoint`: an open `SafetensorsCheckpoint`.
+    - `checkpoint`: an open `SafetensorsCheckpoint`, or an object that answers as one does
+      (`names`, `shape`, `dtype`, `read`, `file`, `source`, `path`), such as
+      `models/_hf_fused.FusedCheckpoint`.
     - `dtype`: parameter dtype; tensors are converted on the host.
     - `sharding`: `(path, shape) -> Sharding` for each parameter, or `None` for the default
       device. Each parameter goes straight to its devices; only one is ever on the host.

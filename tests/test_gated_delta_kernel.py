@@ -28,7 +28,7 @@ from eqx_longctx.kernels import (
     race_detecting_interpret,
     vmem_budget,
 )
-from eqx_longctx.linear._gated_delta_rule import resolve_gated_delta_impl
+from eqx_longctx.linear import resolve_gated_delta_impl
 
 TOL = 1e-5  # float32, relative (max abs error / max abs reference)
 PLAIN = PallasGatedDeltaImpl(interpret=True)

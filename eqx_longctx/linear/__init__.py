@@ -5,16 +5,22 @@
 decides); `reference_gated_delta_rule` is the plain per-token recurrence the tests
 compare with. `short_conv` is the short causal depthwise convolution the layers run
 before the rule, with halos between the devices of a sequence split (`_conv.py`).
+`gated_delta_step` and `short_conv_step` are one token of each, what a layer runs per
+decoded token against its cached state (`_step.py`).
 """
 
 from ._conv import short_conv as short_conv
 from ._gated_delta_rule import gated_delta_rule as gated_delta_rule
 from ._gated_delta_rule import resolve_gated_delta_impl as resolve_gated_delta_impl
 from ._reference import reference_gated_delta_rule as reference_gated_delta_rule
+from ._step import gated_delta_step as gated_delta_step
+from ._step import short_conv_step as short_conv_step
 
 __all__ = [
     "gated_delta_rule",
+    "gated_delta_step",
     "reference_gated_delta_rule",
     "resolve_gated_delta_impl",
     "short_conv",
+    "short_conv_step",
 ]

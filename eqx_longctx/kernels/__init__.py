@@ -12,6 +12,14 @@ per-token positions, segment ids and a sliding window; the XLA twin is `XlaBlock
 - `*_heads_major`: the same on `[batch, heads, seq, dim]` arrays, the kernels' own layout.
 - `vmem_capacity`, `vmem_budget`, `vmem_estimate`: the VMEM each TPU generation has, what
   each kernel asks Mosaic for, and what a kernel needs per grid step at given blocks.
+
+The gated delta rule's chunk work (the UT transform, the decayed scores; Gated DeltaNet and
+Kimi Delta Attention), whose XLA twin is `intra_chunk_reference` here and whose whole XLA
+path is `eqx_longctx/linear/_chunked.py`:
+
+- `PallasGatedDeltaImpl`: what `eqx_longctx.gated_delta_rule(..., impl="pallas")` runs.
+- `pallas_chunk_gated_delta`: the rule over a sequence with the kernel (the state scan in
+  XLA, the backward the twin's VJP); `gated_delta_vmem` its VMEM per grid step.
 """
 
 from ._blocks import DEFAULT_BLOCK_SIZES as DEFAULT_BLOCK_SIZES

@@ -65,11 +65,11 @@ layer (transformers' names)."""
 
 
 def layer_kinds(c: Any) -> tuple[str, ...]:
-    """Each layer's kind, `"{attention}/{ffn}"`: `attention` from `c.layer_types`, `ffn`
+    """Each layer's kind, `"{attention}/{ffn}"`: `attention` from `c.attention_types`, `ffn`
     `"dense"` for the first `c.first_k_dense` layers and `"moe"` after them."""
     return tuple(
         f"{attn}/{'dense' if i < c.first_k_dense else 'moe'}"
-        for i, attn in enumerate(c.layer_types)
+        for i, attn in enumerate(c.attention_types)
     )
 
 
@@ -366,7 +366,7 @@ def _first_k_dense(hf: dict, n_layers: int) -> int:
 def config_to_hf(c: Any) -> dict:
     """The `config.json` of the `KimiLinearConfig` `c`, in Moonshot's form (which
     transformers reads)."""
-    kinds = c.layer_types
+    kinds = c.attention_types
     return {
         "architectures": [_ARCHITECTURES["kimi_linear"]],
         "model_type": "kimi_linear",

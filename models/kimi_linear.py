@@ -192,16 +192,12 @@ class KimiLinearConfig:
                 f"n_layers={self.n_layers}."
             )
         types = self.layer_types
-        if types is None:
-            n = self.n_layers
-            types = tuple(
-                "full_attention" if (i + 1) % 4 == 0 or i == n - 1 else "linear_attention"
-                for i in range(n)
-            )
-        if isinstance(types, list | tuple):
+        if isinstance(types, list):
             types = tuple(types)
-        if (not isinstance(types, tuple) or len(types) != self.n_layers
-                or not set(types) <= set(ATTENTION_KINDS)):  # fmt: skip
+        if types is not None and (
+            not isinstance(types, tuple) or len(types) != self.n_layers
+            or not set(types) <= set(ATTENTION_KINDS)
+        ):  # fmt: skip
             raise ValueError(
                 f"KimiLinearConfig.layer_types must be n_layers={self.n_layers} entries, each "
                 f"one of {ATTENTION_KINDS}, or None (Kimi-Linear-48B's pattern); got {types!r}."
@@ -224,6 +220,19 @@ class KimiLinearConfig:
         return self.n_layers - self.first_k_dense
 
     @property
+    def attention_types(self) -> tuple[str, ...]:
+        """Each layer's attention: `layer_types`, or where it is `None` Kimi-Linear-48B's
+        pattern, MLA (`"full_attention"`) on every fourth layer and on the last, KDA
+        (`"linear_attention"`) on the others."""
+        if self.layer_types is not None:
+            return self.layer_types
+        n = self.n_layers
+        return tuple(
+            "full_attention" if (i + 1) % 4 == 0 or i == n - 1 else "linear_attention"
+            for i in range(n)
+        )
+
+    @property
     def layer_kinds(self) -> tuple[str, ...]:
         """Each layer's kind, `"{attention}/{ffn}"` (e.g. `"linear_attention/moe"`): the
         layers of one kind share a body; each run of them is one `LayerStack`."""
@@ -236,8 +245,8 @@ class KimiLinearConfig:
         **Arguments:**
 
         - `name`: a key of `PRESETS`.
-        - `**overrides`: fields to replace, e.g. `n_layers=4` (with `layer_types=None`
-          for the default pattern over the new depth).
+        - `**overrides`: fields to replace, e.g. `n_layers=4` (a preset with explicit
+          `layer_types` needs new ones, or `layer_types=None` for the default pattern).
 
         **Returns:** the new `KimiLinearConfig`.
 
@@ -364,15 +373,15 @@ _KIMI_48B_TYPES = tuple(
 
 # fmt: off
 PRESETS: dict[str, KimiLinearConfig] = {
-    # Byte-level tokenizer (256 bytes + 3 specials); two KDA layers then one MLA layer, the
-    # first dense and the others MoE: each kind of layer once, small enough for a CPU.
+    # Byte-level tokenizer (256 bytes + 3 specials); the default layer pattern over 3 layers
+    # (KDA, KDA, MLA), the first dense and the others MoE: every kind of layer, small
+    # enough for a CPU; n_layers=2 keeps every kind (KDA dense, MLA MoE).
     "tiny": KimiLinearConfig(
         vocab_size=259, dim=128, n_layers=3, n_heads=4, hidden_dim=256, moe_hidden_dim=64,
         n_routed_experts=8, n_shared_experts=1, top_k=2, first_k_dense=1, kv_lora_rank=32,
         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        layer_types=("linear_attention", "linear_attention", "full_attention"),
-        linear_n_heads=4, linear_head_dim=32, conv_size=4, n_group=2, topk_group=1,
-        norm_topk_prob=True, routed_scaling_factor=2.446, max_seq_len=2048,
+        layer_types=None, linear_n_heads=4, linear_head_dim=32, conv_size=4, n_group=2,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.446, max_seq_len=2048,
     ),
     # moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (also -Base): 27 layers, KDA
     # (32 heads of 128) with MLA (32 heads, NoPE) on layers 4, 8, ..., 24 and 27 (1-based),

@@ -65,6 +65,7 @@ from . import _hf, _hf_config, _hybrid, _kimi_linear_hf
 # whatever `rms_norm_eps` says.
 LATENT_NORM_EPS = 1e-6
 ATTENTION_KINDS = _kimi_linear_hf.ATTENTION_KINDS
+"""The `layer_types` entries: `"linear_attention"` (KDA) and `"full_attention"` (MLA)."""
 
 
 @final

@@ -4,15 +4,15 @@ Attention), beside its XLA twin (`_gated_delta_twin.py`).
 **What is in the kernel.** One grid step is one chunk of one head of one batch row, grid
 `(batch, heads, chunks)`, every axis "parallel": the work that does not depend on the state.
 From the chunk's `q` (scaled), `k`, `v`, log decays `g`, `beta` and document starts it
-writes the UT transform's solution `W_k`, `W_v` (forward substitution of the unit
-lower-triangular `C x C` system), the decayed `q`-`k` scores `P`, and the decayed `q_in`,
-`k_out` (see the twin's docstring for the formulas). The prefix sums of the decays and the
-pair masks are products with `C x C` triangles of ones on the MXU: the span
-`g_{j+1} + ... + g_t` of a GDN decay is `tril(1) @ (g * (i > j))`, a sum of the g's
-themselves, never a difference of prefix sums. A KDA decay is per key channel, so its
-`[C, C, dk]` spans are never held: the kernel walks the key tokens `j` from the last to the
-first, each step adding one row of `g` to the running spans `[C, dk]` (the same one-signed
-sums) and filling column `j` of `A` and `P`.
+writes the UT transform's solution `W_k`, `W_v` (the inverse of the unit lower-triangular
+`C x C` matrix by forward substitution, then one MXU product per right-hand side), the
+decayed `q`-`k` scores `P`, and the decayed `q_in`, `k_out` (see the twin's docstring for
+the formulas). The prefix sums of the decays and the pair masks are products with `C x C`
+triangles of ones on the MXU: the span `g_{j+1} + ... + g_t` of a GDN decay is
+`tril(1) @ (g * (i > j))`, a sum of the g's themselves, never a difference of prefix sums.
+A KDA decay is per key channel, so its `[C, C, dk]` spans are never held: the kernel walks
+the key tokens `j` from the last to the first, each step adding one row of `g` to the
+running spans `[C, dk]` (the same one-signed sums) and filling column `j` of `A` and `P`.
 
 **What stays XLA.** The state scan (`_gated_delta_twin.scan_chunks`): per chunk three
 `[C, dk] x [dk, dv]` products and one `[C, C] x [C, dv]` with the state, sequential over
@@ -77,9 +77,9 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref,
         a, p = _dot(k, k, _NT) * decay, _dot(q, k, _NT) * decay
     p_ref[...] = p
     a = jnp.where(strict, a, 0.0) * beta
-    w_k, w_v = _forward_substitution(a, jnp.where(reached, k * from_start, 0.0) * beta, v * beta)
-    wk_ref[...] = w_k
-    wv_ref[...] = w_v
+    inverse = _unit_lower_inverse(a)
+    wk_ref[...] = _dot(inverse, jnp.where(reached, k * from_start, 0.0) * beta)
+    wv_ref[...] = _dot(inverse, v * beta)
 
 
 def _row(x, pick):
@@ -112,20 +112,20 @@ def _channel_scores(q, k, g, same):
     return a, p
 
 
-def _forward_substitution(a, r_k, r_v):
-    """`(I + a)^{-1} [r_k | r_v]` for a strictly lower `a`: column `j` of `a` times the
-    finished row `j` is taken off every later row (rows `<= j` get `a_tj = 0`)."""
+def _unit_lower_inverse(a):
+    """`(I + a)^{-1}` for a strictly lower `a` `[C, C]`, by forward substitution on the
+    identity: column `j` of `a` times the finished row `j` is taken off every later row
+    (rows `<= j` get `a_tj = 0`). `[C, C]` per step, not `[C, dk + dv]`: the right-hand
+    sides then take one MXU product each."""
     size = a.shape[0]
     row = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
     col = lax.broadcasted_iota(jnp.int32, (1, size), 1)
 
-    def step(j, carry):
-        w_k, w_v = carry
+    def step(j, inverse):
         a_j = jnp.sum(jnp.where(col == j, a, 0.0), axis=1, keepdims=True)  # [C, 1]
-        pick = row == j
-        return w_k - a_j * _row(w_k, pick), w_v - a_j * _row(w_v, pick)
+        return inverse - a_j * _row(inverse, row == j)
 
-    return lax.fori_loop(0, size, step, (r_k, r_v))
+    return lax.fori_loop(0, size, step, (row == col).astype(jnp.float32))
 
 
 def _padded(rows: int, cols: int) -> int:
@@ -141,7 +141,7 @@ def gated_delta_vmem(*, chunk: int, dk: int, dv: int, kda: bool) -> VmemEstimate
 
     **Returns:** a `VmemEstimate`: the blocks read and written, twice (Pallas
     double-buffers them), exact; no scratch; temporaries an estimate (Mosaic decides what
-    stays live): the `[C, C]` triangles, masks, spans and scores, and the `[C, dk]`,
+    stays live): the `[C, C]` triangles, masks, spans, scores and inverse, and the `[C, dk]`,
     `[C, dv]` decayed rows and right-hand sides (KDA: the running spans and one decayed
     key per step, besides).
     """
@@ -149,7 +149,7 @@ def gated_delta_vmem(*, chunk: int, dk: int, dv: int, kda: bool) -> VmemEstimate
     ins = [_padded(c, dk)] * 2 + [_padded(c, dv), _padded(c, dk if kda else 1)]
     ins += [_padded(c, 1)] * 2
     outs = [_padded(c, dk)] * 3 + [_padded(c, dv), _padded(c, c)]
-    square, key_rows, value_rows = 10, 6 + (4 if kda else 0), 3
+    square, key_rows, value_rows = 12, 6 + (4 if kda else 0), 3
     temporaries = square * _padded(c, c) + key_rows * _padded(c, dk) + value_rows * _padded(c, dv)
     return VmemEstimate(2 * (sum(ins) + sum(outs)), 0, temporaries)
 

@@ -104,6 +104,26 @@ def test_kernel_matches_the_xla_path(name):
     assert max(errors.values()) < TOL, errors
 
 
+def test_backward_in_batches_of_chunks(monkeypatch):
+    """The backward runs chunks in batches within `BACKWARD_BYTES`: two at a time over five
+    chunks (a remainder of one) give the XLA path's gradients too."""
+    from eqx_longctx.kernels import _gated_delta_twin
+
+    arrays, ids, s0, chunk = case_inputs("kda_packed_state")
+    b, _, h, dk = arrays[0].shape
+    monkeypatch.setattr(_gated_delta_twin, "BACKWARD_BYTES", 2 * 8 * 4 * b * h * 64 * dk)
+
+    def loss(impl, *a):
+        out, state = el.gated_delta_rule(*a, segment_ids=ids, return_state=True, chunk=chunk,
+                                         impl=impl)  # fmt: skip
+        return jnp.sum(out * jnp.cos(out)) + jnp.sum(state**2)
+
+    ours = jax.grad(functools.partial(loss, PLAIN), argnums=(0, 1, 2, 3, 4))(*arrays)
+    want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2, 3, 4))(*arrays)
+    for a, b in zip(ours, want, strict=True):
+        assert rel_err(a, b) < TOL
+
+
 def _heads_major_chunks(name):
     """One chunk's inputs as the kernel reads them (heads-major, `q` scaled)."""
     (q, k, v, g, beta), ids, _, chunk = case_inputs(name)

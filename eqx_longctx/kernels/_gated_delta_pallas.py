@@ -16,7 +16,7 @@ running spans `[C, dk]` (the same one-signed sums) and filling column `j` of `A`
 
 **What stays XLA.** The state scan (`_gated_delta_twin.scan_chunks`): per chunk three
 `[C, dk] x [dk, dv]` products and one `[C, C] x [C, dv]` with the state, sequential over
-chunks; and the backward: the VJP of the twin, recomputed one chunk at a time, so the
+chunks; and the backward: the VJP of the twin, recomputed in batches of chunks, so the
 gradients are the XLA path's own. The scan's residuals are the kernel's outputs (about 1.5x
 the inputs at `dk = dv = 128`, `C = 64`) and one state per chunk.
 
@@ -258,7 +258,7 @@ def pallas_chunk_gated_delta(
       `pltpu.InterpretParams` as for `pallas_call`.
 
     **Returns:** `(out [batch, seq, heads, dv], final_state [batch, heads, dk, dv])`,
-    float32. Differentiable: the backward is the XLA twin's VJP, chunk by chunk.
+    float32. Differentiable: the backward is the XLA twin's VJP.
 
     **Raises:** `ValueError` as `check_gated_delta_kernel`.
     """

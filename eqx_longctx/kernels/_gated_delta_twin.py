@@ -16,9 +16,10 @@ and the scan (`scan_chunks`) finishes each chunk from the state `S` it receives:
 
 `intra_chunk_reference` computes the first part with the same formulas as the XLA path's
 `_chunk_step` (reverse cumulative sums of the log decays, `triangular_solve`); the kernel
-must agree with it, and its VJP is the kernel's backward (`intra_chunk_backward`): one
-chunk at a time (`lax.map`), so a KDA chunk's `[C, C, dk]` decays exist for one chunk only,
-as on the XLA path.
+must agree with it, and its VJP is the kernel's backward (`intra_chunk_backward`): chunks
+are independent, so it runs as many at once as `BACKWARD_BYTES` of decays allow
+(`lax.map(batch_size=...)`): 64 GDN chunks of 64 tokens at 32 heads, one KDA chunk there
+(its `[C, C, dk]` decays, which the XLA path too holds for one chunk at a time).
 
 Einsum letters: `b` batch, `h` heads, `t` the token that reads, `j` the token that writes,
 `c` key channel (`dk`, or 1 for a GDN decay), `v` value channel.
@@ -29,6 +30,9 @@ import jax.numpy as jnp
 from jax import lax
 
 _HIGHEST = lax.Precision.HIGHEST
+BACKWARD_BYTES = 2**28
+"""About the bytes of `[C, C, c]` decays the backward holds at once: it runs as many chunks
+together as fit."""
 
 
 def intra_chunk_reference(q, k, v, g, beta, starts):
@@ -101,7 +105,11 @@ def intra_chunk_backward(size: int, inputs, cotangents):
         return vjp(cts)
 
     chunks = tuple(by_chunk(x, size) for x in (*arrays, starts))
-    grads = lax.map(one, (chunks, tuple(by_chunk(c, size) for c in cotangents)))
+    b, h, _, width = arrays[3].shape
+    n = chunks[0].shape[0]
+    # Chunks at once: about 8 `[C, C, width]` float32 tiles each (decays and their VJP).
+    batch = max(1, min(n, BACKWARD_BYTES // (8 * 4 * b * h * size * size * width)))
+    grads = lax.map(one, (chunks, tuple(by_chunk(c, size) for c in cotangents)), batch_size=batch)
     return tuple(from_chunks(x) for x in grads)
 
 

@@ -85,8 +85,8 @@ def test_init_cache_allocates_the_layout(family):
 
 def test_a_fixed_size_state_is_laid_out_and_counted(monkeypatch):
     """Room for a layer whose cache is a state per row (linear attention): counted by the
-    layout (in float32, its heads split like the layer's), refused by `init_cache` in one
-    line until a layer can decode with it."""
+    layout (in float32, its heads split like the layer's) and allocated by `init_cache`
+    (tests/test_linear_decode.py decodes with it)."""
     from eqx_longctx.nn import SelfAttention
 
     model = build("llama")
@@ -96,8 +96,10 @@ def test_a_fixed_size_state_is_laid_out_and_counted(monkeypatch):
     extra = sum(s.n_layers for s in layout.stacks) * 2 * (2 * 8 * 8) * 4
     assert layout.stacks[0].states == ((2, 8, 8),)
     assert layout.bytes_per_device() == before.bytes_per_device() + extra
-    with pytest.raises(NotImplementedError, match="fixed-size state"):
-        el.init_cache(model, 2, 32)
+    cache = el.init_cache(model, 2, 32)
+    assert [x.shape for x in cache.stacks[0].states] == [(layout.stacks[0].n_layers, 2, 2, 8, 8)]
+    assert cache.stacks[0].states[0].dtype == jnp.float32
+    assert cache.nbytes_per_device() == layout.bytes_per_device()
 
 
 def test_a_tensor_axis_the_heads_do_not_divide_is_the_models_own_error():

@@ -16,6 +16,18 @@ Geometry. With `N` sequence shards, each device holds `per` slots of every layer
   reduce-scatter of `R` slots over the sequence axes.
 
 Empty slots have position `-1`; the decoding attention never sees them.
+
+- **Fixed-size states** (linear attention: Gated DeltaNet, Kimi Delta Attention): a layer
+  that keeps a recurrent state `[heads, dk, dv]` and its convolution's window `[heads,
+  dim, K-1]` per row, instead of per-token slots, has no slots at all. Its states are
+  float32, their rows split over the batch axes and their heads over the tensor axis like
+  the layer's heads, and **replicated over the sequence axes**: every device holds the
+  whole state of its rows and heads and runs the one-token recurrence itself in the decode
+  step, on its own copy of the new token. The state is `heads x dk x dv` numbers per row
+  and layer, whatever the context: splitting it over the sequence would save nothing
+  worth a collective per layer and token. The prefill leaves each row's state after its
+  last real token (the op's final state, replicated); the decode step replaces it (no
+  slot is written).
 """
 
 import math
@@ -45,7 +57,11 @@ class StackCache(eqx.Module):
 
     - `entries`: per cached array of the attention layer (K and V, or MLA's latent),
       heads-major `[layers, batch, heads, slots, dim]` (what decoding reads in place).
-    - `positions`: `[batch, slots]` int32 token position of each slot; `-1` when empty.
+    - `positions`: `[batch, slots]` int32 token position of each slot; `-1` when empty
+      (no slots, `[batch, 0]`, for a layer that keeps fixed-size states only).
+    - `states`: each fixed-size state of the layers (`cache_state_shapes`), float32
+      `[layers, batch, heads, ...]`, replicated over the sequence axes (linear attention's
+      recurrent state and convolution windows; empty for softmax attention).
     - `ring`: the ring-buffer length (a sliding layer's slots), or `None` for a full cache.
     - `window`: the layers' sliding window, or `None`.
     - `split_heads`: whether the heads split over the spec's tensor axis.
@@ -53,6 +69,7 @@ class StackCache(eqx.Module):
 
     entries: tuple[Array, ...]
     positions: Int[Array, "batch slots"]
+    states: tuple[Array, ...]
     ring: int | None = eqx.field(static=True)
     window: int | None = eqx.field(static=True)
     split_heads: bool = eqx.field(static=True)
@@ -229,4 +246,42 @@ def write_token(spec: ShardingSpec | None, stack: StackCache, new: tuple, positi
         mapped = _shard_map(spec, local, in_specs, (entries, tokens))
         new = tuple(spec.place(y, new_spec) for y in new)
         entries, cache_pos = mapped(stack.entries, new, stack.positions, positions)
-    return StackCache(entries, cache_pos, stack.ring, stack.window, stack.split_heads)
+    return eqx.tree_at(lambda c: (c.entries, c.positions), stack, (entries, cache_pos))
+
+
+def state_pspec(spec: ShardingSpec, split_heads: bool, layers: bool = True) -> PartitionSpec:
+    """The `PartitionSpec` of a fixed-size state `[layers, batch, heads, ...]` (without
+    `layers`: one layer's): rows over the batch axes, heads over the tensor axis when
+    `split_heads`, replicated over the sequence axes."""
+    heads = spec.tensor_axis if split_heads else None
+    lead = (None,) if layers else ()
+    return PartitionSpec(*lead, spec.batch_entry(), heads, None, None)
+
+
+def store_states(spec: ShardingSpec | None, stack: StackCache, states: tuple) -> tuple:
+    """One layer's prefill states (`[batch, heads, ...]` each, the same on every device of
+    the sequence axes) as the cache keeps them: float32, placed."""
+    states = tuple(x.astype(jnp.float32) for x in states)
+    if spec is None:
+        return states
+    pspec = state_pspec(spec, stack.split_heads, layers=False)
+    return tuple(spec.place(x, pspec) for x in states)
+
+
+def write_states(spec: ShardingSpec | None, stack: StackCache, new: tuple) -> tuple:
+    """The stack's states after a decode step: `new` the layers' new states `[layers, batch,
+    n, heads, ...]`, one copy per sequence shard (equal along `n`: each device ran the
+    step on its own copy). Each device keeps its own copy; nothing moves."""
+    if spec is None:
+        return tuple(y[:, :, 0].astype(jnp.float32) for y in new)
+    heads = spec.tensor_axis if stack.split_heads else None
+    copies = tuple(
+        PartitionSpec(None, spec.batch_entry(), spec.sequence_axes, heads, None, None) for _ in new
+    )
+    kept = tuple(state_pspec(spec, stack.split_heads) for _ in new)
+
+    def local(new):
+        return tuple(y[:, :, 0].astype(jnp.float32) for y in new)
+
+    mapped = _shard_map(spec, local, (copies,), kept)
+    return mapped(tuple(spec.place(y, c) for y, c in zip(new, copies, strict=True)))

@@ -10,8 +10,10 @@ attention sublayer through the cache protocol:
 - `window`: the layers' sliding window (`None`: full attention);
 - `cache_state_shapes()` (optional, default none): the shape of each **fixed-size state**
   a layer keeps per row instead of per-token slots (a linear-attention layer's recurrent
-  state, `[heads, dk, dv]`): its size does not grow with the context. Such entries are
-  laid out and counted here; decoding layers that keep one is linear attention's to add.
+  state, `[heads, dk, dv]`, and its convolution's windows): its size does not grow with
+  the context. States are float32 `[layers, batch, heads, ...]`, replicated over the
+  sequence axes (`inference/_cache.py` says why); a stack whose layers cache nothing per
+  token has no slots.
 
 Slots: with `N` sequence shards each device holds `slots_per_device` slots of a full
 stack (any prompt padded to the layout's multiple, plus the decoded tokens spread
@@ -89,16 +91,29 @@ class CacheLayout(NamedTuple):
             for layers, b, h, slots, d in self.entry_shapes(stack)
         )
 
+    def state_shapes(self, stack: StackLayout) -> tuple[tuple[int, ...], ...]:
+        """**Returns:** the global shape of each fixed-size state of `stack`, `[layers,
+        batch, heads, ...]` (float32)."""
+        return tuple((stack.n_layers, self.batch, *shape) for shape in stack.states)
+
+    def state_device_shapes(self, stack: StackLayout) -> tuple[tuple[int, ...], ...]:
+        """**Returns:** each fixed-size state of `stack` as one device holds it (float32;
+        rows split over the batch axes, heads over the tensor axis when `split_heads`,
+        whole on every device of the sequence axes)."""
+        _, nb, nt = self._split()
+        split = nt if stack.split_heads else 1
+        return tuple(
+            (layers, b // nb, h // split, *rest)
+            for layers, b, h, *rest in self.state_shapes(stack)
+        )
+
     def stack_bytes_per_device(self, stack: StackLayout) -> int:
         """**Returns:** the bytes of `stack`'s cache on one device: its per-token arrays,
         its fixed-size states and the int32 positions of its slots."""
-        n, nb, nt = self._split()
+        n, nb, _ = self._split()
         itemsize = jnp.dtype(self.dtype).itemsize
         total = sum(math.prod(s) for s in self.device_shapes(stack)) * itemsize
-        split = nt if stack.split_heads else 1
-        for shape in stack.states:  # [layers, batch, heads, ...], heads split like entries
-            local = (shape[0] // split, *shape[1:]) if shape else shape
-            total += stack.n_layers * (self.batch // nb) * math.prod(local) * _F32
+        total += sum(math.prod(s) for s in self.state_device_shapes(stack)) * _F32
         return total + (self.batch // nb) * (stack.slots // n) * _I32
 
     def bytes_per_device(self) -> int:
@@ -162,10 +177,13 @@ def cache_layout(model: Any, batch: int, max_len: int, dtype: Any = None) -> Cac
         if spec is not None:  # the layer's own rule, before any array is placed
             q_heads = getattr(attn, "n_heads", None)
             if q_heads is not None:
-                check_tensor_heads(spec, q_heads, getattr(attn, "n_kv_heads", q_heads))
+                kv_heads = getattr(attn, "n_kv_heads", getattr(attn, "n_key_heads", q_heads))
+                check_tensor_heads(spec, q_heads, kv_heads)
             elif split:
                 for h, _ in entries:
                     check_tensor_heads(spec, h, h)
         slots = per * n if ring is None else ring
+        if not entries:  # fixed-size states only: no per-token slots
+            ring, slots = None, 0
         stacks.append(StackLayout(stack.n_layers, window, ring, slots, entries, split, states))
     return CacheLayout(int(batch), int(max_len), np.dtype(dtype), spec, tuple(stacks))

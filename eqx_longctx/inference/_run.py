@@ -31,7 +31,10 @@ from ._cache import (
     StackCache,
     slot_positions,
     slots_per_device,
+    state_pspec,
     store_fn,
+    store_states,
+    write_states,
     write_token,
 )
 from ._cache_layout import cache_layout
@@ -58,7 +61,10 @@ def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KV
     the batch axes and (for K/V heads) its heads over the tensor axis, so each device holds
     1/N of it. Full-attention layers keep `max_len` slots (plus the layout's padding);
     sliding-window layers a ring buffer of their window rounded up to a multiple of the
-    sequence shards; MLA layers their latent and rotary key only.
+    sequence shards; MLA layers their latent and rotary key only; linear-attention layers
+    (Gated DeltaNet, Kimi Delta Attention) their fixed-size float32 states (the recurrent
+    state and the convolution's windows), whatever `max_len` is, replicated over the
+    sequence axes (every device runs the one-token recurrence of its rows and heads).
 
     **Arguments:**
 
@@ -74,9 +80,7 @@ def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KV
     **Raises:** `TypeError` for a model that is not an `AbstractDecoder` with layer stacks,
     a `dtype` that is not floating-point, or arguments of the wrong type; `ValueError` for
     a batch or `max_len` that is not positive, a `max_len` above `max_seq_len`, a batch
-    the spec's batch axes do not split, or heads the spec's tensor axis does not split;
-    `NotImplementedError` for a layer whose cache is a fixed-size state (linear attention:
-    its decoding is not in this version).
+    the spec's batch axes do not split, or heads the spec's tensor axis does not split.
     """
     check_model(model)
     batch, max_len = check_cache(model, batch, max_len)
@@ -90,15 +94,10 @@ def init_cache(model: Any, batch: int, max_len: int, *, dtype: Any = None) -> KV
     layout = cache_layout(model, batch, max_len, dtype)
     stacks = []
     for s in layout.stacks:
-        if s.states:
-            raise NotImplementedError(
-                "init_cache keeps per-token slots; a layer with a fixed-size state "
-                f"(cache_state_shapes {s.states}) needs its own decoding, which this version "
-                "does not have."
-            )
         entries = tuple(jnp.zeros(shape, dtype) for shape in layout.entry_shapes(s))
         positions = jnp.full((batch, s.slots), -1, jnp.int32)
-        stacks.append(StackCache(entries, positions, s.ring, s.window, s.split_heads))
+        states = tuple(jnp.zeros(shape, jnp.float32) for shape in layout.state_shapes(s))
+        stacks.append(StackCache(entries, positions, states, s.ring, s.window, s.split_heads))
     step, offset = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)  # two buffers (donated)
     lengths = jnp.zeros((batch,), jnp.int32)
     cache = KVCache(tuple(stacks), lengths, step, offset, max_len, model.config, spec)
@@ -121,6 +120,7 @@ def cache_pspecs(cache: KVCache) -> Any:
         heads = spec.tensor_axis if s.split_heads else None
         entry = PartitionSpec(None, spec.batch_entry(), heads, spec.sequence_axes, None)
         leaves += [entry] * len(s.entries) + [spec.token_pspec()]
+        leaves += [state_pspec(spec, s.split_heads)] * len(s.states)
     leaves += [PartitionSpec(spec.batch_entry()), PartitionSpec(), PartitionSpec()]
     return jax.tree.structure(cache).unflatten(leaves)
 
@@ -152,10 +152,14 @@ def _prefill_core(model, cache, tokens, positions, lengths, last, impl):
         positions = spec.place(positions, spec.token_pspec())
     stacks = []
     for stack, sc in zip(model.layer_stacks(), cache.stacks, strict=True):
-        store = store_fn(spec, sc, per, positions, lengths)
-        x, entries = stack.prefill(x, positions, None, store, impl=impl)
-        pos = slot_positions(spec, sc, per, positions, lengths)
-        stacks.append(StackCache(tuple(entries), pos, sc.ring, sc.window, sc.split_heads))
+        store = _store(spec, sc, per, positions, lengths)
+        # A layer with states is told each row's length: its state is the one after the
+        # row's last real token, not after the layout's padding.
+        kw = {"lengths": lengths} if sc.states else {}
+        x, (entries, states) = stack.prefill(x, positions, None, store, impl=impl, **kw)
+        pos = slot_positions(spec, sc, per, positions, lengths) if sc.entries else sc.positions
+        stacks.append(StackCache(tuple(entries), pos, tuple(states), sc.ring, sc.window,
+                                 sc.split_heads))  # fmt: skip
     # Each row's last prompt token, picked by a one-hot contraction over the (sharded)
     # sequence: a local product and one small all-reduce, never a gather of the sequence.
     onehot = (jnp.arange(x.shape[1])[None, :] == last[:, None]).astype(x.dtype)
@@ -164,6 +168,20 @@ def _prefill_core(model, cache, tokens, positions, lengths, last, impl):
     new = KVCache(tuple(stacks), lengths, jnp.zeros((), jnp.int32), offset, cache.max_len,
                   cache.config, cache.spec)  # fmt: skip
     return logits, new
+
+
+def _store(spec, sc: StackCache, per: int, positions, lengths):
+    """`store(entry) -> (per-token entries, states)`: one layer's prefill entry (its
+    per-token arrays, then its states) as the stack's cache keeps them."""
+    n = len(sc.entries)
+    tokens = store_fn(spec, sc, per, positions, lengths) if n else None
+
+    def store(entry):
+        entry = tuple(entry)
+        stored = tokens(entry[:n]) if tokens is not None else ()
+        return tuple(stored), store_states(spec, sc, entry[n:])
+
+    return store
 
 
 def _is_array(x: Any) -> bool:
@@ -270,8 +288,16 @@ def _decode_core(model, cache, tokens, impl):
         positions = spec.place(positions, spec.token_pspec())
     stacks = []
     for stack, sc in zip(model.layer_stacks(), cache.stacks, strict=True):
-        x, new = stack.decode(x, positions, sc.entries, sc.positions, impl=impl)
-        stacks.append(write_token(spec, sc, new, p, cache.step, cache.offset))
+        # A layer's view holds its per-token entries, then its states; its new entry is the
+        # new token's per-token arrays (written into one slot), then its new states
+        # (replacing the old ones).
+        x, new = stack.decode(x, positions, sc.entries + sc.states, sc.positions, impl=impl)
+        n = len(sc.entries)
+        if n:
+            sc = write_token(spec, sc, tuple(new[:n]), p, cache.step, cache.offset)
+        if sc.states:
+            sc = eqx.tree_at(lambda c: c.states, sc, write_states(spec, sc, tuple(new[n:])))
+        stacks.append(sc)
     logits = model.head(x[:, :1])[:, 0]
     new_cache = KVCache(tuple(stacks), p + 1, cache.step + 1, cache.offset, cache.max_len,
                         cache.config, cache.spec)  # fmt: skip

@@ -1,15 +1,19 @@
 """What Gated DeltaNet and Kimi Delta Attention share: the per-head short convolution, the
-decay and the input checks.
+decay, the input checks, and their inference (the prefill's states and windows, the
+decode step's convolution and rule on the cached state).
 
-Einsum-free. Shapes: `b` batch, `s` sequence, `h` heads, `d` head width.
+Einsum letters: `b` batch, `s` sequence, `n` the copies of a decoded token (one per
+sequence shard), `h` heads, `d` head width, `j` a window's slots.
 """
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float
 
+from .._layout import from_layout, to_layout
 from .._sharding import ShardingSpec
-from ..linear import short_conv
+from ..linear import short_conv, short_conv_step
 
 
 def conv_heads(
@@ -22,11 +26,89 @@ def conv_heads(
     widths flattened head-major into channels, so that a tensor axis splitting the heads
     splits the channels the same way."""
     b, s, h, d = x.shape
-    out = short_conv(
-        x.reshape(b, s, h * d), weight.reshape(h * d, -1), activation="silu",
-        segment_ids=segment_ids, spec=spec,
-    )  # fmt: skip
+    flat, w = x.reshape(b, s, h * d), weight.reshape(h * d, -1)
+    if spec is not None and _pieces_too_short(spec, s, w.shape[1]):
+        # A sequence too short for halos from one neighbouring piece (a short prompt's
+        # prefill, say: 16 tokens zig-zagged over 8 devices): the convolution of the
+        # natural order, the few tokens moved there and back.
+        seg = None if segment_ids is None else from_layout(segment_ids, spec, axis=1)
+        natural = short_conv(from_layout(flat, spec, axis=1), w, activation="silu",
+                             segment_ids=seg)  # fmt: skip
+        return jnp.asarray(to_layout(natural, spec, axis=1)).reshape(b, s, h, d)
+    out = short_conv(flat, w, activation="silu", segment_ids=segment_ids, spec=spec)
     return out.reshape(b, s, h, d)
+
+
+def _pieces_too_short(spec: ShardingSpec, seq: int, kernel: int) -> bool:
+    """Whether `short_conv` under `spec` would refuse `seq` tokens: its contiguous and
+    zig-zag pieces must each hold the `K - 1` inputs of a halo."""
+    n = spec.context_parallel_size
+    if n == 1 or spec.load_balance == "striped":
+        return False
+    pieces = 2 * n if spec.load_balance == "zigzag" else n
+    return seq // pieces < kernel - 1
+
+
+# ---- inference ---------------------------------------------------------------------------
+
+
+def conv_windows(xs: tuple, positions, lengths, width: int) -> tuple:
+    """Each row's convolution window after its prefill: the last `width` inputs before the
+    convolution, `[batch, heads, dim, width]` float32 per array of `xs` (`[batch, seq,
+    heads, dim]`, in the spec's layout under a spec), oldest first, zeros before the row's
+    start. Row `b`'s last real token is `lengths[b] - 1` (all of `seq` when `None`).
+
+    A one-hot contraction over the sequence (a local product and one small all-reduce
+    under a spec, never a gather of the sequence), at the highest precision: exact."""
+    b, seq = positions.shape
+    end = jnp.full((b,), seq, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    want = end[:, None] - width + jnp.arange(width, dtype=jnp.int32)  # [b, j]
+    pick = (positions[:, :, None] == want[:, None, :]).astype(jnp.float32)
+    return tuple(
+        jnp.einsum("bsj,bshd->bhdj", pick, x.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        for x in xs
+    )
+
+
+def hold_padding(g, beta, positions, lengths):
+    """`g` and `beta` with the padding after each row's `lengths` tokens set to zero: a
+    token with `g = 0` and `beta = 0` leaves the recurrent state unchanged, so the rule's
+    final state is the state after each row's last real token."""
+    if lengths is None:
+        return g, beta
+    real = positions < lengths[:, None]
+    beta = jnp.where(real[..., None], beta, 0)
+    g = jnp.where(real.reshape(*real.shape, *(1,) * (g.ndim - 2)), g, 0)
+    return g, beta
+
+
+def conv_step(window, x, weight):
+    """The decode step's convolution of each head's channels, then SiLU: `window`
+    `[batch, heads, dim, K-1]` (one layer's cached window), `x` `[batch, n, heads, dim]`
+    (the new token on each of the `n` sequence shards), `weight` `[heads, dim, K]`.
+
+    **Returns:** `(out [batch, n, heads, dim], new window [batch, n, heads, dim, K-1])`,
+    per copy of the token."""
+    b, n, h, d = x.shape
+    window = jnp.broadcast_to(window[:, None], (b, n, *window.shape[1:]))
+    out, new = short_conv_step(
+        window.reshape(b, n, h * d, -1), x.reshape(b, n, h * d), weight.reshape(h * d, -1),
+        activation="silu",
+    )  # fmt: skip
+    return out.reshape(b, n, h, d), new.reshape(b, n, h, d, -1)
+
+
+def cached_arrays(cache) -> tuple:
+    """One layer's cached arrays: from a stack's `LayerCache` view (`arrays()`), or the
+    arrays themselves."""
+    arrays = getattr(cache, "arrays", None)
+    return tuple(arrays() if arrays is not None else cache)
+
+
+def per_copy(state, n: int):
+    """A cached `[batch, ...]` state repeated for the `n` copies of the decoded token
+    (`[batch, n, ...]`): each sequence shard runs the step on its own copy."""
+    return jnp.broadcast_to(state[:, None], (state.shape[0], n, *state.shape[1:]))
 
 
 def check_hidden(where: str, x, dim: int, segment_ids) -> None:

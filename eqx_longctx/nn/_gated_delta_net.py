@@ -14,14 +14,23 @@ from typing import ClassVar, cast, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import check_tensor_heads
-from ..linear import gated_delta_rule
-from ._delta_parts import check_hidden, conv_heads, uniform_conv
+from ..linear import gated_delta_rule, gated_delta_step
+from ._delta_parts import (
+    cached_arrays,
+    check_hidden,
+    conv_heads,
+    conv_step,
+    conv_windows,
+    hold_padding,
+    per_copy,
+    uniform_conv,
+)
 from ._rope import RotaryTables
 
 _L2_EPS = 1e-6  # transformers' l2norm (and flash-linear-attention's)
@@ -182,6 +191,19 @@ class GatedDeltaNet(eqx.Module):
         """
         del positions
         check_hidden("GatedDeltaNet", x, self.wq.shape[0], segment_ids)
+        (q, k, v), rest = self._project(x)
+        q, k, v = (
+            conv_heads(t, w.astype(x.dtype), segment_ids, self.spec)
+            for t, w in zip((q, k, v), self._convs(), strict=True)
+        )
+        q, k, v, g, beta = self._rule_inputs(q, k, v, *rest[1:])
+        o = gated_delta_rule(
+            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk
+        )
+        return self._output(cast(Array, o), rest[0])
+
+    def _project(self, x):
+        """`((q, k, v), (z, b, a))`: the projections, q, k and v before the convolution."""
         dtype = x.dtype
         q = jnp.einsum("bse,ekd->bskd", x, self.wq.astype(dtype))
         k = jnp.einsum("bse,ekd->bskd", x, self.wk.astype(dtype))
@@ -189,9 +211,14 @@ class GatedDeltaNet(eqx.Module):
         z = jnp.einsum("bse,ehv->bshv", x, self.wz.astype(dtype))
         b = jnp.einsum("bse,eh->bsh", x, self.wb.astype(dtype))
         a = jnp.einsum("bse,eh->bsh", x, self.wa.astype(dtype))
-        q = conv_heads(q, self.conv_q.astype(dtype), segment_ids, self.spec)
-        k = conv_heads(k, self.conv_k.astype(dtype), segment_ids, self.spec)
-        v = conv_heads(v, self.conv_v.astype(dtype), segment_ids, self.spec)
+        return (q, k, v), (z, b, a)
+
+    def _convs(self):
+        return self.conv_q, self.conv_k, self.conv_v
+
+    def _rule_inputs(self, q, k, v, b, a):
+        """The rule's `(q, k, v, g, beta)` from the convolved q, k, v and the gates' inputs:
+        q and k L2-normalised and repeated for their value heads."""
         q, k = _l2_normalize(q), _l2_normalize(k)
         groups = self.n_heads // self.n_key_heads
         if groups > 1:
@@ -199,11 +226,11 @@ class GatedDeltaNet(eqx.Module):
         beta = jax.nn.sigmoid(b)
         rate = jnp.exp(self.a_log.astype(jnp.float32))
         g = -rate * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias.astype(jnp.float32))
-        o = gated_delta_rule(
-            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk
-        )
-        o = cast(Array, o).astype(dtype)
-        o = self._gated_norm(o, z)
+        return q, k, v, g, beta
+
+    def _output(self, o, z):
+        dtype = z.dtype
+        o = self._gated_norm(o.astype(dtype), z)
         return jnp.einsum("bshv,hve->bse", o, self.wo.astype(dtype))
 
     def _gated_norm(self, o, z):
@@ -218,7 +245,9 @@ class GatedDeltaNet(eqx.Module):
     # ---- inference (eqx_longctx.inference): fixed-size states, no per-token entries ----
 
     cache_split_heads: ClassVar[bool] = True
-    """The states' heads split over the spec's tensor axis, like the layer's heads."""
+    """The states' heads split over the spec's tensor axis, like the layer's heads; the
+    states are replicated over the sequence axes (each device runs the decode step's
+    recurrence for its rows and heads)."""
 
     window: ClassVar[None] = None
     """No sliding window: the layer keeps no per-token cache."""
@@ -241,6 +270,77 @@ class GatedDeltaNet(eqx.Module):
             (self.n_key_heads, self.head_dim, window),
             (self.n_heads, self.v_head_dim, window),
         )
+
+    def prefill(
+        self,
+        x: Hidden,
+        positions: Positions,
+        segment_ids: SegmentIds | None = None,
+        *,
+        impl=None,
+        lengths: Int[Array, " batch"] | None = None,
+    ) -> tuple[Hidden, tuple[Array, ...]]:
+        """`__call__`, also returning what the cache keeps: each row's states after its
+        last real token.
+
+        **Arguments:** as `__call__` (`positions` the tokens' natural positions, in the
+        spec's layout); `impl` is accepted and unused (no softmax attention here);
+        `lengths` `[batch]` each row's real tokens, the rest padding (`None`: all real).
+        Padding leaves the state as it was (its `g` and `beta` are zero), so the state is
+        the one after token `lengths - 1`, wherever the layout put it.
+
+        **Returns:** `(out, (state, window_q, window_k, window_v))`: the layer's output and
+        the float32 states of `cache_state_shapes` per row, `[batch, ...]` (replicated over
+        the sequence axes under a spec). With `segment_ids`, the state is the last
+        document's.
+
+        **Raises:** as `__call__`.
+        """
+        del impl
+        check_hidden("GatedDeltaNet", x, self.wq.shape[0], segment_ids)
+        raw, (z, b, a) = self._project(x)
+        windows = conv_windows(raw, positions, lengths, self.conv_size - 1)
+        q, k, v = (
+            conv_heads(t, w.astype(x.dtype), segment_ids, self.spec)
+            for t, w in zip(raw, self._convs(), strict=True)
+        )
+        q, k, v, g, beta = self._rule_inputs(q, k, v, b, a)
+        g, beta = hold_padding(g, beta, positions, lengths)
+        o, state = gated_delta_rule(
+            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
+            return_state=True,
+        )  # fmt: skip
+        return self._output(o, z), (state, *windows)
+
+    def decode(
+        self, x: Hidden, positions: Positions, cache, cache_positions, *, impl
+    ) -> tuple[Hidden, tuple[Array, ...]]:
+        """One new token per row from the cached states: one step of the convolution
+        (`eqx_longctx.linear.short_conv_step`) and of the rule
+        (`eqx_longctx.linear.gated_delta_step`).
+
+        **Arguments:** `x` `[batch, n, embed]` the new token repeated on the spec's `n`
+        sequence shards; `positions` `[batch, n]` (unused); `cache` this layer's states
+        (`(state, window_q, window_k, window_v)`, `[batch, ...]` each, or a stack's
+        `LayerCache` view of them); `cache_positions` and `impl` unused.
+
+        **Returns:** `(out, new states)`: `[batch, n, embed]`, and each new state per copy
+        of the token, `[batch, n, ...]` (equal along `n`: every shard runs the step on its
+        own copy, so the states never move).
+        """
+        del positions, cache_positions, impl
+        state, *windows = cached_arrays(cache)
+        raw, (z, b, a) = self._project(x)
+        convs = [
+            conv_step(w, t, c.astype(x.dtype))
+            for w, t, c in zip(windows, raw, self._convs(), strict=True)
+        ]
+        (q, _), (k, _), (v, _) = convs
+        q, k, v, g, beta = self._rule_inputs(q, k, v, b, a)
+        o, state = gated_delta_step(
+            per_copy(state, x.shape[1]), q, k, v, g, beta, scale=self.head_dim**-0.5
+        )
+        return self._output(o, z), (state, *(c[1] for c in convs))
 
 
 def _l2_normalize(x):

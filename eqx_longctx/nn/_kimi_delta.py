@@ -12,14 +12,24 @@ from typing import ClassVar, cast, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import check_tensor_heads
-from ..linear import gated_delta_rule
-from ._delta_parts import check_hidden, conv_heads, inverse_softplus, uniform_conv
+from ..linear import gated_delta_rule, gated_delta_step
+from ._delta_parts import (
+    cached_arrays,
+    check_hidden,
+    conv_heads,
+    conv_step,
+    conv_windows,
+    hold_padding,
+    inverse_softplus,
+    per_copy,
+    uniform_conv,
+)
 from ._rope import RotaryTables
 
 _L2_EPS = 1e-6  # transformers' l2norm (and flash-linear-attention's)
@@ -175,22 +185,40 @@ class KimiDeltaAttention(eqx.Module):
         """
         del positions
         check_hidden("KimiDeltaAttention", x, self.wq.shape[0], segment_ids)
-        dtype = x.dtype
+        raw = self._project(x)
         q, k, v = (
-            conv_heads(jnp.einsum("bse,ehd->bshd", x, w.astype(dtype)), c.astype(dtype),
-                       segment_ids, self.spec)
-            for w, c in ((self.wq, self.conv_q), (self.wk, self.conv_k), (self.wv, self.conv_v))
-        )  # fmt: skip
+            conv_heads(t, c.astype(x.dtype), segment_ids, self.spec)
+            for t, c in zip(raw, self._convs(), strict=True)
+        )
+        q, k, v, g, beta = self._rule_inputs(x, q, k, v)
+        o = gated_delta_rule(
+            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk
+        )
+        return self._output(x, cast(Array, o))
+
+    def _project(self, x):
+        """q, k and v before the convolution."""
+        return tuple(
+            jnp.einsum("bse,ehd->bshd", x, w.astype(x.dtype)) for w in (self.wq, self.wk, self.wv)
+        )
+
+    def _convs(self):
+        return self.conv_q, self.conv_k, self.conv_v
+
+    def _rule_inputs(self, x, q, k, v):
+        """The rule's `(q, k, v, g, beta)` from `x` and the convolved q, k, v."""
+        dtype = x.dtype
         q, k = _l2_normalize(q), _l2_normalize(k)
         gate = jnp.einsum("bse,er->bsr", x, self.f_a.astype(dtype))
         gate = jnp.einsum("bsr,rhd->bshd", gate, self.f_b.astype(dtype)).astype(jnp.float32)
         rate = jnp.exp(self.a_log.astype(jnp.float32))[:, None]
         g = -rate * jax.nn.softplus(gate + self.dt_bias.astype(jnp.float32))
         beta = jax.nn.sigmoid(jnp.einsum("bse,eh->bsh", x, self.wb.astype(dtype)))
-        o = gated_delta_rule(
-            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk
-        )
-        o = cast(Array, o).astype(dtype)
+        return q, k, v, g, beta
+
+    def _output(self, x, o):
+        dtype = x.dtype
+        o = o.astype(dtype)
         out_gate = jnp.einsum("bse,er->bsr", x, self.g_a.astype(dtype))
         out_gate = jnp.einsum("bsr,rhd->bshd", out_gate, self.g_b.astype(dtype))
         o = self._gated_norm(o, out_gate)
@@ -207,7 +235,9 @@ class KimiDeltaAttention(eqx.Module):
     # ---- inference (eqx_longctx.inference): fixed-size states, no per-token entries ----
 
     cache_split_heads: ClassVar[bool] = True
-    """The states' heads split over the spec's tensor axis, like the layer's heads."""
+    """The states' heads split over the spec's tensor axis, like the layer's heads; the
+    states are replicated over the sequence axes (each device runs the decode step's
+    recurrence for its rows and heads)."""
 
     window: ClassVar[None] = None
     """No sliding window: the layer keeps no per-token cache."""
@@ -224,6 +254,63 @@ class KimiDeltaAttention(eqx.Module):
         split by projection and head)."""
         window = (self.n_heads, self.head_dim, self.conv_size - 1)
         return ((self.n_heads, self.head_dim, self.head_dim), window, window, window)
+
+    def prefill(
+        self,
+        x: Hidden,
+        positions: Positions,
+        segment_ids: SegmentIds | None = None,
+        *,
+        impl=None,
+        lengths: Int[Array, " batch"] | None = None,
+    ) -> tuple[Hidden, tuple[Array, ...]]:
+        """`__call__`, also returning what the cache keeps: each row's states after its
+        last real token (as [`GatedDeltaNet.prefill`][eqx_longctx.nn.GatedDeltaNet.prefill]).
+
+        **Arguments:** as `__call__`; `impl` unused; `lengths` `[batch]` each row's real
+        tokens (`None`: all), the padding after them leaving the state unchanged.
+
+        **Returns:** `(out, (state, window_q, window_k, window_v))`, float32 `[batch, ...]`
+        states of `cache_state_shapes` (replicated over the sequence axes under a spec).
+
+        **Raises:** as `__call__`.
+        """
+        del impl
+        check_hidden("KimiDeltaAttention", x, self.wq.shape[0], segment_ids)
+        raw = self._project(x)
+        windows = conv_windows(raw, positions, lengths, self.conv_size - 1)
+        q, k, v = (
+            conv_heads(t, c.astype(x.dtype), segment_ids, self.spec)
+            for t, c in zip(raw, self._convs(), strict=True)
+        )
+        q, k, v, g, beta = self._rule_inputs(x, q, k, v)
+        g, beta = hold_padding(g, beta, positions, lengths)
+        o, state = gated_delta_rule(
+            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
+            return_state=True,
+        )  # fmt: skip
+        return self._output(x, o), (state, *windows)
+
+    def decode(
+        self, x: Hidden, positions: Positions, cache, cache_positions, *, impl
+    ) -> tuple[Hidden, tuple[Array, ...]]:
+        """One new token per row from the cached states (as
+        [`GatedDeltaNet.decode`][eqx_longctx.nn.GatedDeltaNet.decode]: one step of each
+        convolution and of the rule, on each sequence shard's copy of the token).
+
+        **Returns:** `(out [batch, n, embed], new states [batch, n, ...] each)`.
+        """
+        del positions, cache_positions, impl
+        state, *windows = cached_arrays(cache)
+        convs = [
+            conv_step(w, t, c.astype(x.dtype))
+            for w, t, c in zip(windows, self._project(x), self._convs(), strict=True)
+        ]
+        q, k, v, g, beta = self._rule_inputs(x, *(c[0] for c in convs))
+        o, state = gated_delta_step(
+            per_copy(state, x.shape[1]), q, k, v, g, beta, scale=self.head_dim**-0.5
+        )
+        return self._output(x, o), (state, *(c[1] for c in convs))
 
 
 def _l2_normalize(x):

@@ -14,7 +14,7 @@ This module never imports `models.qwen3_next` (which imports it lazily): the mod
 config classes arrive as arguments.
 """
 
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -220,14 +220,14 @@ def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:
         raise _hf_config.unsupported(
             "mlp_only_layers", only, f"it lists layer indices in [0, {n})."
         )
-    experts = hf.get("num_experts", 0) if model_type == "qwen3_next" else 0
+    experts = hf["num_experts"] if model_type == "qwen3_next" else 0
     if experts and not hf["shared_expert_intermediate_size"]:
         raise _hf_config.unsupported(
             "shared_expert_intermediate_size", 0,
             "the zoo's Qwen3-Next MoE always has its gated shared expert (width > 0).",
         )  # fmt: skip
     moe: dict[str, Any] = {}
-    if experts:
+    if model_type == "qwen3_next":  # read even without experts: to_hf writes them back
         moe = dict(
             n_experts=experts, top_k=hf["num_experts_per_tok"],
             moe_hidden_dim=hf["moe_intermediate_size"],
@@ -324,9 +324,7 @@ def load(model_cls, config_cls, path, spec, dtype, overrides):
     tied = {"lm_head.weight": base + "embed_tokens.weight"} if config.tie_embeddings else None
     with _hf.SafetensorsCheckpoint(path) as checkpoint:
         return _hf.load_params(
-            # A FusedCheckpoint answers every question load_params asks of a checkpoint.
-            abstract, split_table(table, fused),
-            cast(_hf.SafetensorsCheckpoint, FusedCheckpoint(checkpoint, fused, shapes)),
+            abstract, split_table(table, fused), FusedCheckpoint(checkpoint, fused, shapes),
             dtype=config.param_dtype, sharding=_hf.shardings_by_path(abstract, spec),
             ignore=_IGNORE, tied=tied,
         )  # fmt: skip

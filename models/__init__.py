@@ -1,6 +1,7 @@
 """The model zoo: `models.llama` (Llama 3 / Mistral / Qwen2 / Qwen3), `models.deepseek`
-(DeepSeek-V2/V3, MLA + MoE) and `models.kimi_linear` (Kimi Linear: KDA + MLA, MoE), each
-registered as an `eqx_longctx.ModelFamily` plugin under the `eqx_longctx.models`
+(DeepSeek-V2/V3, MLA + MoE), `models.kimi_linear` (Kimi Linear: KDA + MLA, MoE) and
+`models.qwen3_next` (the `qwen3_next` and `qwen3_5` families: Gated DeltaNet + gated
+attention, MoE), each registered as an `eqx_longctx.ModelFamily` plugin under the `eqx_longctx.models`
 entry-point group (`eqx_longctx.model_family("llama")`)."""
 
 from ._family import DEEPSEEK as DEEPSEEK

@@ -41,6 +41,8 @@ CASES = {
     "kda_packed_state": (True, 37, 8, 12, 8, [[5, 11, 8, 13], [16, 1, 20]], True, (-1.0, 0.0)),
     # Two chunks of 16, no documents, no state: the state passed between chunks.
     "gdn_two_chunks": (False, 32, 16, 8, 16, None, False, (-1.0, 0.0)),
+    # Decays near -20 per token (exp(-G_j) would overflow), documents on a chunk's edge.
+    "gdn_strong_packed": (False, 40, 8, 8, 16, [[10, 30], [16, 24]], True, (-21.0, -19.0)),
     # g = -40 for 20 tokens, then about -0.01: the weak decays sit under prefix sums near
     # -800 (a difference of prefix sums would lose them); one chunk of 32.
     "kda_strong_then_weak": (True, 32, 8, 8, 32, None, True, (-0.02, 0.0)),
@@ -173,22 +175,25 @@ def race_detectors(monkeypatch):
 @pytest.mark.parametrize("kda", [False, True])
 def test_tpu_interpret_mode_without_races(kda, race_detectors):
     """TPU interpret mode with 2 cores (the "parallel" grid axes split between them), fresh
-    buffers NaN-filled and the race detector on: outputs and state as the XLA path's."""
+    buffers NaN-filled and the race detector on: outputs, state and gradients as the XLA
+    path's (GDN's through the backward kernel too)."""
     name = "kda_packed_state" if kda else "gdn_packed_state"
-    arrays, ids, s0, chunk = case_inputs(name)
-    kw = dict(segment_ids=ids, initial_state=s0, return_state=True, chunk=chunk)
+    arrays, ids, s0, _ = case_inputs(name)
     impl = PallasGatedDeltaImpl(race_detecting_interpret(2))
-    out, state = el.gated_delta_rule(*arrays, impl=impl, **kw)
-    want_out, want_state = el.gated_delta_rule(*arrays, impl="xla", **kw)
-    assert len(race_detectors) == 1 and not race_detectors[0].races_found
+    out, state, grads = run(impl, name)
+    assert len(race_detectors) == (1 if kda else 2)  # the forward (and GDN's backward)
+    assert not any(r.races_found for r in race_detectors)
+    want_out, want_state, want_grads = run("xla", name)
     assert rel_err(out, want_out) < TOL and rel_err(state, want_state) < TOL
+    assert max(rel_err(a, b) for a, b in zip(grads, want_grads, strict=True)) < TOL
 
 
 @pytest.mark.parametrize("kda", [False, True])
 def test_lowers_to_mosaic_for_tpu(kda):
     """`gated_delta_rule(impl="pallas")` and its gradient exported for a TPU from this host:
-    the kernel is in the program as Mosaic (`tpu_custom_call`), once (the backward is
-    XLA). Real shapes: dk = dv = 128, chunk 64, a ragged length, packed documents."""
+    the kernels are in the program as Mosaic (`tpu_custom_call`): the forward, and GDN's
+    backward (KDA's is XLA). Real shapes: dk = dv = 128, chunk 64, a ragged length, packed
+    documents."""
     b, s, h, dk, dv = 1, 200, 4, 128, 128
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
 
@@ -209,42 +214,52 @@ def test_lowers_to_mosaic_for_tpu(kda):
         f32(b, h, dk, dv),
     )  # fmt: skip
     text = exported.mlir_module()
-    assert text.count("tpu_custom_call") == 1
+    assert text.count("tpu_custom_call") == (1 if kda else 2)
     assert "eqx_longctx_gated_delta_chunks" in text
+    assert ("eqx_longctx_gated_delta_chunks_bwd" in text) == (not kda)
 
 
 @pytest.mark.parametrize("kind", sorted(VMEM_CAPACITY))
 @pytest.mark.parametrize("kda", [False, True])
 def test_vmem_within_every_generations_budget(kind, kda):
     """At real shapes (16 to 32 heads of dk = dv = 128, chunk 64; a grid step is one chunk
-    of one head, so the heads do not enter) one grid step is within 3/4 of each
-    generation's budget, the budget the attention kernels ask for."""
+    of one head, so the heads do not enter) one grid step of each kernel is within 3/4 of
+    each generation's budget, the budget the attention kernels ask for."""
     budget = vmem_budget(kind)
     assert budget == min(VMEM_CAPACITY[kind], 32 * 2**20)
-    est = gated_delta_vmem(chunk=64, dk=128, dv=128, kda=kda)
-    assert est.total <= 0.75 * budget, (kind, est)
+    for backward in (False,) if kda else (False, True):
+        est = gated_delta_vmem(chunk=64, dk=128, dv=128, kda=kda, backward=backward)
+        assert est.total <= 0.75 * budget, (kind, backward, est)
 
 
 @pytest.mark.parametrize("kda, dk, dv, chunk", [(False, 128, 128, 64), (True, 128, 256, 32)])
-def test_estimated_buffers_are_what_the_kernel_declares(kda, dk, dv, chunk):
-    """The estimate's buffers are the blocks the traced `pallas_call` declares, doubled and
-    lanes padded; the export for a TPU asks Mosaic for the budget (16 MiB from a CPU host)."""
+def test_estimated_buffers_are_what_the_kernels_declare(kda, dk, dv, chunk):
+    """The estimate's buffers are the blocks the traced `pallas_call`s (forward, and GDN's
+    backward) declare, doubled and lanes padded; the export for a TPU asks Mosaic for the
+    budget (16 MiB from a CPU host)."""
     from test_kernel_vmem import _declared, _pallas_calls
 
     b, s, h = 1, 4 * chunk, 16
     q, v = jnp.zeros((b, s, h, dk)), jnp.zeros((b, s, h, dv))
     g = jnp.zeros((b, s, h, dk) if kda else (b, s, h))
-    run = lambda impl: functools.partial(  # noqa: E731
-        el.gated_delta_rule, chunk=chunk, impl=PallasGatedDeltaImpl(impl)
-    )
-    jaxpr = jax.make_jaxpr(run(True))(q, q, v, g, g[..., 0] if kda else g)
-    (call,) = _pallas_calls(jaxpr.jaxpr)
-    est = gated_delta_vmem(chunk=chunk, dk=dk, dv=dv, kda=kda)
-    assert (est.buffers, est.scratch) == _declared(call)
-    exported = jax.export.export(jax.jit(run(False)), platforms=("tpu",))(
-        q, q, v, g, g[..., 0] if kda else g
-    )
-    assert f"\\22size\\22: {vmem_budget()}" in exported.mlir_module()
+    args = (q, q, v, g, g[..., 0] if kda else g)
+
+    def grads(interpret):
+        def loss(*a):
+            return jnp.sum(
+                el.gated_delta_rule(*a, chunk=chunk, impl=PallasGatedDeltaImpl(interpret))
+            )
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+
+    calls = list(_pallas_calls(jax.make_jaxpr(grads(True))(*args).jaxpr))
+    assert len(calls) == (1 if kda else 2)
+    for backward, call in zip((False, True), calls, strict=False):
+        est = gated_delta_vmem(chunk=chunk, dk=dk, dv=dv, kda=kda, backward=backward)
+        assert (est.buffers, est.scratch) == _declared(call), backward
+    exported = jax.export.export(jax.jit(grads(False)), platforms=("tpu",))(*args)
+    sizes = exported.mlir_module().count(f"\\22size\\22: {vmem_budget()}")
+    assert sizes == len(calls)
 
 
 def test_default_is_the_xla_path_on_cpu():

@@ -34,9 +34,9 @@ from ._flash_pallas_bwd import pallas_flash_backward as pallas_flash_backward
 from ._flash_pallas_bwd import (
     pallas_flash_backward_heads_major as pallas_flash_backward_heads_major,
 )
-from ._gated_delta_pallas import PallasGatedDeltaImpl as PallasGatedDeltaImpl
+from ._gated_delta import PallasGatedDeltaImpl as PallasGatedDeltaImpl
+from ._gated_delta import pallas_chunk_gated_delta as pallas_chunk_gated_delta
 from ._gated_delta_pallas import gated_delta_vmem as gated_delta_vmem
-from ._gated_delta_pallas import pallas_chunk_gated_delta as pallas_chunk_gated_delta
 from ._gated_delta_twin import intra_chunk_reference as intra_chunk_reference
 from ._impl import KERNEL_DTYPES as KERNEL_DTYPES
 from ._impl import PallasBlockImpl as PallasBlockImpl

@@ -28,9 +28,8 @@ step (`gated_delta_vmem`) does not depend on the heads, the batch or the sequenc
 """
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -38,48 +37,77 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ._blocks import call_kernel
-from ._gated_delta_twin import by_chunk, intra_chunk_backward, scan_chunks
 from ._operands import NUM_LANES, NUM_SUBLANES, out_struct
 from ._vmem import VMEM_HEADROOM, MiB, VmemEstimate, vmem_budget
 
 _NN = (((1,), (0,)), ((), ()))
-_NT = (((1,), (1,)), ((), ()))
+NT = (((1,), (1,)), ((), ()))
 
 
-def _dot(a, b, dims=_NN):
+def dot(a, b, dims=_NN):
     return lax.dot_general(
         a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref,
-            wk_ref, wv_ref, p_ref, qin_ref, kout_ref, *, kda: bool):  # fmt: skip
-    q, k, v, beta, starts = q_ref[...], k_ref[...], v_ref[...], beta_ref[...], starts_ref[...]
-    size, dk = k.shape
+class Terms(NamedTuple):
+    """What both kernels recompute of a chunk from its decays and document starts."""
+
+    rows: jax.Array  # [C, C] int32 row index t
+    cols: jax.Array  # [C, C] int32 column index j
+    lower: jax.Array  # [C, C] float32, t >= j
+    upper: jax.Array  # [C, C] float32, j > t
+    strict: jax.Array  # [C, C] bool, t > j
+    same: jax.Array  # [C, C] bool, j <= t in one document
+    reached: jax.Array  # [C, 1] bool: no start in [0, t], the incoming state reaches t
+    last: jax.Array  # [C, 1] bool: no start in (t, C-1], t writes the outgoing state
+    from_start: jax.Array  # [C, dk] exp(g_0 + ... + g_t)
+    to_end: jax.Array  # [C, dk] exp(g_{t+1} + ... + g_{C-1})
+
+
+def chunk_terms(g, starts, dk: int) -> Terms:
+    """The triangles, masks and decays of a chunk from `g` `[C, dk]` or `[C, 1]` and the
+    starts `[C, 1]`: prefix sums and document counts are products with triangles of ones."""
+    size = starts.shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (size, size), 0)
     cols = lax.broadcasted_iota(jnp.int32, (size, size), 1)
     causal, strict = rows >= cols, rows > cols
     lower, upper = causal.astype(jnp.float32), (cols > rows).astype(jnp.float32)
-    g = jnp.broadcast_to(g_ref[...], (size, dk))
-    # Documents from the starts: counted over spans by the same triangles.
+    g = jnp.broadcast_to(g, (size, dk))
     wide = jnp.broadcast_to(starts, (size, NUM_LANES))
-    reached = _dot(lower, wide)[:, :1] == 0.0  # no start in [0, t]: the state reaches t
-    last = _dot(upper, wide)[:, :1] == 0.0  # no start in (t, C-1]: t writes the state
-    same = causal & (_dot(lower, starts * strict.astype(jnp.float32)) == 0.0)
-    from_start = jnp.exp(_dot(lower, g))
-    qin_ref[...] = jnp.where(reached, q * from_start, 0.0)
-    kout_ref[...] = jnp.where(last, k * jnp.exp(_dot(upper, g)), 0.0)
+    return Terms(
+        rows, cols, lower, upper, strict,
+        same=causal & (dot(lower, starts * strict.astype(jnp.float32)) == 0.0),
+        reached=dot(lower, wide)[:, :1] == 0.0,
+        last=dot(upper, wide)[:, :1] == 0.0,
+        from_start=jnp.exp(dot(lower, g)),
+        to_end=jnp.exp(dot(upper, g)),
+    )  # fmt: skip
+
+
+def gdn_decay(g, t: Terms):
+    """`exp(g_{j+1} + ... + g_t)` on pairs of one document (else 0) for a GDN `g` `[C, 1]`:
+    the span is `tril(1) @ (g * (i > j))`, a sum of the g's themselves."""
+    span = dot(t.lower, g * t.strict.astype(jnp.float32))
+    return jnp.exp(jnp.where(t.same, span, -jnp.inf))
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref,
+            wk_ref, wv_ref, p_ref, qin_ref, kout_ref, *, kda: bool):  # fmt: skip
+    q, k, v, beta = q_ref[...], k_ref[...], v_ref[...], beta_ref[...]
+    t = chunk_terms(g_ref[...], starts_ref[...], k.shape[1])
+    qin_ref[...] = jnp.where(t.reached, q * t.from_start, 0.0)
+    kout_ref[...] = jnp.where(t.last, k * t.to_end, 0.0)
     if kda:
-        a, p = _channel_scores(q, k, g, same)
+        a, p = _channel_scores(q, k, g_ref[...], t.same)
     else:
-        span = _dot(lower, g_ref[...] * strict.astype(jnp.float32))  # g_{j+1} + ... + g_t
-        decay = jnp.exp(jnp.where(same, span, -jnp.inf))
-        a, p = _dot(k, k, _NT) * decay, _dot(q, k, _NT) * decay
+        decay = gdn_decay(g_ref[...], t)
+        a, p = dot(k, k, NT) * decay, dot(q, k, NT) * decay
     p_ref[...] = p
-    a = jnp.where(strict, a, 0.0) * beta
-    inverse = _unit_lower_inverse(a)
-    wk_ref[...] = _dot(inverse, jnp.where(reached, k * from_start, 0.0) * beta)
-    wv_ref[...] = _dot(inverse, v * beta)
+    a = jnp.where(t.strict, a, 0.0) * beta
+    inverse = unit_lower_inverse(a)
+    wk_ref[...] = dot(inverse, jnp.where(t.reached, k * t.from_start, 0.0) * beta)
+    wv_ref[...] = dot(inverse, v * beta)
 
 
 def _row(x, pick):
@@ -112,7 +140,7 @@ def _channel_scores(q, k, g, same):
     return a, p
 
 
-def _unit_lower_inverse(a):
+def unit_lower_inverse(a):
     """`(I + a)^{-1}` for a strictly lower `a` `[C, C]`, by forward substitution on the
     identity: column `j` of `a` times the finished row `j` is taken off every later row
     (rows `<= j` get `a_tj = 0`). `[C, C]` per step, not `[C, dk + dv]`: the right-hand
@@ -133,23 +161,28 @@ def _padded(rows: int, cols: int) -> int:
     return (-(-rows // NUM_SUBLANES) * NUM_SUBLANES) * (-(-cols // NUM_LANES) * NUM_LANES) * 4
 
 
-def gated_delta_vmem(*, chunk: int, dk: int, dv: int, kda: bool) -> VmemEstimate:
-    """VMEM of one grid step of the gated delta kernel (float32 throughout).
+def gated_delta_vmem(*, chunk: int, dk: int, dv: int, kda: bool, backward: bool = False
+                     ) -> VmemEstimate:  # fmt: skip
+    """VMEM of one grid step of the gated delta kernels (float32 throughout).
 
     **Arguments:** `chunk` the tokens per chunk; `dk`, `dv` the key and value head dims;
-    `kda` whether the decay is per key channel.
+    `kda` whether the decay is per key channel; `backward` the GDN backward kernel's
+    instead of the forward's (a KDA backward is XLA).
 
     **Returns:** a `VmemEstimate`: the blocks read and written, twice (Pallas
     double-buffers them), exact; no scratch; temporaries an estimate (Mosaic decides what
-    stays live): the `[C, C]` triangles, masks, spans, scores and inverse, and the `[C, dk]`,
-    `[C, dv]` decayed rows and right-hand sides (KDA: the running spans and one decayed
-    key per step, besides).
+    stays live): the `[C, C]` triangles, masks, spans, scores and inverse (and their
+    cotangents in the backward), and the `[C, dk]`, `[C, dv]` decayed rows and right-hand
+    sides (KDA: the running spans and one decayed key per step, besides).
     """
     c = chunk
     ins = [_padded(c, dk)] * 2 + [_padded(c, dv), _padded(c, dk if kda else 1)]
     ins += [_padded(c, 1)] * 2
     outs = [_padded(c, dk)] * 3 + [_padded(c, dv), _padded(c, c)]
     square, key_rows, value_rows = 12, 6 + (4 if kda else 0), 3
+    if backward:  # the outputs' cotangents come in, the inputs' go out
+        ins, outs = ins + outs, [_padded(c, dk)] * 2 + [_padded(c, dv)] + [_padded(c, 1)] * 2
+        square, key_rows, value_rows = 22, 12, 5
     temporaries = square * _padded(c, c) + key_rows * _padded(c, dk) + value_rows * _padded(c, dv)
     return VmemEstimate(2 * (sum(ins) + sum(outs)), 0, temporaries)
 
@@ -167,7 +200,10 @@ def check_gated_delta_kernel(chunk: int, dk: int, dv: int, kda: bool, budget=Non
             "Use chunk=64 (the default), or impl='xla' for this chunk."
         )
     budget = vmem_budget() if budget is None else budget
-    need = gated_delta_vmem(chunk=chunk, dk=dk, dv=dv, kda=kda).total
+    need = max(
+        gated_delta_vmem(chunk=chunk, dk=dk, dv=dv, kda=kda, backward=backward).total
+        for backward in ((False,) if kda else (False, True))
+    )
     if need > VMEM_HEADROOM * budget:
         raise ValueError(
             f"the gated delta kernel needs about {need / MiB:.1f} MiB of VMEM per grid step "
@@ -219,98 +255,3 @@ def intra_chunk_kernel(q, k, v, g, beta, starts, *, size: int, interpret: Any):
         name="eqx_longctx_gated_delta_chunks",
     )
     return tuple(call_kernel(interpret, build, *operands))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _intra(size, interpret, q, k, v, g, beta, starts):
-    return intra_chunk_kernel(q, k, v, g, beta, starts, size=size, interpret=interpret)
-
-
-def _intra_fwd(size, interpret, *inputs):
-    return _intra(size, interpret, *inputs), inputs
-
-
-def _intra_bwd(size, interpret, inputs, cotangents):
-    return (*intra_chunk_backward(size, inputs, cotangents), None)
-
-
-_intra.defvjp(_intra_fwd, _intra_bwd)
-
-
-def pallas_chunk_gated_delta(
-    q, k, v, g, beta, starts, initial_state, *, scale: float, chunk: int, interpret: Any = None
-):  # fmt: skip
-    """The gated delta rule over a sequence with the chunk work in the Pallas kernel: the
-    contract of the XLA path's `chunk_gated_delta` (`eqx_longctx/linear/_chunked.py`).
-
-    **Arguments:**
-
-    - `q`, `k` `[batch, seq, heads, dk]`, `v` `[batch, seq, heads, dv]`, `g`
-      `[batch, seq, heads]` (GDN) or `[batch, seq, heads, dk]` (KDA), `beta`
-      `[batch, seq, heads]`, `initial_state` `[batch, heads, dk, dv]`: float32, trusted.
-    - `starts`: `[batch, seq]` bool, `True` where the state before the token is dropped.
-    - `scale`: the factor on `q`.
-    - `chunk`: tokens per chunk, a multiple of 8 (a sequence shorter than it runs one
-      chunk of its length rounded up to 8); the sequence is padded with tokens that
-      change nothing.
-    - `interpret`: `None` compiles the kernel for a TPU and interprets it on any other
-      platform, chosen for the platform the program is lowered for; `True`, `False` or a
-      `pltpu.InterpretParams` as for `pallas_call`.
-
-    **Returns:** `(out [batch, seq, heads, dv], final_state [batch, heads, dk, dv])`,
-    float32. Differentiable: the backward is the XLA twin's VJP.
-
-    **Raises:** `ValueError` as `check_gated_delta_kernel`.
-    """
-    b, s, h, dk = q.shape
-    check_gated_delta_kernel(chunk, dk, v.shape[-1], g.ndim == 4)
-    size = min(chunk, -(-s // NUM_SUBLANES) * NUM_SUBLANES)
-    n = -(-s // size)
-    pad = n * size - s
-    if g.ndim == 3:
-        g = g[..., None]
-
-    def heads_major(x):  # [b, s, h, ...] -> [b, h, n * size, ...], zero-padded
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.swapaxes(x, 1, 2)
-
-    flags = jnp.pad(starts, [(0, 0), (0, pad)])
-    starts_f = flags.astype(jnp.float32)[:, None, :, None]  # [b, 1, S, 1], shared by heads
-    inputs = (heads_major(q * scale), heads_major(k), heads_major(v), heads_major(g),
-              heads_major(beta[..., None]), starts_f)  # fmt: skip
-    parts = _intra(size, interpret, *inputs)
-    # The decay of a whole chunk, where no document starts in it (else the state is dropped).
-    whole = jnp.exp(jnp.sum(by_chunk(inputs[3], size), axis=3))  # [n, b, h, c]
-    fresh = jnp.any(flags.reshape(b, n, size), axis=-1).T[:, :, None, None]  # [n, b, 1, 1]
-    kept = jnp.where(fresh, 0.0, whole)
-    out, final_state = scan_chunks(parts, kept, initial_state, size)
-    return jnp.swapaxes(out, 1, 2)[:, :s], final_state
-
-
-class PallasGatedDeltaImpl(eqx.Module):
-    """The gated delta rule's chunk work on the Pallas TPU kernel: what
-    `eqx_longctx.gated_delta_rule(..., impl="pallas")` runs (`impl=PallasGatedDeltaImpl(...)`
-    sets the interpreter).
-
-    **Arguments:**
-
-    - `interpret`: `None` (the default) compiles the kernel for a TPU and runs Pallas'
-      interpreter on any other platform, chosen for the platform the program is lowered
-      for; `False` always compiles; `True` or a `pltpu.InterpretParams` interprets (see
-      `race_detecting_interpret`).
-    """
-
-    interpret: Any = eqx.field(static=True, default=None)
-
-    def check(self, *, chunk: int, dk: int, dv: int, kda: bool) -> None:
-        """Eager validation of a call: `check_gated_delta_kernel`.
-
-        **Raises:** `ValueError` naming the rule, the values and the fix."""
-        check_gated_delta_kernel(chunk, dk, dv, kda)
-
-    def __call__(self, q, k, v, g, beta, starts, initial_state, *, scale: float, chunk: int):
-        """`pallas_chunk_gated_delta` with this `interpret`."""
-        return pallas_chunk_gated_delta(
-            q, k, v, g, beta, starts, initial_state,
-            scale=scale, chunk=chunk, interpret=self.interpret,
-        )  # fmt: skip

@@ -1,0 +1,123 @@
+"""The backward of the gated delta kernel's chunk work for a GDN decay (one per head), as a
+Pallas TPU kernel; a KDA decay (one per key channel) takes its XLA twin's VJP
+(`_gated_delta_twin.intra_chunk_backward`).
+
+One grid step is one chunk of one head, grid `(batch, heads, chunks)`, all "parallel"
+(chunks are independent here: the state's gradient flows through the XLA scan). It
+recomputes the chunk's forward (`chunk_terms`, the decays `D`, `A = strict(beta K K^T D)`,
+`T = (I + A)^{-1}`) and takes the cotangents of `W_k = T r_k`, `W_v = T r_v`, `P = Q K^T D`,
+`q_in`, `k_out` back to `q`, `k`, `v`, `g`, `beta`:
+
+    dT = dW_k r_k^T + dW_v r_v^T,  dr = T^T dW,  dA = -strict(T^T dT T^T)
+    dK K^T = beta dA D,  dQ K^T = dP D,  dD = beta dA (K K^T) + dP (Q K^T)
+    dspan = dD D  ->  dg_i = sum_j (i > j) (tril(1)^T dspan)_ij
+
+plus the elementwise paths through `exp(G)` (`q_in`, `r_k`) and `exp(G_C - G_t)` (`k_out`),
+whose prefix sums go back through the transposed triangles. Transposes are products with
+the identity (`x^T = I x^T`, one MXU pass that is exact at `HIGHEST`), so every product is a
+plain or `a @ b^T` one, as Mosaic lowers them.
+"""
+
+from typing import Any
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ._blocks import call_kernel
+from ._gated_delta_pallas import NT, chunk_terms, dot, gdn_decay, unit_lower_inverse
+from ._operands import out_struct
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref,
+                dwk_ref, dwv_ref, dp_ref, dqin_ref, dkout_ref,
+                dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref):  # fmt: skip
+    q, k, v, g, beta = q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...]
+    dwk, dwv, dp = dwk_ref[...], dwv_ref[...], dp_ref[...]
+    dqin, dkout = dqin_ref[...], dkout_ref[...]
+    t = chunk_terms(g, starts_ref[...], k.shape[1])
+    eye = (t.rows == t.cols).astype(jnp.float32)
+
+    def transpose(x):  # [C, C]
+        return dot(eye, x, NT)
+
+    # The forward, again.
+    decay = gdn_decay(g, t)
+    kk, qk = dot(k, k, NT), dot(q, k, NT)
+    a = jnp.where(t.strict, kk * decay, 0.0) * beta
+    inverse = unit_lower_inverse(a)
+    inverse_t = transpose(inverse)
+    k_start = jnp.where(t.reached, k * t.from_start, 0.0)
+    r_k, r_v = k_start * beta, v * beta
+
+    # Through the solve.
+    d_inverse = dot(dwk, r_k, NT) + dot(dwv, r_v, NT)
+    dr_k, dr_v = dot(inverse_t, dwk), dot(inverse_t, dwv)
+    da = jnp.where(t.strict, -dot(dot(inverse_t, d_inverse), inverse, NT), 0.0)
+    # Through A = strict(beta K K^T D) and P = Q K^T D.
+    dkk = da * decay * beta
+    dqk = dp * decay
+    d_decay = da * kk * beta + dp * qk
+    dbeta = jnp.sum(da * kk * decay, axis=1, keepdims=True)
+    dbeta += jnp.sum(dr_k * k_start, axis=1, keepdims=True)
+    dbeta += jnp.sum(dr_v * v, axis=1, keepdims=True)
+    dq = dot(dqk, k) + jnp.where(t.reached, dqin * t.from_start, 0.0)
+    dk = dot(transpose(dqk), q) + dot(dkk + transpose(dkk), k)
+    dk += jnp.where(t.reached, dr_k * t.from_start * beta, 0.0)
+    dk += jnp.where(t.last, dkout * t.to_end, 0.0)
+    # The decays: span = tril(1) @ (g * strict), G = tril(1) @ g, G_C - G = triu(1, 1) @ g.
+    lower_t, upper_t = transpose(t.lower), t.strict.astype(jnp.float32)
+    d_span = dot(lower_t, d_decay * decay)
+    dg = jnp.sum(jnp.where(t.strict, d_span, 0.0), axis=1, keepdims=True)
+    d_start = jnp.where(t.reached, (dr_k * k * beta + dqin * q) * t.from_start, 0.0)
+    d_end = jnp.where(t.last, dkout * k * t.to_end, 0.0)
+    dg += jnp.sum(dot(lower_t, d_start) + dot(upper_t, d_end), axis=1, keepdims=True)
+    dq_ref[...] = dq
+    dk_ref[...] = dk
+    dv_ref[...] = dr_v * beta
+    dg_ref[...] = dg
+    dbeta_ref[...] = dbeta
+
+
+def intra_chunk_backward_kernel(size: int, interpret: Any, vmem: int, inputs, cotangents):
+    """The backward kernel over every chunk of a GDN decay.
+
+    **Arguments:** `size` the chunk; `interpret` as the forward's; `vmem` the scoped VMEM
+    limit; `inputs` `(q, k, v, g, beta, starts)` and `cotangents` of `(w_k, w_v, p, q_in,
+    k_out)`, heads-major over the padded sequence, as `intra_chunk_kernel` takes and gives
+    them (`g` `[b, h, S, 1]`).
+
+    **Returns:** the cotangents of `q, k, v, g, beta`, float32, their layouts.
+    """
+    q, k, v, g, beta, starts = inputs
+    b, h, s, dk = q.shape
+    dv = v.shape[-1]
+
+    def spec(width):
+        return pl.BlockSpec((None, None, size, width), lambda bi, hi, ci: (bi, hi, ci, 0))
+
+    starts_spec = pl.BlockSpec((None, None, size, 1), lambda bi, hi, ci: (bi, 0, ci, 0))
+    operands = (*inputs, *cotangents)
+    in_specs = [spec(dk), spec(dk), spec(dv), spec(1), spec(1), starts_spec]
+    in_specs += [spec(dk), spec(dv), spec(size), spec(dk), spec(dk)]
+    widths = (dk, dk, dv, 1, 1)
+    n = s // size
+    cost = pl.CostEstimate(
+        flops=b * h * n * 2 * size * size * (8 * size + 9 * dk + 3 * dv),
+        transcendentals=b * h * s * (size + 2 * dk),
+        bytes_accessed=4 * b * h * s * (8 * dk + 3 * dv + size + 5),
+    )
+    build = lambda interpret: pl.pallas_call(  # noqa: E731
+        _bwd_kernel,
+        grid=(b, h, n),
+        in_specs=in_specs,
+        out_specs=[spec(w) for w in widths],
+        out_shape=[out_struct((b, h, s, w), jnp.float32, *operands) for w in widths],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel"), vmem_limit_bytes=vmem
+        ),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="eqx_longctx_gated_delta_chunks_bwd",
+    )
+    return tuple(call_kernel(interpret, build, *operands))

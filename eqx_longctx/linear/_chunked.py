@@ -17,8 +17,11 @@ arXiv:2412.06464, Sec. 3; per channel for Kimi Linear, arXiv:2510.26692):
     o = (q * exp(G)) S + P u,                  P_tj = <q_t, exp(G_t - G_j) k_j>, j <= t
     S' = exp(G_C) S + sum_j (exp(G_C - G_j) k_j) u_j^T
 
-so a chunk costs a few `C x C` matmuls and one triangular solve, and only the state passes
-from chunk to chunk (`lax.scan`).
+so a chunk costs a few `C x C` matmuls, and only the state passes from chunk to chunk
+(`lax.scan`). The system is solved by an explicit inverse of `I + A`, built by doubling
+blocks (`_unit_lower_inverse`): batched matmuls where XLA:CPU's batched
+`triangular_solve` is a loop over rows (1-2 s against 0.03 s for 256 tokens forward and
+backward at `dk = dv = 128`, 4 heads).
 
 **Stability.** Decays enter only as `exp(G_t - G_j)` with `t >= j` and as `exp(G_t)`,
 exponents that are never positive, masked to `-inf` before the `exp` where a pair does not
@@ -147,9 +150,8 @@ def _chunk_step(state, xs):
     reached = (doc == 0)[:, None, :, None]
     from_start = jnp.exp(lax.cumsum(g, axis=2))  # [b, h, C, c]
     rhs = jnp.concatenate([jnp.where(reached, k * from_start, 0.0), v], axis=-1)
-    w = lax.linalg.triangular_solve(
-        a, rhs * beta[..., None], left_side=True, lower=True, unit_diagonal=True
-    )
+    w = jnp.einsum("bhtj,bhjc->bhtc", _unit_lower_inverse(a), rhs * beta[..., None],
+                   precision=_HIGHEST)  # fmt: skip
     u = w[..., dk:] - jnp.einsum("bhtc,bhcv->bhtv", w[..., :dk], state, precision=_HIGHEST)
     q_in = jnp.where(reached, q * from_start, 0.0)
     out = jnp.einsum("bhtc,bhcv->bhtv", q_in, state, precision=_HIGHEST)
@@ -170,3 +172,24 @@ def _decayed_dots(x, y, decay):
         dots = jnp.einsum("bhtc,bhjc->bhtj", x, y, precision=_HIGHEST)
         return dots * decay[..., 0]
     return jnp.einsum("bhtc,bhjc,bhtjc->bhtj", x, y, decay, precision=_HIGHEST)
+
+
+def _unit_lower_inverse(a):
+    """`(I + a)^-1` for `a` `[..., C, C]` strictly lower triangular, by doubling blocks: if
+    the inverse `X` of the diagonal blocks of size `m` is known, the blocks of size `2 m`
+    invert as `X - X E X`, with `E` the part of `a` between the two halves of each (exact:
+    `(X E)^2 = 0`). Batched `C x C` matmuls, `ceil(log2 C)` rounds: XLA:CPU lowers a
+    batched `triangular_solve` to a loop over rows that costs milliseconds a chunk."""
+    size = a.shape[-1]
+    row = jnp.arange(size)
+    inv = jnp.broadcast_to(jnp.eye(size, dtype=a.dtype), a.shape)
+    m = 1
+    while m < size:
+        between = (row[:, None] // (2 * m) == row[None, :] // (2 * m)) & (
+            row[:, None] // m != row[None, :] // m
+        )
+        e = jnp.where(between, a, 0.0)
+        xe = jnp.einsum("...tj,...ji->...ti", inv, e, precision=_HIGHEST)
+        inv = inv - jnp.einsum("...ti,...ij->...tj", xe, inv, precision=_HIGHEST)
+        m *= 2
+    return inv

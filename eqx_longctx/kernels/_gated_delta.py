@@ -60,7 +60,8 @@ def pallas_chunk_gated_delta(
       `pltpu.InterpretParams` as for `pallas_call`.
 
     **Returns:** `(out [batch, seq, heads, dv], final_state [batch, heads, dk, dv])`,
-    float32. Differentiable: the backward is the XLA twin's VJP.
+    float32. Differentiable: a GDN decay's backward is the backward kernel, a KDA decay's the
+    XLA twin's VJP.
 
     **Raises:** `ValueError` as `check_gated_delta_kernel`.
     """

@@ -16,7 +16,8 @@ and the scan (`scan_chunks`) finishes each chunk from the state `S` it receives:
 
 `intra_chunk_reference` computes the first part with the same formulas as the XLA path's
 `_chunk_step` (reverse cumulative sums of the log decays, `triangular_solve`); the kernel
-must agree with it, and its VJP is the kernel's backward (`intra_chunk_backward`): chunks
+must agree with it, and its VJP is a KDA decay's backward (`intra_chunk_backward`; a GDN
+decay's is a kernel, `_gated_delta_pallas_bwd.py`): chunks
 are independent, so it runs as many at once as `BACKWARD_BYTES` of decays allow
 (`lax.map(batch_size=...)`): 64 GDN chunks of 64 tokens at 32 heads, one KDA chunk there
 (its `[C, C, dk]` decays, which the XLA path too holds for one chunk at a time).

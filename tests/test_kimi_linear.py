@@ -75,12 +75,15 @@ FAMILIES = {
         ("full_attention/moe", "linear_attention/moe", "linear_attention/moe"),
     ),
 }  # fmt: skip
-# (strategy, mesh shape, axis names, ulysses axis, layout)
+# (strategy, mesh shape, axis names, layout, other axes of the spec)
 CONTEXT_PARALLEL = [
-    ("ring", (2, 4), ("data", "context"), None, "zigzag"),
-    ("all_gather", (2, 4), ("data", "context"), None, "striped"),
-    ("usp", (2, 4), ("ulysses", "context"), "ulysses", "zigzag"),
-]
+    ("ring", (2, 4), ("data", "context"), "zigzag", {}),
+    ("all_gather", (2, 4), ("data", "context"), "striped", {}),
+    ("usp", (2, 4), ("ulysses", "context"), "zigzag", dict(ulysses_axis="ulysses")),
+    # heads split over a tensor axis, routed experts over an expert axis
+    ("ring", (2, 2, 2), ("expert", "tensor", "context"), "zigzag",
+     dict(tensor_axis="tensor", expert_axis="expert")),
+]  # fmt: skip
 
 build_hf = hf_helpers.model_builder(FAMILIES, SMALL)
 tokens, checkpoints = hf_helpers.checkpoint_fixtures(FAMILIES, build_hf, (BATCH, SEQ), VOCAB)
@@ -106,17 +109,17 @@ def test_logits_match_transformers(checkpoints, tokens, family):
     assert err <= RTOL
 
 
-@pytest.mark.parametrize("strategy,shape,names,ulysses,layout", CONTEXT_PARALLEL)
+@pytest.mark.parametrize("strategy,shape,names,layout,axes", CONTEXT_PARALLEL)
 def test_context_parallel_logits_match_transformers(
-    checkpoints, tokens, strategy, shape, names, ulysses, layout
+    checkpoints, tokens, strategy, shape, names, layout, axes
 ):
     need_devices(8)
     path, ref = checkpoints["kda-first"]
-    spec = el.ShardingSpec(make_mesh(shape, names), strategy, layout, ulysses_axis=ulysses)
+    spec = el.ShardingSpec(make_mesh(shape, names), strategy, layout, **axes)
     model = from_hf(path, spec=spec)
     logits = el.from_layout(forward(model, el.to_layout(tokens, spec)), spec)
     err = rel_err(logits, ref)
-    print(f"{strategy}/{layout}: relative error {err:.2e}")
+    print(f"{strategy}/{layout} on {names}: relative error {err:.2e}")
     assert err <= RTOL
 
 
@@ -331,3 +334,32 @@ def test_planner_runs_on_the_real_size(capsys):
     record = json.loads(capsys.readouterr().out)
     assert record["strategy"] == "ring" and record["remat"] == "full"
     assert record["predicted_bytes_per_device"] > 49e9 * 16 / 8  # params, grads, Adam
+
+
+# moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json (without auto_map).
+KIMI_48B_CONFIG = {
+    "architectures": ["KimiLinearForCausalLM"], "bos_token_id": 163584, "dtype": "bfloat16",
+    "eos_token_id": 163586, "first_k_dense_replace": 1, "head_dim": 72, "hidden_act": "silu",
+    "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216,
+    "kv_lora_rank": 512,
+    "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128,
+        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+        "num_heads": 32, "short_conv_kernel_size": 4,
+    },
+    "mla_use_nope": True, "model_max_length": 1048576, "model_type": "kimi_linear",
+    "moe_intermediate_size": 1024, "moe_layer_freq": 1, "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid", "num_attention_heads": 32, "num_expert_group": 1,
+    "num_experts": 256, "num_experts_per_token": 8, "num_hidden_layers": 27,
+    "num_key_value_heads": 32, "num_nextn_predict_layers": 0, "num_shared_experts": 1,
+    "pad_token_id": 163839, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "routed_scaling_factor": 2.446, "tie_word_embeddings": False, "topk_group": 1,
+    "use_cache": True, "use_grouped_topk": True, "v_head_dim": 128, "vocab_size": 163840,
+}  # fmt: skip
+
+
+def test_the_real_config_reads_as_the_preset(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_48B_CONFIG))
+    config = config_from_hf(tmp_path, dtype="float32")
+    assert config == PRESETS["kimi-linear-48b-a3b"]

@@ -245,3 +245,19 @@ def test_linear_cache_bytes_do_not_grow_with_max_len():
         per_row = 4 * 8 * 6 + 3 * (2 * 8 + 2 * 8 + 4 * 6)
         assert short.stack_bytes_per_device(short.stacks[0]) == 2 * 2 * per_row * 4
         assert caches[0].nbytes_per_device() == short.bytes_per_device()
+
+
+def test_the_planner_counts_the_states():
+    """`plan_generate` takes the cache from `cache_layout`: a hybrid family's linear stacks
+    (Qwen3-Next's Gated DeltaNet) are their float32 states alone, no slots."""
+    from eqx_longctx.plan import plan_generate
+    from models.qwen3_next import Qwen3NextConfig
+
+    config = Qwen3NextConfig.from_preset("tiny")
+    plan = plan_generate("qwen3_next", config, None, batch=2, seq=1024)
+    linear = [s for s in plan.stacks if s.slots == 0]
+    assert linear and len(linear) < len(plan.stacks)
+    for s in linear:
+        assert s.entries[0][-2:] == (32, 32)  # the recurrent state, dk x dv
+        assert s.bytes == sum(int(np.prod(e)) for e in s.entries) * 4
+    assert "fixed-size states" in plan.explain()

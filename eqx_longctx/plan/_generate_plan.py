@@ -10,7 +10,9 @@ per device (the model runs as `eqx_longctx.init_cache`, `prefill` and `decode_st
   stack keeps `slots_per_device` slots per device, a sliding stack a ring of its window
   rounded up to a multiple of the `N` sequence shards (`ring / N` per device); rows split
   over the batch axes, heads over the tensor axis when the layer's `cache_split_heads`;
-  plus each stack's int32 slot positions and the lengths;
+  a linear-attention stack its float32 states (`cache_state_shapes()`, whole on every
+  device of the sequence axes, no slots); plus each stack's int32 slot positions and the
+  lengths;
 - **prefill peak**: parameters + cache + the working set of the layer being run: its
   forward activations of the prompt's local tokens (everything one layer computes,
   JAX's list of its residuals as the training planner asks for it, `_activations.py`),
@@ -58,8 +60,8 @@ class StackCacheShape(NamedTuple):
     window: int | None
     ring: int | None  # ring-buffer slots in total (sliding), or None (full)
     slots: int  # slots per device
-    entries: tuple[tuple[int, ...], ...]  # per-device shape of each cached array
-    bytes: int  # entries + slot positions, per device
+    entries: tuple[tuple[int, ...], ...]  # per-device shape of each cached array, then state
+    bytes: int  # entries + fixed-size states + slot positions, per device
 
 
 class GenerateMemory(NamedTuple):
@@ -111,6 +113,7 @@ class GeneratePlan:
         ]
         for s in self.stacks:
             kind = "full" if s.ring is None else f"window {s.window}, ring {s.ring} slots"
+            kind = "fixed-size states" if not s.slots else kind
             shapes = " + ".join("x".join(map(str, e)) for e in s.entries)
             lines.append(
                 f"  {s.path:12} {s.n_layers} layers ({kind}): {s.slots} slots per device, "
@@ -227,6 +230,7 @@ def cache_geometry(
     for stack, s in zip(model.layer_stacks(), layout.stacks, strict=True):
         shapes = layout.device_shapes(s)
         slots = shapes[0][3] if shapes else 0
+        shapes += layout.state_device_shapes(s)  # linear attention's fixed-size states
         out.append(StackCacheShape(paths[id(stack)], s.n_layers, s.window, s.ring, slots,
                                    shapes, layout.stack_bytes_per_device(s)))  # fmt: skip
     return out, layout.bytes_per_device()

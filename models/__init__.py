@@ -1,8 +1,8 @@
 """The model zoo: `models.llama` (Llama 3 / Mistral / Qwen2 / Qwen3), `models.deepseek`
 (DeepSeek-V2/V3, MLA + MoE), `models.kimi_linear` (Kimi Linear: KDA + MLA, MoE) and
 `models.qwen3_next` (the `qwen3_next` and `qwen3_5` families: Gated DeltaNet + gated
-attention, MoE), each registered as an `eqx_longctx.ModelFamily` plugin under the `eqx_longctx.models`
-entry-point group (`eqx_longctx.model_family("llama")`)."""
+attention, MoE), each registered as an `eqx_longctx.ModelFamily` plugin under the
+`eqx_longctx.models` entry-point group (`eqx_longctx.model_family("llama")`)."""
 
 from ._family import DEEPSEEK as DEEPSEEK
 from ._family import KIMI_LINEAR as KIMI_LINEAR

@@ -85,13 +85,14 @@ def test_library_pieces():
     rotated = attn._rotate(q, attn.rope.tables(jnp.broadcast_to(jnp.arange(5), (2, 5))))
     np.testing.assert_array_equal(rotated[..., 4:], q[..., 4:])
     assert not np.allclose(rotated[:, 1:, :, :4], q[:, 1:, :, :4])
-    closed = eqx.tree_at(lambda a: a.wg, attn, jnp.full_like(attn.wg, -1e4))
+    assert attn.wg is not None
+    closed = eqx.tree_at(lambda a: a.wg, attn, jnp.full(attn.wg.shape, -1e4))
     positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
     x1 = jnp.abs(x) + 0.1  # positive, so every gate logit is very negative
     assert np.abs(np.asarray(closed(x1, positions))).max() < 1e-6
     moe = MoE(8, 4, 4, 2, key=jax.random.key(0), n_shared=1, shared_hidden_dim=6,
               shared_gate=True, norm_topk_prob=True)  # fmt: skip
-    assert moe.shared.w_up.shape == (8, 6)
+    assert moe.shared is not None and moe.shared.w_up.shape == (8, 6)
     no_shared = eqx.tree_at(lambda m: m.shared_gate, moe, jnp.full(8, -1e4))
     routed_only = eqx.tree_at(
         lambda m: (m.shared, m.shared_gate), moe, (None, None), is_leaf=lambda v: v is None

@@ -182,6 +182,23 @@ def test_nope_mla_ignores_positions():
     assert_close(out, jnp.einsum("bshv,hve->bse", o, attn.wo), factor=5, what="NoPE MLA")
 
 
+def test_causality_and_document_isolation():
+    """A token changes no earlier logit, and a packed document's logits are its logits run
+    alone (KDA's convolutions and state restart at each document, MLA masks across them)."""
+    model = KimiLinear(KimiLinearConfig.from_preset("tiny", init_std=0.2), key=jax.random.key(0))
+    lengths = [7, 9, 8]
+    segment_ids = jnp.asarray(np.repeat(np.arange(3), lengths)[None], jnp.int32)
+    positions = jnp.asarray(np.concatenate([np.arange(n) for n in lengths])[None], jnp.int32)
+    tokens = jax.random.randint(jax.random.key(1), (1, 24), 0, 259)
+    packed = forward(model, tokens, positions, segment_ids)
+    alone = forward(model, tokens[:, 7:16])
+    assert_close(packed[:, 7:16], alone, factor=5, what="packed vs unpacked document")
+    changed = forward(model, tokens.at[:, 12].set((tokens[0, 12] + 1) % 259))
+    whole = forward(model, tokens)
+    np.testing.assert_array_equal(np.asarray(changed[:, :12]), np.asarray(whole[:, :12]))
+    assert float(jnp.abs(changed[:, 12:] - whole[:, 12:]).max()) > 1e-3
+
+
 def test_layer_stacks_follow_the_layer_kinds():
     config = KimiLinearConfig.from_preset("kimi-linear-48b-a3b")
     model = eqx.filter_eval_shape(KimiLinear, config, key=jax.random.key(0))

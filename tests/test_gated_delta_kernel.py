@@ -106,28 +106,8 @@ def test_kernel_matches_the_xla_path(name):
     assert max(errors.values()) < TOL, errors
 
 
-def test_backward_in_batches_of_chunks(monkeypatch):
-    """The backward runs chunks in batches within `BACKWARD_BYTES`: two at a time over five
-    chunks (a remainder of one) give the XLA path's gradients too."""
-    from eqx_longctx.kernels import _gated_delta_twin
-
-    arrays, ids, s0, chunk = case_inputs("kda_packed_state")
-    b, _, h, dk = arrays[0].shape
-    monkeypatch.setattr(_gated_delta_twin, "BACKWARD_BYTES", 2 * 8 * 4 * b * h * 64 * dk)
-
-    def loss(impl, *a):
-        out, state = el.gated_delta_rule(*a, segment_ids=ids, return_state=True, chunk=chunk,
-                                         impl=impl)  # fmt: skip
-        return jnp.sum(out * jnp.cos(out)) + jnp.sum(state**2)
-
-    ours = jax.grad(functools.partial(loss, PLAIN), argnums=(0, 1, 2, 3, 4))(*arrays)
-    want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2, 3, 4))(*arrays)
-    for a, b in zip(ours, want, strict=True):
-        assert rel_err(a, b) < TOL
-
-
-def _heads_major_chunks(name):
-    """One chunk's inputs as the kernel reads them (heads-major, `q` scaled)."""
+def _heads_major_chunk(name):
+    """The first chunk's inputs as the kernels read them (heads-major, `q` scaled)."""
     (q, k, v, g, beta), ids, _, chunk = case_inputs(name)
     size = min(chunk, q.shape[1])
     hm = lambda x: jnp.swapaxes(jnp.asarray(x[:, :size]), 1, 2)  # noqa: E731
@@ -140,17 +120,24 @@ def _heads_major_chunks(name):
 
 
 @pytest.mark.parametrize("name", ["gdn_packed_state", "kda_packed_state"])
-def test_kernel_outputs_match_the_twin(name):
-    """W_k, W_v, P, q_in, k_out of one chunk, kernel against `intra_chunk_reference`; a
-    kernel whose substitution skipped the last column would fail here."""
+def test_kernels_match_the_twin_and_its_vjp(name):
+    """W_k, W_v, P, q_in, k_out of one chunk from the forward kernel against
+    `intra_chunk_reference`, and the backward kernel's cotangents of q, k, v, g, beta
+    against the twin's VJP: a kernel whose substitution skipped a column, or whose backward
+    dropped a path, fails here."""
     from eqx_longctx.kernels._gated_delta_pallas import intra_chunk_kernel
+    from eqx_longctx.kernels._gated_delta_pallas_bwd import intra_chunk_backward_kernel
 
-    inputs, size = _heads_major_chunks(name)
+    inputs, size = _heads_major_chunk(name)
     ours = intra_chunk_kernel(*inputs, size=size, interpret=True)
-    want = intra_chunk_reference(*inputs)
+    want, vjp = jax.vjp(lambda *a: intra_chunk_reference(*a, inputs[-1]), *inputs[:-1])
     for what, a, b in zip(("w_k", "w_v", "p", "q_in", "k_out"), ours, want, strict=True):
-        assert a.shape == b.shape, what
-        assert rel_err(a, b) < TOL, (what, rel_err(a, b))
+        assert a.shape == b.shape and rel_err(a, b) < TOL, (what, rel_err(a, b))
+    rng = np.random.default_rng(2)
+    cts = tuple(jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in want)
+    grads = intra_chunk_backward_kernel(size, True, vmem_budget(), inputs, cts)
+    for what, a, b in zip(("q", "k", "v", "g", "beta"), grads, vjp(cts), strict=True):
+        assert a.shape == b.shape and rel_err(a, b) < TOL, (what, rel_err(a, b))
     # The documents matter: the second row has a start inside this chunk.
     assert float(jnp.sum(inputs[-1])) > 0
 
@@ -175,13 +162,13 @@ def race_detectors(monkeypatch):
 @pytest.mark.parametrize("kda", [False, True])
 def test_tpu_interpret_mode_without_races(kda, race_detectors):
     """TPU interpret mode with 2 cores (the "parallel" grid axes split between them), fresh
-    buffers NaN-filled and the race detector on: outputs, state and gradients as the XLA
-    path's (GDN's through the backward kernel too)."""
+    buffers NaN-filled and the race detector on: outputs, state and gradients (through the
+    backward kernel; KDA's with its VMEM scratch) as the XLA path's."""
     name = "kda_packed_state" if kda else "gdn_packed_state"
     arrays, ids, s0, _ = case_inputs(name)
     impl = PallasGatedDeltaImpl(race_detecting_interpret(2))
     out, state, grads = run(impl, name)
-    assert len(race_detectors) == (1 if kda else 2)  # the forward (and GDN's backward)
+    assert len(race_detectors) == 2  # the forward and the backward kernel
     assert not any(r.races_found for r in race_detectors)
     want_out, want_state, want_grads = run("xla", name)
     assert rel_err(out, want_out) < TOL and rel_err(state, want_state) < TOL
@@ -191,9 +178,8 @@ def test_tpu_interpret_mode_without_races(kda, race_detectors):
 @pytest.mark.parametrize("kda", [False, True])
 def test_lowers_to_mosaic_for_tpu(kda):
     """`gated_delta_rule(impl="pallas")` and its gradient exported for a TPU from this host:
-    the kernels are in the program as Mosaic (`tpu_custom_call`): the forward, and GDN's
-    backward (KDA's is XLA). Real shapes: dk = dv = 128, chunk 64, a ragged length, packed
-    documents."""
+    the forward and backward kernels are in the program as Mosaic (`tpu_custom_call`).
+    Real shapes: dk = dv = 128, chunk 64, a ragged length, packed documents."""
     b, s, h, dk, dv = 1, 200, 4, 128, 128
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
 
@@ -214,9 +200,9 @@ def test_lowers_to_mosaic_for_tpu(kda):
         f32(b, h, dk, dv),
     )  # fmt: skip
     text = exported.mlir_module()
-    assert text.count("tpu_custom_call") == (1 if kda else 2)
+    assert text.count("tpu_custom_call") == 2
     assert "eqx_longctx_gated_delta_chunks" in text
-    assert ("eqx_longctx_gated_delta_chunks_bwd" in text) == (not kda)
+    assert "eqx_longctx_gated_delta_chunks_bwd" in text
 
 
 @pytest.mark.parametrize("kind", sorted(VMEM_CAPACITY))
@@ -227,16 +213,16 @@ def test_vmem_within_every_generations_budget(kind, kda):
     each generation's budget, the budget the attention kernels ask for."""
     budget = vmem_budget(kind)
     assert budget == min(VMEM_CAPACITY[kind], 32 * 2**20)
-    for backward in (False,) if kda else (False, True):
+    for backward in (False, True):
         est = gated_delta_vmem(chunk=64, dk=128, dv=128, kda=kda, backward=backward)
         assert est.total <= 0.75 * budget, (kind, backward, est)
 
 
 @pytest.mark.parametrize("kda, dk, dv, chunk", [(False, 128, 128, 64), (True, 128, 256, 32)])
 def test_estimated_buffers_are_what_the_kernels_declare(kda, dk, dv, chunk):
-    """The estimate's buffers are the blocks the traced `pallas_call`s (forward, and GDN's
-    backward) declare, doubled and lanes padded; the export for a TPU asks Mosaic for the
-    budget (16 MiB from a CPU host)."""
+    """The estimate's buffers and scratch are the blocks (doubled) and scratch the traced
+    forward and backward `pallas_call`s declare, lanes padded; the export for a TPU asks
+    Mosaic for the budget (16 MiB from a CPU host)."""
     from test_kernel_vmem import _declared, _pallas_calls
 
     b, s, h = 1, 4 * chunk, 16
@@ -253,8 +239,7 @@ def test_estimated_buffers_are_what_the_kernels_declare(kda, dk, dv, chunk):
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
 
     calls = list(_pallas_calls(jax.make_jaxpr(grads(True))(*args).jaxpr))
-    assert len(calls) == (1 if kda else 2)
-    for backward, call in zip((False, True), calls, strict=False):
+    for backward, call in zip((False, True), calls, strict=True):
         est = gated_delta_vmem(chunk=chunk, dk=dk, dv=dv, kda=kda, backward=backward)
         assert (est.buffers, est.scratch) == _declared(call), backward
     exported = jax.export.export(jax.jit(grads(False)), platforms=("tpu",))(*args)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from ._gated_delta_pallas import check_gated_delta_kernel, intra_chunk_kernel
 from ._gated_delta_pallas_bwd import intra_chunk_backward_kernel
-from ._gated_delta_twin import by_chunk, intra_chunk_backward, scan_chunks
+from ._gated_delta_twin import by_chunk, scan_chunks
 from ._operands import NUM_SUBLANES
 
 
@@ -28,12 +28,8 @@ def _intra_fwd(size, interpret, *inputs):
 
 def _intra_bwd(size, interpret, inputs, cotangents):
     q, v, g = inputs[0], inputs[2], inputs[3]
-    if g.shape[-1] == 1:  # GDN: the backward kernel
-        vmem = check_gated_delta_kernel(size, q.shape[-1], v.shape[-1], False)
-        grads = intra_chunk_backward_kernel(size, interpret, vmem, inputs, cotangents)
-    else:  # KDA: the twin's VJP
-        grads = intra_chunk_backward(size, inputs, cotangents)
-    return (*grads, None)
+    vmem = check_gated_delta_kernel(size, q.shape[-1], v.shape[-1], g.shape[-1] != 1)
+    return (*intra_chunk_backward_kernel(size, interpret, vmem, inputs, cotangents), None)
 
 
 _intra.defvjp(_intra_fwd, _intra_bwd)

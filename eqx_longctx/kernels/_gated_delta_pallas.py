@@ -100,7 +100,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref,
     qin_ref[...] = jnp.where(t.reached, q * t.from_start, 0.0)
     kout_ref[...] = jnp.where(t.last, k * t.to_end, 0.0)
     if kda:
-        a, p = _channel_scores(q, k, g_ref[...], t.same)
+        a, p = channel_scores(q, k, g_ref[...], t.same)
     else:
         decay = gdn_decay(g_ref[...], t)
         a, p = dot(k, k, NT) * decay, dot(q, k, NT) * decay
@@ -111,15 +111,16 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref,
     wv_ref[...] = dot(inverse, v * beta)
 
 
-def _row(x, pick):
+def row_of(x, pick):
     """Row `pick` (`[C, 1]` bool, one true) of `x` as `[1, d]`: a masked sum, exact."""
     return jnp.sum(jnp.where(pick, x, 0.0), axis=0, keepdims=True)
 
 
-def _channel_scores(q, k, g, same):
+def channel_scores(q, k, g, same, decays_ref=None):
     """`A` (before the strict mask and `beta`) and `P` of a per-channel (KDA) decay, column
     by column from the last key token: `span[t] = g_{j+1} + ... + g_t` grows by one row of
-    `g` per step."""
+    `g` per step. With `decays_ref` (`[C, C, dk]` VMEM) step `j` keeps its decays
+    `exp(span)` `[C, dk]` at `decays_ref[j]`, for the backward."""
     size, dk = k.shape
     row = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
     col = lax.broadcasted_iota(jnp.int32, (1, size), 1)
@@ -128,10 +129,13 @@ def _channel_scores(q, k, g, same):
     def step(i, carry):
         a, p, span = carry
         j = size - 1 - i
-        span = jnp.where(row > j, span + _row(g, row == j + 1), 0.0)
+        span = jnp.where(row > j, span + row_of(g, row == j + 1), 0.0)
         pick_col = col == j
         ok = jnp.sum(jnp.where(pick_col, same, 0.0), axis=1, keepdims=True) > 0.0  # [C, 1]
-        kd = _row(k, row == j) * jnp.exp(jnp.where(ok, span, -jnp.inf))
+        decays = jnp.exp(jnp.where(ok, span, -jnp.inf))
+        if decays_ref is not None:
+            decays_ref[j] = decays
+        kd = row_of(k, row == j) * decays
         a = jnp.where(pick_col, jnp.sum(k * kd, axis=1, keepdims=True), a)
         p = jnp.where(pick_col, jnp.sum(q * kd, axis=1, keepdims=True), p)
         return a, p, span
@@ -152,7 +156,7 @@ def unit_lower_inverse(a):
 
     def step(j, inverse):
         a_j = jnp.sum(jnp.where(col == j, a, 0.0), axis=1, keepdims=True)  # [C, 1]
-        return inverse - a_j * _row(inverse, row == j)
+        return inverse - a_j * row_of(inverse, row == j)
 
     return lax.fori_loop(0, size, step, (row == col).astype(jnp.float32))
 
@@ -167,11 +171,12 @@ def gated_delta_vmem(*, chunk: int, dk: int, dv: int, kda: bool, backward: bool 
     """VMEM of one grid step of the gated delta kernels (float32 throughout).
 
     **Arguments:** `chunk` the tokens per chunk; `dk`, `dv` the key and value head dims;
-    `kda` whether the decay is per key channel; `backward` the GDN backward kernel's
-    instead of the forward's (a KDA backward is XLA).
+    `kda` whether the decay is per key channel; `backward` the backward kernel's instead
+    of the forward's.
 
     **Returns:** a `VmemEstimate`: the blocks read and written, twice (Pallas
-    double-buffers them), exact; no scratch; temporaries an estimate (Mosaic decides what
+    double-buffers them), exact; the scratch (a KDA backward keeps every key token's
+    decays, `[C, C, dk]`), exact; temporaries an estimate (Mosaic decides what
     stays live): the `[C, C]` triangles, masks, spans, scores and inverse (and their
     cotangents in the backward), and the `[C, dk]`, `[C, dv]` decayed rows and right-hand
     sides (KDA: the running spans and one decayed key per step, besides).
@@ -181,11 +186,13 @@ def gated_delta_vmem(*, chunk: int, dk: int, dv: int, kda: bool, backward: bool 
     ins += [_padded(c, 1)] * 2
     outs = [_padded(c, dk)] * 3 + [_padded(c, dv), _padded(c, c)]
     square, key_rows, value_rows = 12, 6 + (4 if kda else 0), 3
+    scratch = 0
     if backward:  # the outputs' cotangents come in, the inputs' go out
-        ins, outs = ins + outs, [_padded(c, dk)] * 2 + [_padded(c, dv)] + [_padded(c, 1)] * 2
-        square, key_rows, value_rows = 22, 12, 5
+        ins, outs = ins + outs, [_padded(c, dk)] * 2 + [_padded(c, dv), ins[3], _padded(c, 1)]
+        square, key_rows, value_rows = 22, 12 + (6 if kda else 0), 5
+        scratch = c * _padded(c, dk) if kda else 0  # every key token's decays
     temporaries = square * _padded(c, c) + key_rows * _padded(c, dk) + value_rows * _padded(c, dv)
-    return VmemEstimate(2 * (sum(ins) + sum(outs)), 0, temporaries)
+    return VmemEstimate(2 * (sum(ins) + sum(outs)), scratch, temporaries)
 
 
 def check_gated_delta_kernel(chunk: int, dk: int, dv: int, kda: bool, budget=None) -> int:
@@ -203,7 +210,7 @@ def check_gated_delta_kernel(chunk: int, dk: int, dv: int, kda: bool, budget=Non
     budget = vmem_budget() if budget is None else budget
     need = max(
         gated_delta_vmem(chunk=chunk, dk=dk, dv=dv, kda=kda, backward=backward).total
-        for backward in ((False,) if kda else (False, True))
+        for backward in (False, True)
     )
     if need > VMEM_HEADROOM * budget:
         raise ValueError(

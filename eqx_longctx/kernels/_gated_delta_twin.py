@@ -1,5 +1,5 @@
-"""The XLA twin of the gated delta kernel's chunk work (`_gated_delta_pallas.py`), the
-backward that differentiates it, and the state scan both share.
+"""The XLA twin of the gated delta kernels' chunk work (`_gated_delta_pallas.py`, its
+backward `_gated_delta_pallas_bwd.py`), and the state scan that finishes each chunk.
 
 Per chunk of `C` tokens the state-independent work is (see `eqx_longctx/linear/_chunked.py`
 for the derivation; this is its math, split where the state enters):
@@ -16,11 +16,7 @@ and the scan (`scan_chunks`) finishes each chunk from the state `S` it receives:
 
 `intra_chunk_reference` computes the first part with the same formulas as the XLA path's
 `_chunk_step` (reverse cumulative sums of the log decays, `triangular_solve`); the kernel
-must agree with it, and its VJP is a KDA decay's backward (`intra_chunk_backward`; a GDN
-decay's is a kernel, `_gated_delta_pallas_bwd.py`): chunks
-are independent, so it runs as many at once as `BACKWARD_BYTES` of decays allow
-(`lax.map(batch_size=...)`): 64 GDN chunks of 64 tokens at 32 heads, one KDA chunk there
-(its `[C, C, dk]` decays, which the XLA path too holds for one chunk at a time).
+must agree with it, and the backward kernel with its VJP (`tests/test_gated_delta_kernel.py`).
 
 Einsum letters: `b` batch, `h` heads, `t` the token that reads, `j` the token that writes,
 `c` key channel (`dk`, or 1 for a GDN decay), `v` value channel.
@@ -31,9 +27,6 @@ import jax.numpy as jnp
 from jax import lax
 
 _HIGHEST = lax.Precision.HIGHEST
-BACKWARD_BYTES = 2**28
-"""About the bytes of `[C, C, c]` decays the backward holds at once: it runs as many chunks
-together as fit."""
 
 
 def intra_chunk_reference(q, k, v, g, beta, starts):
@@ -84,34 +77,6 @@ def from_chunks(x):
     """`[n, b, h, C, ...]` -> `[b, h, n * C, ...]`."""
     n, b, h, size = x.shape[:4]
     return jnp.moveaxis(x, 0, 2).reshape(b, h, n * size, *x.shape[4:])
-
-
-def intra_chunk_backward(size: int, inputs, cotangents):
-    """The VJP of `intra_chunk_reference` over every chunk, one chunk at a time.
-
-    **Arguments:** `size` the chunk; `inputs` `(q, k, v, g, beta, starts)` heads-major over
-    the padded sequence (`starts` `[b, 1, S, 1]`); `cotangents` of the five outputs, the
-    same layout (`p`'s `[b, h, S, C]`).
-
-    **Returns:** the cotangents of `q, k, v, g, beta`, their layouts.
-    """
-    *arrays, starts = inputs
-
-    def one(xs):
-        (q, k, v, g, beta, flags), cts = xs
-        _, vjp = jax.vjp(
-            lambda q, k, v, g, beta: intra_chunk_reference(q, k, v, g, beta, flags),
-            q, k, v, g, beta,
-        )  # fmt: skip
-        return vjp(cts)
-
-    chunks = tuple(by_chunk(x, size) for x in (*arrays, starts))
-    b, h, _, width = arrays[3].shape
-    n = chunks[0].shape[0]
-    # Chunks at once: about 8 `[C, C, width]` float32 tiles each (decays and their VJP).
-    batch = max(1, min(n, BACKWARD_BYTES // (8 * 4 * b * h * size * size * width)))
-    grads = lax.map(one, (chunks, tuple(by_chunk(c, size) for c in cotangents)), batch_size=batch)
-    return tuple(from_chunks(x) for x in grads)
 
 
 def scan_chunks(parts, kept, initial_state, size: int):

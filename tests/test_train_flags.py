@@ -310,3 +310,18 @@ def test_help_states_each_default_once():
         text = " ".join(parser.format_help().split())
         assert not re.search(r"default[^()]*\)\s*\(default: ", text), text
         assert "(default: the preset's)" in text or parser.prog != "eqx-longctx-train"
+
+
+def test_override_of_a_tuple_field_parses_a_json_list():
+    """A hybrid preset's layer_types is a tuple: the override is a JSON list, not the
+    string's characters."""
+    from eqx_longctx.run import resolve_overrides
+
+    text = '["full_attention", "linear_attention"]'
+    parsed = resolve_overrides("tiny", {"layer_types": text}, model="qwen3_next")
+    assert parsed == {"layer_types": ("full_attention", "linear_attention")}
+    assert resolve_overrides("tiny", {"layer_types": "none"}, model="qwen3_next") == {
+        "layer_types": None
+    }
+    with pytest.raises(ValueError, match=r"layer_types='full'.*must be a JSON list"):
+        resolve_overrides("tiny", {"layer_types": "full"}, model="qwen3_next")

@@ -51,7 +51,8 @@ def resolve_overrides(
 def coerce_override(value: Any, like: Any, name: str) -> Any:
     """Turn a CLI string into the type of the preset's value for that field (where that
     value is None, e.g. `sliding_window` or `rope_scaling`: `none`, a JSON value (a number,
-    a list as a tuple, an object), or the string as is).
+    a list as a tuple, an object), or the string as is; where it is a tuple, e.g.
+    `layer_types`: a JSON list, as a tuple, or `none`).
 
     **Raises:** `ValueError` when the text does not parse as `like`'s type.
     """
@@ -65,6 +66,19 @@ def coerce_override(value: Any, like: Any, name: str) -> Any:
         return tuple(parsed) if isinstance(parsed, list) else parsed
     if not isinstance(value, str) or isinstance(like, str):
         return value
+    if isinstance(like, tuple):  # a JSON list (layer_types=["linear", "full"]), or none
+        if value.lower() == "none":
+            return None
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, list):
+            return tuple(parsed)
+        raise ValueError(
+            f"override {name}={value!r} must be a JSON list like the preset's value "
+            f"{list(like)!r}. Pass e.g. --override '{name}={json.dumps(list(like))}'."
+        )
     if isinstance(like, bool):
         if value.lower() in ("1", "true", "yes"):
             return True

@@ -18,9 +18,8 @@ Kimi Delta Attention), whose XLA twin is `intra_chunk_reference` here and whose 
 path is `eqx_longctx/linear/_chunked.py`:
 
 - `PallasGatedDeltaImpl`: what `eqx_longctx.gated_delta_rule(..., impl="pallas")` runs.
-- `pallas_chunk_gated_delta`: the rule over a sequence with the kernels (the state scan in
-  XLA; a backward kernel for a GDN decay, the twin's VJP for KDA); `gated_delta_vmem`
-  their VMEM per grid step.
+- `pallas_chunk_gated_delta`: the rule over a sequence with the forward and backward
+  kernels (the state scan in XLA); `gated_delta_vmem` their VMEM per grid step.
 """
 
 from ._blocks import DEFAULT_BLOCK_SIZES as DEFAULT_BLOCK_SIZES

@@ -1,7 +1,7 @@
 """The gated delta rule with its chunk work in Pallas TPU kernels: the op that ties the
-forward kernel (`_gated_delta_pallas.py`), the backward kernel of a GDN decay
-(`_gated_delta_pallas_bwd.py`; a KDA decay's backward is the XLA twin's VJP) and the state
-scan in XLA (`_gated_delta_twin.py`) together under one custom VJP of the chunk work.
+forward kernel (`_gated_delta_pallas.py`), the backward kernel (`_gated_delta_pallas_bwd.py`) and
+the state scan in XLA (`_gated_delta_twin.py`) together under one custom VJP of the chunk
+work.
 """
 
 import functools
@@ -56,8 +56,8 @@ def pallas_chunk_gated_delta(
       `pltpu.InterpretParams` as for `pallas_call`.
 
     **Returns:** `(out [batch, seq, heads, dv], final_state [batch, heads, dk, dv])`,
-    float32. Differentiable: a GDN decay's backward is the backward kernel, a KDA decay's the
-    XLA twin's VJP.
+    float32. Differentiable: the chunk work's backward is the backward kernel, the scan's
+    XLA's autodiff.
 
     **Raises:** `ValueError` as `check_gated_delta_kernel`.
     """

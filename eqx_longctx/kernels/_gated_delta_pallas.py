@@ -15,11 +15,10 @@ the key tokens `j` from the last to the first, each step adding one row of `g` t
 running spans `[C, dk]` (the same one-signed sums) and filling column `j` of `A` and `P`.
 
 **What stays XLA.** The state scan (`_gated_delta_twin.scan_chunks`): per chunk three
-`[C, dk] x [dk, dv]` products and one `[C, C] x [C, dv]` with the state, sequential over
-chunks; and a KDA decay's backward, the twin's VJP recomputed in batches of chunks (a GDN
-decay's is a second kernel, `_gated_delta_pallas_bwd.py`). The scan's residuals are the
-kernel's outputs (about 1.5x the inputs at `dk = dv = 128`, `C = 64`) and one state per
-chunk.
+`[C, dk] x [dk, dv]` products and one `[C, C] x [C, dv]` with the state, sequential over chunks
+(differentiated by XLA; the chunk work's backward is a second kernel,
+`_gated_delta_pallas_bwd.py`). The scan's residuals are the kernel's outputs (about 1.5x the
+inputs at `dk = dv = 128`, `C = 64`) and one state per chunk.
 
 **Blocks.** `q`, `k`, `q_in`, `k_out`, `W_k`: `(C, dk)`; `v`, `W_v`: `(C, dv)`; `P`:
 `(C, C)`; `g`: `(C, dk)` or `(C, 1)`; `beta` `(C, 1)` and the starts `(C, 1)` (shared by

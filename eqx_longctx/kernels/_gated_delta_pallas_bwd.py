@@ -1,6 +1,5 @@
-"""The backward of the gated delta kernel's chunk work for a GDN decay (one per head), as a
-Pallas TPU kernel; a KDA decay (one per key channel) takes its XLA twin's VJP
-(`_gated_delta_twin.intra_chunk_backward`).
+"""The backward of the gated delta kernel's chunk work, as a Pallas TPU kernel: Gated
+DeltaNet (a decay per head) and Kimi Delta Attention (per key channel).
 
 One grid step is one chunk of one head, grid `(batch, heads, chunks)`, all "parallel"
 (chunks are independent here: the state's gradient flows through the XLA scan). It
@@ -10,12 +9,13 @@ recomputes the chunk's forward (`chunk_terms`, the decays `D`, `A = strict(beta 
 
     dT = dW_k r_k^T + dW_v r_v^T,  dr = T^T dW,  dA = -strict(T^T dT T^T)
     dK K^T = beta dA D,  dQ K^T = dP D,  dD = beta dA (K K^T) + dP (Q K^T)
-    dspan = dD D  ->  dg_i = sum_j (i > j) (tril(1)^T dspan)_ij
+    dspan = dD D  ->  dg_i = sum_j (i > j) (tril(1)^T dspan)_ij     (GDN)
 
-plus the elementwise paths through `exp(G)` (`q_in`, `r_k`) and `exp(G_C - G_t)` (`k_out`),
-whose prefix sums go back through the transposed triangles. Transposes are products with
-the identity (`x^T = I x^T`, one MXU pass that is exact at `HIGHEST`), so every product is a
-plain or `a @ b^T` one, as Mosaic lowers them.
+(for KDA the pairs' scores are per channel: see `_channel_backward`), plus the elementwise
+paths through `exp(G)` (`q_in`, `r_k`) and `exp(G_C - G_t)` (`k_out`), whose prefix sums go
+back through the transposed triangles. Transposes are products with the identity
+(`x^T = I x^T`, one MXU pass that is exact at `HIGHEST`), so every product is a plain or
+`a @ b^T` one, as Mosaic lowers them.
 """
 
 import functools

@@ -45,6 +45,7 @@ NT = (((1,), (1,)), ((), ()))
 
 
 def dot(a, b, dims=_NN):
+    """A float32 matmul at `HIGHEST` precision (`dims`: `a @ b`, or `NT` for `a @ b^T`)."""
     return lax.dot_general(
         a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )

@@ -245,7 +245,7 @@ class Qwen35Family(Qwen3NextFamily):
     Qwen3.5's checkpoint layout; the text model of its vision-language checkpoints."""
 
     name = "qwen3_5"
-    model_types = ("qwen3_5", "qwen3_5_text")
+    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
     @property
     def presets(self):  # type: ignore[override]

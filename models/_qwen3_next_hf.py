@@ -37,9 +37,13 @@ _ARCHITECTURES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
+# The vision-language wrapper of each text model type: only its text_config is read.
+_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _REQUIRED = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "vocab_size", "hidden_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_value_heads",
     "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
 )  # fmt: skip
@@ -47,7 +51,7 @@ _MOE_REQUIRED = (
     "num_experts", "num_experts_per_tok", "moe_intermediate_size",
     "shared_expert_intermediate_size",
 )  # fmt: skip
-_COMMON = _REQUIRED + (
+_COMMON = _REQUIRED + ("intermediate_size",) + (
     "linear_conv_kernel_dim", "layer_types", "full_attention_interval", "hidden_act",
     "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
     "partial_rotary_factor", "tie_word_embeddings", "attention_bias", "attention_dropout",
@@ -62,9 +66,13 @@ _KEYS = {
         "router_aux_loss_coef",
     ),
     "qwen3_5_text": _COMMON,
-    # The vision-language wrapper: only its text_config is read (the tower is skipped).
-    "qwen3_5": ("text_config", "vision_config", "tie_word_embeddings", "image_token_id",
-                "video_token_id", "vision_start_token_id", "vision_end_token_id"),
+    # Every layer has experts, the top-k weights always renormalised; no dense MLP.
+    "qwen3_5_moe_text": tuple(k for k in _COMMON if k != "intermediate_size") + _MOE_REQUIRED
+    + ("output_router_logits", "router_aux_loss_coef"),
+    **dict.fromkeys(_WRAPPERS, (
+        "text_config", "vision_config", "tie_word_embeddings", "image_token_id",
+        "video_token_id", "vision_start_token_id", "vision_end_token_id",
+    )),
 }  # fmt: skip
 _Kind = Literal["same", "flat", "linear"]
 # Multi-token-prediction layers and the vision tower: not part of the next-token logits.
@@ -73,7 +81,7 @@ _IGNORE = (r"mtp\..*", r"model\.visual\..*")
 
 def prefix(model_type: str) -> str:
     """Where the text model's weights live in a checkpoint of `model_type`."""
-    return "model.language_model." if model_type == "qwen3_5" else "model."
+    return "model.language_model." if model_type in _WRAPPERS else "model."
 
 
 def tables(c: Any, model_type: str) -> tuple[dict[str, HFTensor], list[Fused]]:
@@ -141,7 +149,7 @@ def tables(c: Any, model_type: str) -> tuple[dict[str, HFTensor], list[Fused]]:
                 one(f"mlp.{ours}", f"mlp.{theirs}.weight", "linear")
             continue
         one("mlp.router", "mlp.gate.weight", "linear")
-        for ours, theirs in mlp:
+        for ours, theirs in mlp:  # one tensor per expert, as save_pretrained writes them
             one(f"mlp.{ours}", f"mlp.experts.{{expert}}.{theirs}.weight", "linear")
             one(f"mlp.shared.{ours}", f"mlp.shared_expert.{theirs}.weight", "linear")
         one("mlp.shared_gate", "mlp.shared_expert_gate.weight", "linear")
@@ -151,29 +159,33 @@ def tables(c: Any, model_type: str) -> tuple[dict[str, HFTensor], list[Fused]]:
 def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:
     """`config.json` (`hf`, read from `file`) with its values' types checked, and the
     `Qwen3NextConfig` fields it describes (the checkpoint's dtype, no overrides). A
-    `qwen3_5` checkpoint's `text_config` is what is read; its `model_type` is kept as
-    `_model_type` in the returned dict."""
+    vision-language checkpoint's (`qwen3_5`, `qwen3_5_moe`) `text_config` is what is read;
+    the outer `model_type` is kept as `_model_type` in the returned dict."""
     outer_type = _hf_config.check_model_type(hf, _ARCHITECTURES, FAMILY)
     outer = hf
-    if outer_type == "qwen3_5":
-        _hf_config.check_config_keys(hf, _KEYS["qwen3_5"], f"{FAMILY} (qwen3_5)")
+    if outer_type in _WRAPPERS:
+        inner = _WRAPPERS[outer_type]
+        _hf_config.check_config_keys(hf, _KEYS[outer_type], f"{FAMILY} ({outer_type})")
         text = hf.get("text_config")
-        if not isinstance(text, dict) or text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+        if not isinstance(text, dict) or text.get("model_type", inner) != inner:
             raise _hf_config.unsupported(
-                "text_config", text, "a qwen3_5 checkpoint's text model is a qwen3_5_text config."
+                "text_config", text, f"a {outer_type} checkpoint's text model is a {inner} config."
             )
         hf = {k: v for k, v in text.items() if k != "architectures"}
-        hf["model_type"] = "qwen3_5_text"
+        hf["model_type"] = inner
         for key in ("tie_word_embeddings", "dtype", "torch_dtype"):
             if key in outer:
                 hf[key] = outer[key]
+    moe_type = hf.get("model_type") in ("qwen3_next", "qwen3_5_moe_text")
+    dense_type = hf.get("model_type") != "qwen3_5_moe_text"
     model_type, hf = _hf_config.check_config(
         hf, file, FAMILY, _ARCHITECTURES, _KEYS,
-        _REQUIRED + (_MOE_REQUIRED if outer_type == "qwen3_next" else ()),
+        _REQUIRED + (_MOE_REQUIRED if moe_type else ()) + (("intermediate_size",) * dense_type),
         why="save_pretrained writes every one of them for {model_type}.",
         ints=_REQUIRED + (
-            "num_experts_per_tok", "moe_intermediate_size", "linear_conv_kernel_dim",
-            "full_attention_interval", "decoder_sparse_step", "max_position_embeddings",
+            "intermediate_size", "num_experts_per_tok", "moe_intermediate_size",
+            "linear_conv_kernel_dim", "full_attention_interval", "decoder_sparse_step",
+            "max_position_embeddings",
         ),
         non_negative_ints=("num_experts", "shared_expert_intermediate_size"),
         reals=("rms_norm_eps", "rope_theta", "partial_rotary_factor"),
@@ -198,7 +210,7 @@ def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:
             raise _hf_config.unsupported(key, value, why)
     theta, rope_type, params = _hf_config.rope_from_hf(hf, file)
     factor = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor", 0.25)
-    mrope = {"mrope_section", "mrope_interleaved"} if model_type == "qwen3_5_text" else set()
+    mrope = {"mrope_section", "mrope_interleaved"} if model_type != "qwen3_next" else set()
     if rope_type != "default" or set(params) - mrope:
         raise _hf_config.unsupported(
             "rope_parameters", {"rope_type": rope_type, **params},
@@ -220,24 +232,31 @@ def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:
         raise _hf_config.unsupported(
             "mlp_only_layers", only, f"it lists layer indices in [0, {n})."
         )
-    experts = hf["num_experts"] if model_type == "qwen3_next" else 0
-    if experts and not hf["shared_expert_intermediate_size"]:
+    experts = hf["num_experts"] if moe_type else 0
+    if (experts or not dense_type) and not hf["shared_expert_intermediate_size"]:
         raise _hf_config.unsupported(
             "shared_expert_intermediate_size", 0,
-            "the zoo's Qwen3-Next MoE always has its gated shared expert (width > 0).",
+            "the zoo's Qwen3-Next / Qwen3.5 MoE always has its gated shared expert (width > 0).",
         )  # fmt: skip
+    if not dense_type and not experts:
+        raise _hf_config.unsupported(
+            "num_experts", 0, "qwen3_5_moe_text has experts in every layer; use qwen3_5_text."
+        )
     moe: dict[str, Any] = {}
-    if model_type == "qwen3_next":  # read even without experts: to_hf writes them back
+    if moe_type:  # read even without experts: to_hf writes them back
         moe = dict(
             n_experts=experts, top_k=hf["num_experts_per_tok"],
             moe_hidden_dim=hf["moe_intermediate_size"],
             shared_hidden_dim=hf["shared_expert_intermediate_size"],
+            # Qwen3.5-MoE always renormalises, and has experts in every layer.
             norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
             decoder_sparse_step=hf.get("decoder_sparse_step") or 1, mlp_only_layers=tuple(only),
         )  # fmt: skip
     hf["_model_type"] = outer_type
+    # Qwen3.5-MoE has no dense MLP; its (unused) width is read as the experts'.
+    sizes = hf if dense_type else {**hf, "intermediate_size": hf["moe_intermediate_size"]}
     return hf, dict(
-        **_hf_config.decoder_from_hf(hf, 32768),
+        **_hf_config.decoder_from_hf(sizes, 32768),
         n_kv_heads=hf["num_key_value_heads"],
         head_dim=hf["head_dim"],
         linear_n_heads=hf["linear_num_value_heads"],
@@ -257,18 +276,20 @@ def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:
 def config_to_hf(c: Any) -> dict:
     """The `config.json` of the `Qwen3NextConfig` `c` (see `models.qwen3_next.to_hf`)."""
     next_format = c.checkpoint_format == "qwen3_next"
-    if not next_format and c.n_experts:
+    moe35 = not next_format and c.n_experts > 0
+    if moe35 and not (all(c.moe_layers) and c.norm_topk_prob):
         raise ValueError(
-            "to_hf writes checkpoint_format='qwen3_5' as Qwen3.5 (dense), but the model has "
-            f"n_experts={c.n_experts}; Qwen3.5-MoE checkpoints are not written. Use "
-            "checkpoint_format='qwen3_next' for a model with experts."
+            "to_hf writes checkpoint_format='qwen3_5' with experts as Qwen3.5-MoE, which has "
+            "experts in every layer and renormalises the top-k weights; got moe_layers="
+            f"{c.moe_layers}, norm_topk_prob={c.norm_topk_prob}. Use "
+            "checkpoint_format='qwen3_next' for other layouts."
         )
-    if next_format and c.n_experts and not c.shared_hidden_dim:
+    if c.n_experts and not c.shared_hidden_dim:
         raise ValueError(
-            "to_hf writes Qwen3-Next, whose MoE always has a gated shared expert; got "
-            "shared_hidden_dim=0. Give the model a shared expert or drop the experts."
+            "to_hf writes Qwen3-Next or Qwen3.5-MoE, whose MoE always has a gated shared "
+            "expert; got shared_hidden_dim=0. Give the model a shared expert or drop the experts."
         )
-    model_type = "qwen3_next" if next_format else "qwen3_5_text"
+    model_type = "qwen3_next" if next_format else "qwen3_5_moe_text" if moe35 else "qwen3_5_text"
     hf = {
         **_hf_config.decoder_to_hf(c, model_type, _ARCHITECTURES),
         "num_key_value_heads": c.n_kv_heads,
@@ -287,6 +308,13 @@ def config_to_hf(c: Any) -> dict:
         },
     }
     del hf["rope_theta"]
+    if moe35:
+        del hf["intermediate_size"]
+        hf.update(
+            num_experts=c.n_experts, num_experts_per_tok=c.top_k,
+            moe_intermediate_size=c.moe_hidden_dim,
+            shared_expert_intermediate_size=c.shared_hidden_dim,
+        )  # fmt: skip
     if next_format:
         hf.update(
             num_experts=c.n_experts, num_experts_per_tok=c.top_k,

@@ -407,12 +407,13 @@ def from_hf(
     (`model_type` `qwen3_next`, `qwen3_5_text`, `qwen3_5_moe_text`, or the text part of a
     `qwen3_5` / `qwen3_5_moe` vision-language checkpoint: its `text_config` and its
     `model.language_model.*` weights; the vision tower and the multi-token-prediction
-    layers are skipped).
+    layers are skipped). Experts are read one tensor per expert, as save_pretrained
+    writes them.
 
     Reads as `models.llama.from_hf` does: every tensor checked by name, shape and dtype
     before any data is read, then each parameter read straight into its shards. Fused
     Hugging Face projections (Qwen3-Next's `in_proj_qkvz`, the attention's query + gate
-    `q_proj`, Qwen3.5-MoE's `gate_up_proj`) are split on the host.
+    `q_proj`, the short convolution's `conv1d`) are split on the host.
 
     **Arguments:**
 
@@ -452,7 +453,8 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     """Write `model` as a Hugging Face checkpoint (`config.json` + safetensors) that
     `transformers.AutoModelForCausalLM.from_pretrained` loads: `Qwen3NextForCausalLM` for
     `checkpoint_format="qwen3_next"`, else `Qwen3_5ForCausalLM` (or
-    `Qwen3_5MoeForCausalLM` with experts). Weights are written bit for bit.
+    `Qwen3_5MoeForCausalLM` with experts). Weights are written bit for bit (the fused
+    Hugging Face tensors are concatenated on the devices first, one extra copy of them).
 
     **Arguments:**
 
@@ -463,8 +465,8 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     **Raises:** `TypeError` when `model` is not a `Qwen3Next` or `path` is not a path;
     `ValueError` when `path` exists and is not a directory, the model holds abstract
     shapes or parameters this process cannot address, or its config has no Hugging Face
-    form (Qwen3-Next without experts, or with dense layers other than transformers' rule
-    gives; Qwen3.5 with a shared expert missing, or with `mlp_only_layers`);
+    form (experts without a shared expert; Qwen3.5 experts not in every layer or without
+    `norm_topk_prob`);
     `TypeError` or `ValueError` for a `max_shard_size` that is not a positive int.
     """
     from . import _qwen3_next_hf

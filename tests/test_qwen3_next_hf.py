@@ -48,13 +48,20 @@ FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", MOE),
     "qwen3_5_text": ("Qwen3_5TextConfig", dict(tie_word_embeddings=True)),
     "qwen3_5": ("Qwen3_5Config", {}),
-}
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+    )),
+}  # fmt: skip
 
 
 def build_hf(family: str, seed: int = 0):
     cls_name, extra = FAMILIES[family]
     if family == "qwen3_5":  # the vision-language wrapper around a Qwen3.5 text model
         config = transformers.Qwen3_5Config(text_config=SMALL, vision_config=VISION)
+    elif family == "qwen3_5_moe_text":  # no dense MLP, so no intermediate_size
+        small = {k: v for k, v in SMALL.items() if k != "intermediate_size"}
+        config = transformers.Qwen3_5MoeTextConfig(**small, **extra)
     else:
         config = getattr(transformers, cls_name)(**SMALL, **extra)
     torch.manual_seed(seed)
@@ -94,6 +101,7 @@ def test_logits_match_transformers(checkpoints, tokens, family):
     assert c.checkpoint_format == ("qwen3_next" if family == "qwen3_next" else "qwen3_5")
     assert c.tie_embeddings == (family == "qwen3_5_text")
     assert len(model.layer_stacks()) == (4 if family == "qwen3_next" else 2)
+    assert (c.n_experts > 0) == family.endswith(("next", "moe_text"))
     err = rel_err(forward(model, tokens), ref)
     print(f"{family}: relative error {err:.2e}")
     assert err <= RTOL
@@ -191,13 +199,16 @@ def test_round_trip_through_transformers(checkpoints, tokens, tmp_path, family):
     for name, array in source.items():
         np.testing.assert_array_equal(written[name], array, err_msg=name)
     arch = json.loads((tmp_path / "config.json").read_text())["architectures"]
-    assert arch == (["Qwen3NextForCausalLM"] if family == "qwen3_next" else ["Qwen3_5ForCausalLM"])
+    assert arch == [ARCHITECTURES.get(family, "Qwen3_5ForCausalLM")]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert rel_err(hf_logits(reloaded, tokens), ref) <= 1e-6
     again = from_hf(tmp_path)
     assert again.config == model.config
     for a, b in zip(params(again), params(model), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 @pytest.fixture
@@ -248,7 +259,7 @@ def test_tensor_and_argument_errors(next_copy, tmp_path):
     with pytest.raises(ValueError, match="always has a gated shared expert"):
         moe = Qwen3NextConfig.from_preset("tiny", dim=32, shared_hidden_dim=0)
         to_hf(Qwen3Next(moe, key=jax.random.key(0)), tmp_path / "a")
-    with pytest.raises(ValueError, match="Qwen3.5-MoE checkpoints are not written"):
+    with pytest.raises(ValueError, match="Qwen3.5-MoE, which has experts in every layer"):
         c = Qwen3NextConfig.from_preset("tiny", dim=32, checkpoint_format="qwen3_5")
         to_hf(Qwen3Next(c, key=jax.random.key(0)), tmp_path / "b")
     to_hf(Qwen3Next(dense, key=jax.random.key(0)), tmp_path / "c")  # Qwen3-Next, no experts

@@ -249,11 +249,17 @@ def test_estimated_buffers_are_what_the_kernels_declare(kda, dk, dv, chunk):
 
 def test_default_is_the_xla_path_on_cpu():
     """`impl=None` resolves to the XLA path on a CPU (bitwise the same program), to the
-    kernel for a TPU; an instance passes through."""
-    assert resolve_gated_delta_impl(None, platform="cpu") == "xla"
-    assert resolve_gated_delta_impl(None, platform="tpu") == PallasGatedDeltaImpl()
+    kernels on a TPU where they run the call's shape (else XLA); an instance passes
+    through."""
+    fits, odd_chunk, too_big = (64, 128, 128, False), (12, 128, 128, True), (256, 256, 256, True)
+    assert resolve_gated_delta_impl(None, platform="cpu", shape=fits) == "xla"
+    assert resolve_gated_delta_impl(None, platform="tpu", shape=fits) == PallasGatedDeltaImpl()
+    assert resolve_gated_delta_impl(None, platform="tpu", shape=odd_chunk) == "xla"
+    assert resolve_gated_delta_impl(None, platform="tpu", shape=too_big) == "xla"
     assert resolve_gated_delta_impl("pallas") == PallasGatedDeltaImpl()
-    assert resolve_gated_delta_impl(PLAIN) is PLAIN
+    assert resolve_gated_delta_impl(PLAIN, shape=fits) is PLAIN
+    with pytest.raises(ValueError, match="got chunk=12"):
+        resolve_gated_delta_impl(PLAIN, shape=odd_chunk)
     arrays, ids, s0, chunk = case_inputs("gdn_two_chunks")
     default = el.gated_delta_rule(*arrays, chunk=chunk)
     xla = el.gated_delta_rule(*arrays, chunk=chunk, impl="xla")

@@ -128,14 +128,8 @@ def gated_delta_rule(
         where, q, k, v, g, beta, segment_ids, initial_state, scale
     )
     if spec is None:
-        run = resolve_gated_delta_impl(impl)
-        if run != "xla":
-            try:
-                run.check(chunk=chunk, dk=q.shape[-1], dv=v.shape[-1], kda=g.ndim == 4)
-            except ValueError:
-                if impl is not None:
-                    raise
-                run = "xla"  # the default takes the kernel only where it runs
+        shape = (chunk, q.shape[-1], v.shape[-1], g.ndim == 4)
+        run = resolve_gated_delta_impl(impl, shape=shape)
         out, state = _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk, run)
     else:
         if impl is not None and resolve_gated_delta_impl(impl) != "xla":
@@ -153,37 +147,53 @@ def gated_delta_rule(
     return (out, state) if return_state else out
 
 
-def resolve_gated_delta_impl(impl: Any = None, *, platform: str | None = None):
+def resolve_gated_delta_impl(
+    impl: Any = None,
+    *,
+    platform: str | None = None,
+    shape: tuple[int, int, int, bool] | None = None,
+):
     """Which implementation runs the gated delta rule's chunks on one device; the one place
     that decides it, as `eqx_longctx.attention.resolve_block_impl` does for attention.
 
     **Arguments:**
 
-    - `impl`: `None` (the Pallas kernel on a TPU, the XLA path on any other platform),
-      `"xla"`, `"pallas"`, or an `eqx_longctx.kernels.PallasGatedDeltaImpl` (returned as
-      is).
+    - `impl`: `None` (the Pallas kernels on a TPU where they run `shape`, the XLA path
+      otherwise), `"xla"`, `"pallas"`, or an `eqx_longctx.kernels.PallasGatedDeltaImpl`.
     - `platform`: the devices' platform for `None`; default the default device's.
+    - `shape`: `(chunk, dk, dv, kda)` of the call, checked against the kernels' rules
+      (a chunk that is a multiple of 8, VMEM within the budget); `None` checks nothing.
 
     **Returns:** `"xla"` or a `PallasGatedDeltaImpl` (for `"pallas"`: compiled on a TPU,
     Pallas' interpreter on any other platform, chosen where the program is lowered).
 
-    **Raises:** `ValueError` for any other `impl`, naming the choices.
+    **Raises:** `ValueError` for any other `impl`, naming the choices; for the kernels
+    (`"pallas"` or an instance) a `shape` they do not run, naming the rule and the fix.
     """
     from ..kernels import PallasGatedDeltaImpl
 
-    if isinstance(impl, PallasGatedDeltaImpl):
-        return impl
     if impl is None:
         platform = jax.devices()[0].platform if platform is None else platform
-        impl = "pallas" if platform == "tpu" else "xla"
+        if platform != "tpu":
+            return "xla"
+        try:
+            return resolve_gated_delta_impl("pallas", shape=shape)
+        except ValueError:  # the default takes the kernels only where they run
+            return "xla"
     if isinstance(impl, str) and impl == "xla":
         return "xla"
     if isinstance(impl, str) and impl == "pallas":
-        return PallasGatedDeltaImpl()
-    raise ValueError(
-        f"gated_delta_rule: impl must be None, 'xla', 'pallas' or a PallasGatedDeltaImpl; "
-        f"got impl={impl!r}. None runs the Pallas kernel on a TPU and the XLA path elsewhere."
-    )
+        impl = PallasGatedDeltaImpl()
+    if not isinstance(impl, PallasGatedDeltaImpl):
+        raise ValueError(
+            f"gated_delta_rule: impl must be None, 'xla', 'pallas' or a PallasGatedDeltaImpl; "
+            f"got impl={impl!r}. None runs the Pallas kernels on a TPU and the XLA path "
+            "elsewhere."
+        )
+    if shape is not None:
+        chunk, dk, dv, kda = shape
+        impl.check(chunk=chunk, dk=dk, dv=dv, kda=kda)
+    return impl
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk", "run"))

@@ -1,13 +1,14 @@
-"""The Pallas TPU kernel of the gated delta rule's chunk work (`eqx_longctx/kernels/
-_gated_delta_pallas.py`) against the XLA path, without a TPU: Pallas' interpreter and TPU
-interpret mode (VMEM simulated, fresh buffers NaN, race detector on), the Mosaic lowering
-(`jax.export(platforms=("tpu",))`), the VMEM estimate per TPU generation, and the errors.
+"""The Pallas TPU kernels of the gated delta rule's chunk work, forward and backward
+(`eqx_longctx/kernels/_gated_delta*.py`), against the XLA path, without a TPU: Pallas'
+interpreter and TPU interpret mode (VMEM simulated, fresh buffers NaN, race detector on),
+the Mosaic lowering (`jax.export(platforms=("tpu",))`), the VMEM estimate per TPU
+generation, the resolver and the errors.
 
 Every case runs through `gated_delta_rule(..., impl=...)`, as a layer would: outputs and
 final state against NumPy float64 (`test_gated_delta_rule.numpy_rule`, which shares no code
 with either path) and against the XLA path, gradients (q, k, v, g, beta, initial state)
-against the XLA path's. The kernel's five outputs are also checked against its XLA twin
-directly, since the backward is the twin's VJP.
+against the XLA path's. Both kernels are also checked on one chunk against their XLA twin
+(`intra_chunk_reference`) and its VJP.
 """
 
 import functools

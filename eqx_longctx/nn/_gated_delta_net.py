@@ -251,6 +251,9 @@ class GatedDeltaNet(eqx.Module):
 
     window: ClassVar[None] = None
     """No sliding window: the layer keeps no per-token cache."""
+    decay: ClassVar[str] = "head"
+    """One log decay per head (a GDN gate), as the planner's linear cost model reads it
+    (`eqx_longctx.linear.linear_attention_cost`'s `gate`)."""
 
     def cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """**Returns:** `()`: nothing is cached per token."""

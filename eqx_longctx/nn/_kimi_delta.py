@@ -241,6 +241,9 @@ class KimiDeltaAttention(eqx.Module):
 
     window: ClassVar[None] = None
     """No sliding window: the layer keeps no per-token cache."""
+    decay: ClassVar[str] = "channel"
+    """One log decay per key channel (KDA's gate), as the planner's linear cost model
+    reads it (`eqx_longctx.linear.linear_attention_cost`'s `gate`)."""
 
     def cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """**Returns:** `()`: nothing is cached per token."""

@@ -103,8 +103,7 @@ class CacheLayout(NamedTuple):
         _, nb, nt = self._split()
         split = nt if stack.split_heads else 1
         return tuple(
-            (layers, b // nb, h // split, *rest)
-            for layers, b, h, *rest in self.state_shapes(stack)
+            (layers, b // nb, h // split, *rest) for layers, b, h, *rest in self.state_shapes(stack)
         )
 
     def stack_bytes_per_device(self, stack: StackLayout) -> int:

@@ -318,3 +318,72 @@ def _gen_mla(ax, mla: dict) -> None:
         "MLA latent + RoPE key": [mla["latent"]], "per-head K/V": [mla["per_head"]],
     }, colors=["C4", "C7"])  # fmt: skip
     ax.set(yscale="log", title="DeepSeek-V3 cache: latent vs per-head K/V")
+
+
+def linear_attention(results: dict, directory) -> list[Path]:
+    """One PNG per section of linear_attention.py that ran: `op` (rows of `seq`, `ours`,
+    `torch` seconds, None where not run), `cp` (rows of `seq`, `name`, `time` or None,
+    `total` collective bytes and `memory` bytes per device) and `hybrid` (rows of `seq`,
+    `name`, `tokens_per_s`, `memory`)."""
+    paths = []
+    if results.get("op"):
+        rows = results["op"]
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        series = (("ours", "ours (XLA, jitted)", "C2-o"),
+                  ("torch", "transformers' torch chunked form", "C7-s"))  # fmt: skip
+        for key, label, style in series:
+            pts = [(r["seq"], r[key]) for r in rows if r[key] is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=label)
+        _seq_axis(ax, [r["seq"] for r in rows])
+        ax.set(yscale="log", ylabel="seconds (median)",
+               title="Gated delta rule on one device, forward + backward")  # fmt: skip
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, directory, "linear_attention_op"))
+    if results.get("cp"):
+        rows = results["cp"]
+        names = list(dict.fromkeys(r["name"] for r in rows))
+        seqs = sorted({r["seq"] for r in rows})
+        timed = sorted({r["seq"] for r in rows if r["time"] is not None})
+        fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(15 if timed else 10, 4))
+        for i, name in enumerate(names):
+            mine = sorted((r for r in rows if r["name"] == name), key=lambda r: r["seq"])
+            style = f"C{i}-o"
+            axes[0].plot([r["seq"] for r in mine], [r["total"] / MIB for r in mine], style,
+                         label=name)  # fmt: skip
+            axes[1].plot([r["seq"] for r in mine], [r["memory"] / MIB for r in mine], style,
+                         label=name)  # fmt: skip
+        axes[0].set(yscale="log", ylabel="MiB received per device",
+                    title="collective bytes, forward + backward")  # fmt: skip
+        axes[1].set(yscale="log", ylabel="MiB per device", title="compiled memory per device")
+        for ax in axes[:2]:
+            _seq_axis(ax, seqs)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=8)
+        if timed:
+            by = {(r["name"], r["seq"]): r["time"] for r in rows if r["time"] is not None}
+            _bars(axes[2], [_tokens(s) for s in timed],
+                  {name: [by[name, s] for s in timed] for name in names})  # fmt: skip
+            axes[2].set(xlabel="sequence length (tokens)", ylabel="seconds (median)",
+                        title="wall time, 8 fake devices on shared cores")  # fmt: skip
+            axes[2].legend(fontsize=8)
+        fig.suptitle("Gated delta rule over 8 devices: our sequence split against all-gathered")
+        paths.append(_save(fig, directory, "linear_attention_cp"))
+    if results.get("hybrid"):
+        rows = results["hybrid"]
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+        for i, name in enumerate(dict.fromkeys(r["name"] for r in rows)):
+            mine = sorted((r for r in rows if r["name"] == name), key=lambda r: r["seq"])
+            seqs = [r["seq"] for r in mine]
+            ax_t.plot(seqs, [r["tokens_per_s"] for r in mine], f"C{i}-o", label=name)
+            ax_m.plot(seqs, [r["memory"] / MIB for r in mine], f"C{i}-o", label=name)
+        ax_t.set(yscale="log", ylabel="tokens / s (device step, median)", title="throughput")
+        ax_m.set(yscale="log", ylabel="MiB per device", title="compiled memory of the step")
+        for ax in (ax_t, ax_m):
+            _seq_axis(ax, sorted({r["seq"] for r in rows}))
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=8)
+        fig.suptitle("Train step on 8 fake devices: hybrid Qwen3-Next tiny against all-softmax")
+        paths.append(_save(fig, directory, "linear_attention_hybrid"))
+    return paths

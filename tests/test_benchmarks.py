@@ -18,7 +18,10 @@ sys.path.append(str(ROOT / "benchmarks"))  # after site-packages: never shadows 
 
 import _plots  # noqa: E402
 
-NEEDS = {"generate": ("torch", "transformers")}  # modules a script imports beyond the library
+NEEDS = {
+    "generate": ("torch", "transformers"),
+    "linear_attention": ("torch", "transformers"),
+}  # modules a script imports beyond the library
 SCRIPTS = {  # script: (toy arguments, the PNGs its --plot must write)
     "attention_local": (["--seqs", "128", "256", "--repeats", "1"], ["attention_local"]),
     "context_parallel": (
@@ -32,6 +35,10 @@ SCRIPTS = {  # script: (toy arguments, the PNGs its --plot must write)
     "train_step": (
         "--configs main --free-attention --steps 2 --warmup 1 --repeats 1".split(),
         ["train_step"],
+    ),
+    "linear_attention": (
+        "--quick --sections op cp".split(),
+        ["linear_attention_op", "linear_attention_cp"],
     ),
     "fsdp": (
         "--dim 32 --layers 1 --hidden 64 --heads 2 --vocab 128 --seq 32 --repeats 1 "
@@ -98,3 +105,15 @@ def test_no_script_shadows_an_installed_module():
     for script in sorted((ROOT / "benchmarks").glob("*.py")):
         spec = importlib.machinery.PathFinder.find_spec(script.stem, elsewhere)
         assert spec is None, f"benchmarks/{script.name} shadows {spec.origin}: rename it"
+
+
+def test_linear_attention_hybrid_plot(tmp_path: Path) -> None:
+    # The hybrid train step runs the trainer twice per length (minutes): its figure is drawn
+    # from a table of that shape.
+    rows = [
+        dict(seq=s, name=name, tokens_per_s=t / s**0.5, memory=m * s)
+        for s in (8192, 16384, 32768)
+        for name, t, m in (("qwen3_next tiny", 9e4, 3e3), ("llama, same size", 6e4, 2e3))
+    ]
+    (path,) = _plots.linear_attention({"hybrid": rows}, tmp_path)
+    _check_png(path)

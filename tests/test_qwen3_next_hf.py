@@ -217,7 +217,7 @@ def next_copy(checkpoints, tmp_path):
 
 
 CONFIG_ERRORS = [
-    (dict(model_type="qwen3_moe"), "model_type.*'qwen3_5', 'qwen3_5_text', 'qwen3_next'"),
+    (dict(model_type="qwen3_moe"), "model_type.*'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_next'"),
     (dict(architectures=["Qwen3NextModel"]), "architectures"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported: .*no(ne| biases)"),

@@ -31,7 +31,9 @@ LENGTHS = [[6, 13, 5, 24], [3, 20, 1, 12, 12]]
 MESHES = {
     "dc": ((2, 4), ("data", "context"), {}, "explicit"),
     "c8": ((8,), ("context",), {}, "explicit"),
-    "usp": ((2, 2, 2), ("data", "ulysses", "context"), dict(ulysses_axis="ulysses"), "explicit"),
+    # The mesh names context before ulysses, the sequence splits over (ulysses, context):
+    # lax.ppermute counts devices in the mesh's order, the layout in the spec's.
+    "usp": ((2, 2, 2), ("data", "context", "ulysses"), dict(ulysses_axis="ulysses"), "explicit"),
     # Heads split over the tensor axis, on a mesh with Auto axes (`Mesh(...)`).
     "tp": ((2, 2, 2), ("data", "tensor", "context"), dict(tensor_axis="tensor"), "auto"),
 }

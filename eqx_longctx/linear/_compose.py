@@ -43,6 +43,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float
 
+from .._collectives import ppermute
+
 _HIGHEST = lax.Precision.HIGHEST
 
 # One collective's fixed cost and the bandwidth of a device's links: orders of magnitude
@@ -154,7 +156,7 @@ def _prefix(summary, axis, n: int, d, step: int):
     shift = 1
     while shift < n:
         perm = [(i, i + step * shift) for i in range(n) if 0 <= i + step * shift < n]
-        earlier = lax.ppermute(summary, axis, perm)
+        earlier = ppermute(summary, axis, perm)
         has = (d - step * shift >= 0) & (d - step * shift < n)
         summary = jnp.where(has, compose(summary, earlier), summary)
         shift *= 2
@@ -164,7 +166,7 @@ def _prefix(summary, axis, n: int, d, step: int):
 def _shift(state, axis, n: int, d, step: int, *, first):
     """`state` of device `d - step` (one `ppermute`); the end device with none gets `first`."""
     perm = [(i, i + step) for i in range(n) if 0 <= i + step < n]
-    moved = lax.ppermute(state, axis, perm)
+    moved = ppermute(state, axis, perm)
     return jnp.where(d == (0 if step > 0 else n - 1), first, moved)
 
 

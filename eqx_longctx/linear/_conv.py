@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike
 
 from .._checks import as_int32_ids, check_spec
+from .._collectives import ppermute
 from .._layout import check_sequence_length, layout_order
 from .._sharding import ShardingSpec
 
@@ -281,14 +282,14 @@ def _layout_taps(x, kernel: int, load_balance: str, n: int, axis):
     up = [(d, d + 1) for d in range(n - 1)]
     if load_balance == "none":
         tail = x[:, x.shape[1] - halo :]
-        received = lax.ppermute(tail, axis, up)  # device 0 receives zeros
+        received = ppermute(tail, axis, up)  # device 0 receives zeros
         return [_behind(x, received, j) for j in range(kernel)]
     size = x.shape[1] // 2
     front, back = x[:, :size], x[:, size:]
     front_tail, back_tail = front[:, size - halo :], back[:, size - halo :]
-    front_halo = lax.ppermute(front_tail, axis, up)
+    front_halo = ppermute(front_tail, axis, up)
     down = [(d + 1, d) for d in range(n - 1)]
-    from_next = lax.ppermute(back_tail, axis, down)
+    from_next = ppermute(back_tail, axis, down)
     last = lax.axis_index(axis) == n - 1  # chunk N-1 precedes chunk N: both on device N-1
     back_halo = jnp.where(last, front_tail, from_next)
     return [
@@ -304,7 +305,7 @@ def _striped_taps(x, kernel: int, n: int, axis):
     cyclic = [(d, (d + 1) % n) for d in range(n)]
     shards = [x]  # shards[r]: device (d - r) mod N's shard
     for _ in range(min(kernel - 1, n - 1)):
-        shards.append(lax.ppermute(shards[-1], axis, cyclic))
+        shards.append(ppermute(shards[-1], axis, cyclic))
     d = lax.axis_index(axis)
     taps = [x]
     for j in range(1, kernel):

@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from .._checks import check_bool, check_int
 from ._checks import check_model, check_prompts, check_room
@@ -158,6 +159,10 @@ def generate(
     )  # fmt: skip
     key = jax.random.key(0) if key is None else key
     done = jnp.zeros((b,), bool)
+    if model.spec is not None:
+        # Replicated on the mesh, as the step returns it: a `done` on one device is another
+        # input sharding (under Explicit axes, another type), which compiled the step twice.
+        done = jax.device_put(done, model.spec.sharding(PartitionSpec()))
     model_arrays, model_static = eqx.partition(model, eqx.is_array)
     static = (model_static, block_impl, filtered)
     out, seen = [], []

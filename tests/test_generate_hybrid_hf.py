@@ -55,8 +55,8 @@ FAMILIES = {
                                                  "layer_types": [LINEAR, FULL, LINEAR]}),
         qwen3_next.from_hf,
         [("ring", "zigzag", dict(data=2, context=4)),
-         # Ulysses as the major axis (see test_qwen3_next_hf.SPECS)
-         ("usp", "zigzag", dict(ulysses=2, context=4))],
+         # the ring axis major: the DeltaNet's shifts cross (context, ulysses) in sequence order
+         ("usp", "zigzag", dict(context=4, ulysses=2))],
     ),
     # Three DeltaNet layers, then attention (Qwen3.5's default layer_types); tied embeddings.
     "qwen3_5": (

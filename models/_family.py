@@ -139,15 +139,13 @@ class KimiLinearFamily(_ZooFamily):
     _names = ("KimiLinearConfig", "KimiLinear")
 
     def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
-        """One layer per run of consecutive layers of one kind, in order, so that the local
-        model's layer stacks sit where the full model's stacks of the same kind do (the
-        planner pairs them by place); the MLA and KDA heads and the dense MLP's width
-        divided by `tensor`; under expert parallelism the routed experts a device holds and
-        the rows they receive, as `DeepSeekFamily.local_config` sizes them."""
-        from ._hybrid import runs
-
+        """One layer of each kind (attention and MLP) in order of first appearance (the
+        planner pairs the full model's stacks with the local ones by kind); the MLA and KDA
+        heads and the dense MLP's width divided by `tensor`; under expert parallelism the
+        routed experts a device holds and the rows they receive, as
+        `DeepSeekFamily.local_config` sizes them."""
         c = config
-        kinds = [kind for kind, _, _ in runs(c.layer_kinds)]
+        kinds = list(dict.fromkeys(c.layer_kinds))  # the dense layers come first
         routing = {}
         if expert > 1:
             cf = c.capacity_factor
@@ -165,9 +163,9 @@ class KimiLinearFamily(_ZooFamily):
     def attention_shape(self, config: Any) -> AttentionShape:
         """The MLA layers' shape: `n_heads` query and key/value heads (keys and values are
         up-projected per head), a query/key width of `qk_nope_head_dim + qk_rope_head_dim`
-        and `v_head_dim`. The planner prices every layer's attention with it, so the KDA
-        layers (`"linear_attention"`: linear in the sequence, no keys or values to move) are
-        counted as MLA layers in its attention FLOPs and communication: an overestimate."""
+        and `v_head_dim`. The planner prices the MLA layers' attention with it; the KDA layers
+        (`"linear_attention"`: linear in the sequence, no keys or values to move) are priced
+        by the linear cost model (`eqx_longctx.linear.linear_attention_cost`)."""
         c = config
         return AttentionShape(
             c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
@@ -194,16 +192,14 @@ class Qwen3NextFamily(_ZooFamily):
     _names = ("Qwen3NextConfig", "Qwen3Next")
 
     def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
-        """One layer per run of consecutive layers of one kind, in order (as
-        `KimiLinearFamily.local_config`, so the planner pairs the local stacks with the
-        full model's by place); attention and DeltaNet heads, the dense MLP's and the
-        shared expert's widths divided by `tensor`; under expert parallelism the routed
-        experts a device holds and the rows they receive, as `DeepSeekFamily.local_config`
-        sizes them."""
-        from ._hybrid import runs
-
+        """One layer of each kind (attention and MLP) in order of first appearance (as
+        `KimiLinearFamily.local_config`: the planner pairs the full model's stacks with the
+        local ones by kind); attention and DeltaNet heads, the dense MLP's and the shared
+        expert's widths divided by `tensor`; under expert parallelism the routed experts a
+        device holds and the rows they receive, as `DeepSeekFamily.local_config` sizes
+        them."""
         c = config
-        kinds = [kind for kind, _, _ in runs(c.kinds)]
+        kinds = list(dict.fromkeys(c.kinds))
         routing = {}
         if expert > 1 and c.n_experts:
             cf = c.capacity_factor
@@ -224,10 +220,10 @@ class Qwen3NextFamily(_ZooFamily):
 
     def attention_shape(self, config: Any) -> AttentionShape:
         """The gated softmax attention's shape: `n_heads` query and `n_kv_heads` key/value
-        heads of `head_dim`. The planner prices every layer's attention with it, so the
+        heads of `head_dim`. The planner prices the softmax layers' attention with it; the
         DeltaNet layers (`"linear_attention"`: linear in the sequence, no keys or values to
-        move) are counted as softmax layers in its attention FLOPs and communication: an
-        overestimate."""
+        move) are priced by the linear cost model
+        (`eqx_longctx.linear.linear_attention_cost`)."""
         c = config
         return AttentionShape(c.n_heads, c.n_kv_heads, c.head_dim, c.head_dim)
 

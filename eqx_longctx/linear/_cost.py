@@ -48,19 +48,22 @@ the striped regrouping sit before the work as well.
 **Memory** beyond what one device's trace saves (the planner asks JAX for the one-device
 layer's residuals): split over the sequence the checkpointed chunk states are `dk + dv`
 wide instead of `dv` (`(s / C + 1) b h dk dk 4` more) and the augmented outputs keep
-`P_t` (`s b h dk 4`). The backward's working set: one chunk's recomputation (its decays
-`[C, C, c]` and their cotangent, a few `C x C` products) and the float32 gradients of the
-rule's inputs.
+`P_t` (`s b h dk 4`). The backward's working set: one chunk's recomputation for every
+piece (zig-zag's two run as rows): `DECAY_COPIES` arrays of its decays' shape `[C, C, c]`
+(the decays, the decayed products and their cotangents: 7 live together in XLA:CPU's buffer
+assignment of a KDA step), a few `C x C` products, and the float32 gradients of the rule's
+inputs.
 """
 
 import math
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, no_type_check
 
 from .._sharding import ShardingSpec
 from ._compose import LATENCY_S, choose_composition, composition_costs
 
 _F32 = 4
 GATES = ("head", "channel")
+DECAY_COPIES = 7
 
 
 class LinearCost(NamedTuple):
@@ -92,12 +95,13 @@ def chunk_forward_flops(chunk: int, dk: int, w: int, gate: str, *, model: bool =
     c = chunk
     if model:
         pairs, solve = c * (c + 1) / 2, c * (c - 1) / 2 * 2 * (dk + w)
-        return 2 * 2 * pairs * dk + solve + 2 * pairs * w + 6 * c * dk * w
+        return float(2 * 2 * pairs * dk + solve + 2 * pairs * w + 6 * c * dk * w)
     dots = (3 if gate == "channel" else 2) * c * c * dk
     inverse = 4 * c**3 * math.ceil(math.log2(c)) if c > 1 else 0
-    return 2 * dots + inverse + 2 * c * c * (dk + w) + 2 * c * c * w + 6 * c * dk * w
+    return float(2 * dots + inverse + 2 * c * c * (dk + w) + 2 * c * c * w + 6 * c * dk * w)
 
 
+@no_type_check  # validated eagerly, with errors that say what to fix
 def linear_attention_cost(
     spec: ShardingSpec | None,
     *,
@@ -179,7 +183,7 @@ def linear_attention_cost(
     rounds = 0
     composition = ""
 
-    def add(op: str, nbytes: float, back: str | None = None) -> None:
+    def add(op: str, nbytes: float | int, back: str | None = None) -> None:
         fwd[op] = fwd.get(op, 0) + nbytes
         if back:
             bwd[back] = bwd.get(back, 0) + nbytes
@@ -220,8 +224,13 @@ def linear_attention_cost(
     compute_s = train / flops_per_s
     exposed_s = 2 * rounds * LATENCY_S + nbytes / bytes_per_s if n > 1 else 0.0
     saved = _F32 * b * h * dk * ((chunks + 1) * dk + run) if n > 1 else 0
+    # A chunk's recomputation and backward, for every piece at once (zig-zag's two pieces
+    # run side by side as rows): its `[C, C, c]` decays and the products and cotangents of
+    # their shape, about DECAY_COPIES of them live together (XLA:CPU's buffer assignment of
+    # the tiny KDA step, context=8 zig-zag), a few `C x C` products and the chunk's inputs.
+    rows = b * (2 if layout == "zigzag" else 1)
     decays = size * size * (dk if gate == "channel" else 1)
-    temps = _F32 * b * h * (4 * decays + 6 * size * size + 4 * size * (dk + w))
+    temps = _F32 * rows * h * (DECAY_COPIES * decays + 6 * size * size + 4 * size * (dk + w))
     temps += _F32 * b * h * run * (2 * dk + dv + (dk if gate == "channel" else 1) + 1)
     return LinearCost(
         composition, forward, train, model, {k: int(v) for k, v in fwd.items()},

@@ -9,7 +9,11 @@ the backward pass saves (`saved_residuals`, the function behind JAX's public
 abstract: no array is allocated, so an 8B or 671B model at a million tokens costs a trace.
 
 What a context-parallel strategy keeps beyond the local kernel's residuals (all-gather: the
-gathered K/V) is added by `_step_plan.py`.
+gathered K/V; a linear-attention layer's wider chunk states) is added by `_step_plan.py`.
+
+The full model's stacks are paired with the local model's by kind (`kind`: the classes of
+the modules a layer is built from), so a hybrid's `local_config` keeps one layer per kind
+and a 48-layer 3:1 hybrid (24 stacks) traces two layers, not 24.
 """
 
 import dataclasses
@@ -80,16 +84,18 @@ def stack_activations(
     out = []
     by_policy: dict[str, dict[str, int]] = {}
     shared: dict[str, int] = {}
+    kinds: dict[str, tuple] = {}
     for remat in ("none", "dots", "full"):
         model = eqx.filter_eval_shape(
             family.model, dataclasses.replace(local, remat=remat), key=jax.random.key(0)
         )
         for path, stack in stacks(model).items():
+            kinds[path] = kind(stack)
             tables = _stack_tables(stack, ids)
             by_policy.setdefault(path, {})[remat] = _saved_bytes(stack, x, ids, tables)
             shared[path] = sum(math.prod(t.shape) * t.dtype.itemsize for t in tables)
     for path, n in counts.items():
-        local_path = _local_path(path, by_policy)
+        local_path = _local_path(path, by_policy, kinds, kind(full_stacks[path]))
         saved = dict(by_policy[local_path])
         layer_input = math.prod(x.shape) * dtype.itemsize
         # "offload" keeps the layer inputs in host memory and recomputes the rest, as "full"
@@ -117,12 +123,35 @@ def _is_moe(x: Any) -> bool:
     return isinstance(x, MoE)
 
 
-def _local_path(path: str, by_policy: dict) -> str:
-    """The local model's stack that prices the full model's stack at `path`: the same
-    path, or for a model whose layers run as several stacks of one kind (a tuple of stacks
-    whose windows differ, `"layers[1]"`) the local stack of that kind (`"layers"`)."""
-    kind = re.sub(r"\[\d+\]$", "", path)
-    for key in (path, kind):
+def kind(stack: LayerStack) -> tuple:
+    """A stack's kind: the classes of the modules its layers are built from, nested in tree
+    order (a linear-attention block and a softmax one differ, a dense MLP and a MoE differ;
+    a sliding window, head counts or widths do not)."""
+    return _module_kinds(stack.layers)
+
+
+def _module_kinds(tree: Any) -> tuple:
+    is_module = lambda x: isinstance(x, eqx.Module) and x is not tree  # noqa: E731
+    return tuple(
+        (type(m).__name__, _module_kinds(m))
+        for m in jax.tree.leaves(tree, is_leaf=is_module)
+        if isinstance(m, eqx.Module)
+    )
+
+
+def _local_path(path: str, by_policy: dict, kinds: dict | None = None, want=None) -> str:
+    """The local model's stack that prices the full model's stack at `path`: the local
+    stack of the same kind (`kinds`: local path -> `kind`; `want`: the full stack's), the
+    same path first; else the same path, or for a model whose layers run as several stacks
+    of one kind (a tuple of stacks whose windows differ, `"layers[1]"`) the local stack of
+    that kind (`"layers"`). So a hybrid's local model needs one stack per kind, in any
+    order, however many runs of layers the full model has."""
+    if kinds is not None and want is not None:
+        same = [p for p in by_policy if kinds.get(p) == want]
+        if same:
+            return path if path in same else same[0]
+    name = re.sub(r"\[\d+\]$", "", path)
+    for key in (path, name):
         if key in by_policy:
             return key
     raise ValueError(
@@ -184,10 +213,15 @@ def forward_working_set(
     dtype = jnp.dtype(config.compute_dtype)
     x = jax.ShapeDtypeStruct((batch, seq, config.dim), dtype)
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    local_stacks = stacks(model)
     by_path = {
-        path: _forward_peak(stack, x, ids, attention) for path, stack in stacks(model).items()
+        path: _forward_peak(stack, x, ids, attention) for path, stack in local_stacks.items()
     }
-    return {path: by_path[_local_path(path, by_path)] for path in stacks(full)}
+    kinds = {path: kind(stack) for path, stack in local_stacks.items()}
+    return {
+        path: by_path[_local_path(path, by_path, kinds, kind(stack))]
+        for path, stack in stacks(full).items()
+    }
 
 
 def _forward_peak(stack: LayerStack, x, ids, attention: int) -> int:

@@ -17,8 +17,10 @@ context-parallel strategy the mesh can run and every remat policy, and picks the
   the number of layers; `"offload"` keeps the layer inputs in host memory instead (the
   **host** column, not counted on the device);
 - **layer backward**: the working set of the layer being differentiated: its attention
-  temporaries (the attention cost model, `eqx_longctx.attention._cost`) and, when the layer
-  is recomputed (`"full"`, `"dots"`, `"offload"`), the activations it rebuilds;
+  temporaries (the attention cost model, `eqx_longctx.attention._cost`; a linear-attention
+  layer's from `eqx_longctx.linear.linear_attention_cost`, which also adds what its
+  sequence split keeps beyond the one-device trace) and, when the layer is recomputed
+  (`"full"`, `"dots"`, `"offload"`), the activations it rebuilds;
 - **logits and loss**: float32 logits over the device's vocabulary shard (the tensor
   axis splits the vocabulary), their softmax and their gradient: of one chunk of tokens
   under the chunked loss (the trainer's default, `loss_chunk=None`), of all the device's
@@ -62,11 +64,12 @@ from ..attention import (
     check_tensor_heads,
     plan_attention,
 )
+from ..linear import linear_attention_cost
 from ..nn import check_loss_chunk, loss_chunk_tokens, vocab_axes
 from ._activations import REMATS, stack_activations, stacks
 from ._chips import Chip, as_chip
 from ._explain import step_table
-from ._step_time import mfu, model_flops, stack_windows, step_time
+from ._step_time import mfu, model_flops, stack_linear, stack_windows, step_time
 
 _F32 = 4
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment ids (int32), loss mask (float32)
@@ -140,7 +143,8 @@ class StepPlan:
     @property
     def model_flops(self) -> float:
         """Model FLOPs of one step, all devices: 6 per active parameter and token plus the
-        causal attention's forward and backward, without recomputation (what MFU counts)."""
+        causal attention's forward and backward (a linear-attention layer's chunked rule,
+        `_step_time.py`), without recomputation (what MFU counts)."""
         return self.problem["model_flops"]
 
     def row(self, strategy: str, remat: str) -> StepMemory:
@@ -288,12 +292,27 @@ def plan_train_step(
         bytes_per_s=bytes_per_s, where=where,
     )  # fmt: skip
     windows = stack_windows(stacks(model))  # each stack's attention is priced at its window
-    distinct = dict.fromkeys(windows.values()) or {None: None}
+    linear = stack_linear(stacks(model))  # and a linear-attention stack by its own model
+    distinct = dict.fromkeys(w for p, w in windows.items() if linear[p] is None) or {None: None}
     by_window = {window: plan_attention(spec, window=window, **shape) for window in distinct}
     attn = next(iter(by_window.values()))  # which strategies can run: the same for every window
-    layer_windows = [(s.n_layers, windows[s.path]) for s in per_stack]
+    layer_windows = [(s.n_layers, windows[s.path]) for s in per_stack if linear[s.path] is None]
+    rates = dict(flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, dtype_bytes=dtype.itemsize)
+    by_linear = {
+        s.path: linear_attention_cost(spec, batch=batch, seq=seq, **linear[s.path], **rates)
+        for s in per_stack
+        if linear[s.path] is not None
+    }
+    linear_flops = float(sum(
+        s.n_layers * grad_accum
+        * linear_attention_cost(None, batch=batch, seq=seq, **linear[s.path]).model_flops_train
+        for s in per_stack
+        if linear[s.path] is not None
+    ))  # fmt: skip
     active_params = fam.active_params(config)
-    step_flops = model_flops(active_params, heads, layer_windows, batch=batch * grad_accum, seq=seq)
+    step_flops = model_flops(
+        active_params, heads, layer_windows, batch=batch * grad_accum, seq=seq, linear=linear_flops
+    )
     devices = math.prod(spec.mesh.shape.values())
     if strategies is None:
         strategies = tuple(
@@ -319,10 +338,17 @@ def plan_train_step(
                 f"strategy {strategy!r} cannot run these shapes on mesh "
                 f"{dict(spec.mesh.shape)}: {cost.reason}."
             )
-        layer_costs = [(n, by_window[w].costs[strategy]) for n, w in layer_windows]
+        layer_costs = [
+            (s.n_layers, by_linear[s.path])
+            if s.path in by_linear
+            else (s.n_layers, by_window[windows[s.path]].costs[strategy])
+            for s in per_stack
+        ]
         temps = [
-            _attention_temporaries(c.memory_train, b_local, s_local, nt, heads, dtype)
-            for _, c in layer_costs
+            c.temporaries
+            if s.path in by_linear
+            else _attention_temporaries(c.memory_train, b_local, s_local, nt, heads, dtype)
+            for s, (_, c) in zip(per_stack, layer_costs, strict=True)
         ]
         attn_temp = max(temps, default=0)
         kept = _strategy_residuals(strategy, spec, b_local, s_local, nt, heads, dtype)
@@ -334,13 +360,18 @@ def plan_train_step(
                 # to the compute dtype that its matmuls read) and what the strategy's
                 # backward needs beyond the local kernel's residuals.
                 saved_weights = gathered[s.path] * dtype.itemsize // param_itemsize  # as cast
-                extra = saved_weights + kept + ep * s.moe if remat == "none" else 0
+                # A linear stack keeps its sequence split's residuals (wider chunk states)
+                # instead of a softmax strategy's.
+                split = by_linear[s.path].saved_extra if s.path in by_linear else kept
+                extra = saved_weights + split + ep * s.moe if remat == "none" else 0
                 acts += s.n_layers * (s.saved[remat] + extra) + s.shared
                 host += s.n_layers * s.host[remat]
                 # Differentiating a layer: its gathered weights and their unreduced
                 # gradient, the activations it rebuilds when rematerialised, attention.
                 factor = MOE_BACKWARD if s.moe else 1
                 rebuild = int(s.recompute * factor) if remat != "none" else 0
+                if remat != "none" and s.path in by_linear:
+                    rebuild += by_linear[s.path].saved_extra
                 weights = gathered[s.path] * (1 if remat == "none" else 2)
                 work = max(work, rebuild + weights + temp)
             param_tokens = (active + head_recompute) * b_local * s_local

@@ -17,9 +17,16 @@ Sections (all by default, pick with `--sections`):
   reduce-scatters the gradients). Collective bytes received per device and per-device
   memory from the compiled programs at every length of `--cp-seqs`; wall time (medians of
   interleaved rounds) at `--cp-time-seqs`.
+- `hybrid`: the trainer's step on 8 fake devices (`context=8`, ring, zig-zag, batch 1):
+  `qwen3_next` preset `tiny` (3 Gated DeltaNet layers, 1 gated attention layer) against a
+  Llama of the same width, depth, heads and MLP width, all softmax: tokens/s of the device
+  step (median of `--repeats`, after one that compiles) and the compiled step's memory per
+  device, at `--hybrid-seqs`.
 
-    python benchmarks/linear_attention.py                         # about 15 min on 2 cores
-    python benchmarks/linear_attention.py --quick                 # smoke run, under a minute
+    python benchmarks/linear_attention.py    # over an hour on 2 shared cores (torch at 32K)
+    python benchmarks/linear_attention.py --torch-max-seq 8192 --long-seq 2048 \
+        --hybrid-seqs 8192 16384 32768 --plot docs/img/benchmarks   # 38 min, docs' run
+    python benchmarks/linear_attention.py --quick --sections op cp   # smoke run, < 1 min
     python benchmarks/linear_attention.py --sections op --seqs 2048 8192 --repeats 5
     python benchmarks/linear_attention.py --plot docs/img/benchmarks   # also the figures
 

@@ -64,12 +64,11 @@ from ..attention import (
     check_tensor_heads,
     plan_attention,
 )
-from ..linear import linear_attention_cost
 from ..nn import check_loss_chunk, loss_chunk_tokens, vocab_axes
 from ._activations import REMATS, stack_activations, stacks
 from ._chips import Chip, as_chip
 from ._explain import step_table
-from ._step_time import mfu, model_flops, stack_linear, stack_windows, step_time
+from ._step_time import linear_costs, mfu, model_flops, stack_linear, stack_windows, step_time
 
 _F32 = 4
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment ids (int32), loss mask (float32)
@@ -297,18 +296,9 @@ def plan_train_step(
     by_window = {window: plan_attention(spec, window=window, **shape) for window in distinct}
     attn = next(iter(by_window.values()))  # which strategies can run: the same for every window
     layer_windows = [(s.n_layers, windows[s.path]) for s in per_stack if linear[s.path] is None]
+    counts = {s.path: s.n_layers for s in per_stack}
     rates = dict(flops_per_s=flops_per_s, bytes_per_s=bytes_per_s, dtype_bytes=dtype.itemsize)
-    by_linear = {
-        s.path: linear_attention_cost(spec, batch=batch, seq=seq, **linear[s.path], **rates)
-        for s in per_stack
-        if linear[s.path] is not None
-    }
-    linear_flops = float(sum(
-        s.n_layers * grad_accum
-        * linear_attention_cost(None, batch=batch, seq=seq, **linear[s.path]).model_flops_train
-        for s in per_stack
-        if linear[s.path] is not None
-    ))  # fmt: skip
+    by_linear, linear_flops = linear_costs(spec, linear, counts, batch, seq, grad_accum, rates)
     active_params = fam.active_params(config)
     step_flops = model_flops(
         active_params, heads, layer_windows, batch=batch * grad_accum, seq=seq, linear=linear_flops

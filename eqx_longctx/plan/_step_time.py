@@ -28,6 +28,8 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 
+from ..linear import linear_attention_cost
+
 # What each policy runs again in the backward pass: the layer's matmuls ("full" and
 # "offload" run each layer's forward twice; "dots" keeps the projections) and the attention
 # (its custom backward keeps nothing a policy can save, so every policy but "none" reruns it).
@@ -84,6 +86,25 @@ def stack_linear(stacks: dict[str, Any]) -> dict[str, dict | None]:
             conv_size=windows[0][-1] + 1 if windows else 1, chunk=getattr(found[0], "chunk", 64),
         )  # fmt: skip
     return out
+
+
+def linear_costs(spec, linear: dict, counts: dict, batch: int, seq: int, grad_accum: int,
+                 rates: dict) -> tuple[dict, float]:  # fmt: skip
+    """`({path: LinearCost}, model FLOPs of the step's linear layers)` for the linear stacks
+    of `linear` (`stack_linear`'s; `counts`: layers per path), `batch` rows of one
+    micro-batch of `grad_accum`, `rates` the cost model's `flops_per_s`, `bytes_per_s`,
+    `dtype_bytes`."""
+    shapes = {path: shape for path, shape in linear.items() if shape is not None}
+    costs = {
+        path: linear_attention_cost(spec, batch=batch, seq=seq, **shape, **rates)
+        for path, shape in shapes.items()
+    }
+    flops = sum(
+        counts[path] * grad_accum
+        * linear_attention_cost(None, batch=batch, seq=seq, **shape).model_flops_train
+        for path, shape in shapes.items()
+    )  # fmt: skip
+    return costs, float(flops)
 
 
 def causal_pairs(seq: int, window: int | None) -> int:

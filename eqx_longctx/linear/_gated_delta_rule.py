@@ -60,11 +60,11 @@ def gated_delta_rule(
     Runs the chunked parallel form (the UT transform of Gated DeltaNet, Yang, Kautz and
     Hatamizadeh, arXiv:2412.06464; per key channel as in Kimi Linear, arXiv:2510.26692): a
     few `chunk x chunk` matmuls per chunk (the unit-triangular system solved by an inverse
-    built from doubling blocks), the state passed from chunk to chunk. Decays only appear as `exp` of log decays summed over spans of one
-    document, never positive, so strong decays (`g = -20` over a chunk of 64) stay finite
-    and weak ones that follow them keep their precision. Computes in float32 whatever the
-    input dtype. The backward recomputes each chunk and keeps one state per chunk,
-    never one per token.
+    built from doubling blocks), the state passed from chunk to chunk. Decays only appear
+    as `exp` of log decays summed over spans of one document, never positive, so strong
+    decays (`g = -20` over a chunk of 64) stay finite and weak ones that follow them keep
+    their precision. Computes in float32 whatever the input dtype. The backward recomputes
+    each chunk and keeps one state per chunk, never one per token.
 
     **Split over the sequence.** Under a `spec` the inputs are global arrays in the spec's
     token layout (`eqx_longctx.to_layout(x, spec, axis=1)`), as for `attention`; rows split

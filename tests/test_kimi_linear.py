@@ -339,9 +339,9 @@ def test_train_cli_runs_context_parallel(tmp_path, capsys):
 
 
 def test_planner_runs_on_the_real_size(capsys):
-    """`python -m eqx_longctx.plan --model kimi_linear --preset kimi-linear-48b-a3b`: each
-    of the 15 layer stacks priced (the KDA layers' attention as MLA's, see
-    `KimiLinearFamily.attention_shape`), 3.1B active parameters."""
+    """`python -m eqx_longctx.plan --model kimi_linear --preset kimi-linear-48b-a3b`: every
+    layer stack priced by its kind (KDA by `eqx_longctx.linear.linear_attention_cost`, MLA
+    by the attention cost model), 3.1B active parameters."""
     need_devices(8)
     from eqx_longctx.plan import main
 

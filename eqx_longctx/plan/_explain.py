@@ -50,8 +50,9 @@ def step_table(plan: Any) -> str:
         f"time = every layer's matmuls and attention (recomputation and exposed communication "
         f"included) on the busiest device at {pr['flops_per_s'] / 1e12:.4g} TFLOP/s and "
         f"{pr['bytes_per_s'] / 1e9:.4g} GB/s per link{chip}; model FLOPs per step "
-        f"{pr['model_flops']:.3g} (6 x active params x tokens + causal attention, no "
-        f"recomputation); MFU = model FLOPs / (time x {pr['devices']} devices x FLOP/s)"
+        f"{pr['model_flops']:.3g} (6 x active params x tokens + causal attention + linear "
+        f"attention's chunked form, no recomputation); MFU = model FLOPs / (time x "
+        f"{pr['devices']} devices x FLOP/s)"
     )
     budget = pr["memory_budget_bytes"]
     where = f"budget {gib(budget)}" if budget is not None else "no budget"

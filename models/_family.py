@@ -50,6 +50,37 @@ class _ZooFamily(ModelFamily):
         self._mod.to_hf(model, path, **kwargs)
 
 
+def _local_routing(c: Any, expert: int) -> dict[str, Any]:
+    """Config fields of the routed experts one device computes with under an expert axis
+    of size `expert` (`{}` without one): `n_routed_experts / expert` experts, or more when
+    the rows they receive outnumber them (`expert x top_k` per token dropless, `capacity
+    x top_k` with a capacity; a token reaches each expert once), routed ungrouped."""
+    if expert <= 1:
+        return {}
+    cf = c.capacity_factor
+    rows = c.top_k * expert if cf is None else math.ceil(c.top_k * cf)
+    local = min(c.n_routed_experts, max(c.n_routed_experts // expert, rows))
+    return dict(n_routed_experts=local, top_k=min(local, rows), n_group=1, topk_group=1,
+                capacity_factor=None)  # fmt: skip
+
+
+def _mla_shape(c: Any) -> AttentionShape:
+    """Multi-head latent attention's shape: keys and values up-projected per query head."""
+    return AttentionShape(
+        c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    )
+
+
+def _moe_after_dense(c: Any) -> MoEShape | None:
+    """The routed experts of the `n_layers - first_k_dense` MoE layers (`None`: none)."""
+    if c.n_layers <= c.first_k_dense:
+        return None
+    return MoEShape(
+        c.n_routed_experts, c.top_k, c.capacity_factor, c.n_layers - c.first_k_dense,
+        c.moe_hidden_dim,
+    )  # fmt: skip
+
+
 class LlamaFamily(_ZooFamily):
     """Llama 3 / Mistral / Qwen2 / Qwen3 (`models.llama`): GQA attention, SwiGLU MLP."""
 
@@ -96,15 +127,9 @@ class DeepSeekFamily(_ZooFamily):
         is allowed)."""
         c = config
         dense, moe = min(1, c.first_k_dense), min(1, c.n_layers - c.first_k_dense)
-        routing = {}
-        if expert > 1:
-            cf = c.capacity_factor
-            rows = c.top_k * expert if cf is None else math.ceil(c.top_k * cf)
-            # A token reaches each expert once: more rows than local experts need more
-            # experts (a dropless buffer over many devices).
-            local = min(c.n_routed_experts, max(c.n_routed_experts // expert, rows))
-            routing = dict(n_routed_experts=local, top_k=min(local, rows), topk_method="greedy",
-                           n_group=1, topk_group=1, capacity_factor=None)  # fmt: skip
+        routing = _local_routing(c, expert)
+        if routing:
+            routing["topk_method"] = "greedy"
         return dataclasses.replace(
             c, n_layers=dense + moe, first_k_dense=dense, n_heads=c.n_heads // tensor,
             hidden_dim=c.hidden_dim // tensor, **routing,
@@ -113,20 +138,11 @@ class DeepSeekFamily(_ZooFamily):
     def attention_shape(self, config: Any) -> AttentionShape:
         """MLA: keys and values are up-projected per query head, so `n_heads` twice, a
         query/key width of `qk_nope_head_dim + qk_rope_head_dim` and `v_head_dim`."""
-        c = config
-        return AttentionShape(
-            c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-        )
+        return _mla_shape(config)
 
     def moe_shape(self, config: Any) -> MoEShape | None:
         """The routed experts of the `n_layers - first_k_dense` MoE layers."""
-        c = config
-        if c.n_layers <= c.first_k_dense:
-            return None
-        return MoEShape(
-            c.n_routed_experts, c.top_k, c.capacity_factor, c.n_layers - c.first_k_dense,
-            c.moe_hidden_dim,
-        )  # fmt: skip
+        return _moe_after_dense(config)
 
 
 class KimiLinearFamily(_ZooFamily):
@@ -146,13 +162,7 @@ class KimiLinearFamily(_ZooFamily):
         `DeepSeekFamily.local_config` sizes them."""
         c = config
         kinds = list(dict.fromkeys(c.layer_kinds))  # the dense layers come first
-        routing = {}
-        if expert > 1:
-            cf = c.capacity_factor
-            rows = c.top_k * expert if cf is None else math.ceil(c.top_k * cf)
-            local = min(c.n_routed_experts, max(c.n_routed_experts // expert, rows))
-            routing = dict(n_routed_experts=local, top_k=min(local, rows), n_group=1,
-                           topk_group=1, capacity_factor=None)  # fmt: skip
+        routing = _local_routing(c, expert)
         return dataclasses.replace(
             c, n_layers=len(kinds), layer_types=tuple(k.split("/")[0] for k in kinds),
             first_k_dense=sum(k.endswith("/dense") for k in kinds), n_heads=c.n_heads // tensor,
@@ -166,20 +176,11 @@ class KimiLinearFamily(_ZooFamily):
         and `v_head_dim`. The planner prices the MLA layers' attention with it; the KDA layers
         (`"linear_attention"`: linear in the sequence, no keys or values to move) are priced
         by the linear cost model (`eqx_longctx.linear.linear_attention_cost`)."""
-        c = config
-        return AttentionShape(
-            c.n_heads, c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-        )
+        return _mla_shape(config)
 
     def moe_shape(self, config: Any) -> MoEShape | None:
         """The routed experts of the `n_layers - first_k_dense` MoE layers."""
-        c = config
-        if c.n_layers <= c.first_k_dense:
-            return None
-        return MoEShape(
-            c.n_routed_experts, c.top_k, c.capacity_factor, c.n_layers - c.first_k_dense,
-            c.moe_hidden_dim,
-        )  # fmt: skip
+        return _moe_after_dense(config)
 
 
 class Qwen3NextFamily(_ZooFamily):

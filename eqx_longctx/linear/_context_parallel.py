@@ -84,12 +84,14 @@ def check_spec_inputs(where: str, spec: ShardingSpec, q, v) -> None:
 
 def context_parallel_gated_delta(
     q, k, v, g, beta, segment_ids, initial_state, *, spec: ShardingSpec, scale: float,
-    chunk: int, return_state: bool, composition: str = "auto",
+    chunk: int, return_state: bool, composition: str = "auto", run="xla",
 ):  # fmt: skip
     """The rule over inputs in the spec's layout (validated by the caller, any float dtype).
 
     `composition`: `"all_gather"`, `"scan"` or `"auto"` (`_compose.choose_composition`
-    from the summary's per-device size).
+    from the summary's per-device size). `run`: who does each device's chunk work,
+    `"xla"` (`chunk_gated_delta`) or a resolved `PallasGatedDeltaImpl` (the augmented
+    pass's values are `dk + dv` wide, so the caller resolves it for that width).
 
     **Returns:** `(out, final_state)`: `out` `[batch, seq, heads, dv]` float32 in the
     layout, `final_state` `[batch, heads, dk, dv]` float32 after natural token `seq - 1`,
@@ -107,6 +109,7 @@ def context_parallel_gated_delta(
     return _sharded(
         q, k, v, g, beta, segment_ids, initial_state,
         spec=spec, scale=scale, chunk=chunk, return_state=return_state, composition=composition,
+        run=run,
     )  # fmt: skip
 
 
@@ -123,11 +126,11 @@ def _pieces(layout: str, n: int) -> np.ndarray:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("spec", "scale", "chunk", "return_state", "composition")
+    jax.jit, static_argnames=("spec", "scale", "chunk", "return_state", "composition", "run")
 )
 def _sharded(
     q, k, v, g, beta, segment_ids, initial_state, *, spec, scale, chunk, return_state,
-    composition,
+    composition, run,
 ):  # fmt: skip
     q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
     batch, seq, tensor = spec.batch_entry(), spec.sequence_axes, spec.tensor_axis
@@ -138,7 +141,7 @@ def _sharded(
     layout, n = _layout(spec), spec.context_parallel_size
     local = functools.partial(
         _local, axis=axis, n=n, layout=layout, scale=scale, chunk=chunk,
-        composition=composition, final=return_state, kda=g.ndim == 4,
+        composition=composition, final=return_state, kda=g.ndim == 4, run=run,
     )  # fmt: skip
     args = [q, k, v, g, beta]
     in_specs = [heads, heads, heads, heads if g.ndim == 4 else per_head, per_head]
@@ -167,7 +170,9 @@ def _sharded(
     return result if return_state else (result, None)
 
 
-def _local(q, k, v, g, beta, ids, s0, *, axis, n, layout, scale, chunk, composition, final, kda):
+def _local(
+    q, k, v, g, beta, ids, s0, *, axis, n, layout, scale, chunk, composition, final, kda, run
+):  # fmt: skip
     """One device's part: its pieces' augmented pass, the composition, the finish."""
     b, length, h, dk = q.shape
     dv = v.shape[-1]
@@ -192,7 +197,9 @@ def _local(q, k, v, g, beta, ids, s0, *, axis, n, layout, scale, chunk, composit
 
     if not kda:
         g = g[..., 0]
-    aug_out, summaries = _augmented_pass(q, k, v, g, beta, starts, scale=scale, chunk=chunk)
+    aug_out, summaries = _augmented_pass(
+        q, k, v, g, beta, starts, scale=scale, chunk=chunk, run=run
+    )  # fmt: skip
     compose = all_gather_states if composition == "all_gather" else scan_states
     incoming, last = compose(summaries, s0, axis=axis, pieces=pieces, final=final)
     # o_t = S_in^T P_t + o0_t (module docstring): P_t in the first dk output channels.
@@ -230,9 +237,9 @@ def _starts(ids, axis, pieces: np.ndarray, d):
     return jnp.concatenate([first[..., None], inside], axis=-1)
 
 
-def _augmented_pass(q, k, v, g, beta, starts, *, scale, chunk):
-    """`chunk_gated_delta` from `[I | 0]` with values `[0 | v]`, every piece at once (the
-    pieces stacked on the batch axis).
+def _augmented_pass(q, k, v, g, beta, starts, *, scale, chunk, run):
+    """`chunk_gated_delta` (or the kernel `run`) from `[I | 0]` with values `[0 | v]`,
+    every piece at once (the pieces stacked on the batch axis).
 
     **Returns:** `(aug_out [P, b, c, h, dk + dv], summaries [P, b, h, dk, dk + dv])`.
     """
@@ -243,7 +250,8 @@ def _augmented_pass(q, k, v, g, beta, starts, *, scale, chunk):
     q, k, v_aug, g, beta, starts = (
         x.reshape(p * b, *x.shape[2:]) for x in (q, k, v_aug, g, beta, starts)
     )
-    out, summaries = chunk_gated_delta(q, k, v_aug, g, beta, starts, eye, scale=scale, chunk=chunk)
+    chunks = chunk_gated_delta if run == "xla" else run
+    out, summaries = chunks(q, k, v_aug, g, beta, starts, eye, scale=scale, chunk=chunk)
     return out.reshape(p, b, c, h, dk + dv), summaries.reshape(p, b, h, dk, dk + dv)
 
 

@@ -105,7 +105,8 @@ def gated_delta_rule(
       TPU where it runs this `chunk` and these head dims, else the XLA path), `"xla"`,
       `"pallas"` (the kernel, compiled on a TPU and interpreted elsewhere; `chunk` a
       multiple of 8) or an `eqx_longctx.kernels.PallasGatedDeltaImpl`; see
-      `resolve_gated_delta_impl`. Under a `spec` the XLA path runs (`None` or `"xla"`).
+      `resolve_gated_delta_impl`. Under a `spec` it runs each device's augmented pass,
+      whose values are `dk + dv` wide, so the kernel's rules apply to that width.
 
     **Returns:** `out` `[batch, seq, heads, dv]` in the promoted dtype of `q`, `k` and `v`
     (NumPy arrays are accepted), in the spec's layout under a spec; with
@@ -132,16 +133,19 @@ def gated_delta_rule(
         run = resolve_gated_delta_impl(impl, shape=shape)
         out, state = _one_device(q, k, v, g, beta, segment_ids, initial_state, scale, chunk, run)
     else:
-        if impl is not None and resolve_gated_delta_impl(impl) != "xla":
+        # The augmented pass runs values `dk + dv` wide (`_context_parallel.py`).
+        shape = (chunk, q.shape[-1], q.shape[-1] + v.shape[-1], g.ndim == 4)
+        try:
+            run = resolve_gated_delta_impl(impl, shape=shape)
+        except ValueError as e:
             raise ValueError(
-                f"{where} runs the XLA path under a ShardingSpec (the Pallas kernel is not "
-                f"wired into the sequence split); got impl={impl!r} with a spec. Pass "
-                "impl=None or 'xla' with a spec, or spec=None for the kernel on one device."
-            )
+                f"{where}: under a ShardingSpec each device's pass runs values "
+                f"dk + dv = {shape[2]} wide (the affine summary); {e}"
+            ) from None
         check_spec_inputs(where, spec, q, v)
         out, state = context_parallel_gated_delta(
             q, k, v, g, beta, segment_ids, initial_state,
-            spec=spec, scale=scale, chunk=chunk, return_state=return_state,
+            spec=spec, scale=scale, chunk=chunk, return_state=return_state, run=run,
         )  # fmt: skip
     out = out.astype(jnp.result_type(q.dtype, k.dtype, v.dtype))
     return (out, state) if return_state else out

@@ -13,7 +13,18 @@ from jaxtyping import Array, Float
 
 from .._layout import from_layout, to_layout
 from .._sharding import ShardingSpec
+from ..attention import XlaBlockImpl
 from ..linear import short_conv, short_conv_step
+
+
+def rule_impl(impl, spec: ShardingSpec | None):
+    """The gated delta rule's `impl` for a layer called with the block-attention `impl`
+    (or, when that is `None`, its spec's): `"xla"` or an `XlaBlockImpl` keeps the layer on
+    the XLA path too; anything else lets `eqx_longctx.linear.resolve_gated_delta_impl`
+    pick (the Pallas kernels on a TPU where they run the shape, the XLA path elsewhere)."""
+    impl = spec.impl if impl is None and spec is not None else impl
+    xla = isinstance(impl, XlaBlockImpl) or (isinstance(impl, str) and impl == "xla")
+    return "xla" if xla else None
 
 
 def conv_heads(

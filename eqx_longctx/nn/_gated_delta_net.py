@@ -29,6 +29,7 @@ from ._delta_parts import (
     conv_windows,
     hold_padding,
     per_copy,
+    rule_impl,
     uniform_conv,
 )
 from ._rope import RotaryTables
@@ -198,8 +199,9 @@ class GatedDeltaNet(eqx.Module):
         )
         q, k, v, g, beta = self._rule_inputs(q, k, v, *rest[1:])
         o = gated_delta_rule(
-            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk
-        )
+            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
+            impl=rule_impl(None, self.spec),
+        )  # fmt: skip
         return self._output(cast(Array, o), rest[0])
 
     def _project(self, x):
@@ -299,7 +301,6 @@ class GatedDeltaNet(eqx.Module):
 
         **Raises:** as `__call__`.
         """
-        del impl
         check_hidden("GatedDeltaNet", x, self.wq.shape[0], segment_ids)
         raw, (z, b, a) = self._project(x)
         windows = conv_windows(raw, positions, lengths, self.conv_size - 1)
@@ -311,7 +312,7 @@ class GatedDeltaNet(eqx.Module):
         g, beta = hold_padding(g, beta, positions, lengths)
         o, state = gated_delta_rule(
             q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
-            return_state=True,
+            return_state=True, impl=rule_impl(impl, self.spec),
         )  # fmt: skip
         return self._output(o, z), (state, *windows)
 

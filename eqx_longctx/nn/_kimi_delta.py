@@ -28,6 +28,7 @@ from ._delta_parts import (
     hold_padding,
     inverse_softplus,
     per_copy,
+    rule_impl,
     uniform_conv,
 )
 from ._rope import RotaryTables
@@ -192,8 +193,9 @@ class KimiDeltaAttention(eqx.Module):
         )
         q, k, v, g, beta = self._rule_inputs(x, q, k, v)
         o = gated_delta_rule(
-            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk
-        )
+            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
+            impl=rule_impl(None, self.spec),
+        )  # fmt: skip
         return self._output(x, cast(Array, o))
 
     def _project(self, x):
@@ -278,7 +280,6 @@ class KimiDeltaAttention(eqx.Module):
 
         **Raises:** as `__call__`.
         """
-        del impl
         check_hidden("KimiDeltaAttention", x, self.wq.shape[0], segment_ids)
         raw = self._project(x)
         windows = conv_windows(raw, positions, lengths, self.conv_size - 1)
@@ -290,7 +291,7 @@ class KimiDeltaAttention(eqx.Module):
         g, beta = hold_padding(g, beta, positions, lengths)
         o, state = gated_delta_rule(
             q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
-            return_state=True,
+            return_state=True, impl=rule_impl(impl, self.spec),
         )  # fmt: skip
         return self._output(x, o), (state, *windows)
 

@@ -30,7 +30,9 @@ def _config(family: str, **kw):
         return LlamaConfig.from_preset(
             "tiny", **{"sliding_window": 256, "layer_types": MIXED, **kw}
         )
-    return DeepSeekConfig.from_preset("tiny", **kw)
+    if family == "deepseek":
+        return DeepSeekConfig.from_preset("tiny", **kw)
+    return el.model_family(family).config.from_preset("tiny", **kw)
 
 
 def _spec(shape: dict | None, **kw) -> el.ShardingSpec | None:
@@ -59,6 +61,10 @@ CASES = {
     "llama-data-context": ("llama", {"data": 2, "context": 4}, 2, 2048),
     "deepseek-one-device": ("deepseek", None, 2, 2048),
     "deepseek-data-context": ("deepseek", {"data": 2, "context": 4}, 2, 2048),
+    # Hybrids: linear stacks' fixed-size states and their rule's prefill temporaries
+    # (Gated DeltaNet on zig-zag; KDA, whose per-channel decays dominate, contiguous).
+    "qwen3_next-context8-zigzag": ("qwen3_next", {"context": 8}, 1, 2048),
+    "kimi_linear-data-context": ("kimi_linear", {"data": 2, "context": 4}, 2, 2048),
 }
 
 

@@ -52,7 +52,9 @@ wide instead of `dv` (`(s / C + 1) b h dk dk 4` more) and the augmented outputs 
 piece (zig-zag's two run as rows): `DECAY_COPIES` arrays of its decays' shape `[C, C, c]`
 (the decays, the decayed products and their cotangents: 7 live together in XLA:CPU's buffer
 assignment of a KDA step), a few `C x C` products, and the float32 gradients of the rule's
-inputs.
+inputs. The forward's (a prefill's): `FORWARD_DECAY_COPIES` = 4 such arrays (the decays,
+the decayed keys and queries, their product), the same `C x C` products, and the outputs,
+`dk + dv` wide under a split.
 """
 
 import math
@@ -64,6 +66,7 @@ from ._compose import LATENCY_S, choose_composition, composition_costs
 _F32 = 4
 GATES = ("head", "channel")
 DECAY_COPIES = 7
+FORWARD_DECAY_COPIES = 4
 
 
 class LinearCost(NamedTuple):
@@ -78,6 +81,7 @@ class LinearCost(NamedTuple):
     rounds_train: int  # collectives that wait on each other, forward + backward
     saved_extra: int  # residual bytes beyond the one-device layer's (sequence split)
     temporaries: int  # the backward's working set of the rule, bytes
+    temporaries_forward: int  # the forward's (a prefill's), bytes
     compute_s: float  # flops_train / flops_per_s
     exposed_s: float  # communication, none of it hidden
     time_s: float  # compute_s + exposed_s
@@ -232,8 +236,13 @@ def linear_attention_cost(
     decays = size * size * (dk if gate == "channel" else 1)
     temps = _F32 * rows * h * (DECAY_COPIES * decays + 6 * size * size + 4 * size * (dk + w))
     temps += _F32 * b * h * run * (2 * dk + dv + (dk if gate == "channel" else 1) + 1)
+    # The forward alone (a prefill): fewer decay arrays live together, and the outputs
+    # `w` wide (the augmented ones under a split) before the finish.
+    chunk_work = 6 * size * size + 4 * size * (dk + w)
+    temps_forward = _F32 * rows * h * (FORWARD_DECAY_COPIES * decays + chunk_work)
+    temps_forward += _F32 * b * h * run * w
     return LinearCost(
         composition, forward, train, model, {k: int(v) for k, v in fwd.items()},
-        {k: int(v) for k, v in train_bytes.items()}, 2 * rounds, saved, temps, compute_s,
-        exposed_s, compute_s + exposed_s,
+        {k: int(v) for k, v in train_bytes.items()}, 2 * rounds, saved, temps,
+        int(temps_forward), compute_s, exposed_s, compute_s + exposed_s,
     )  # fmt: skip

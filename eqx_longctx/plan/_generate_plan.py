@@ -17,8 +17,10 @@ per device (the model runs as `eqx_longctx.init_cache`, `prefill` and `decode_st
   forward activations of the prompt's local tokens (everything one layer computes,
   JAX's list of its residuals as the training planner asks for it, `_activations.py`),
   the attention strategy's transient buffers (the attention cost model's forward memory
-  beyond its inputs and output) and one layer's weights, which the layer scan slices out
-  of the stacked weights;
+  beyond its inputs and output), a linear-attention layer's rule temporaries
+  (`linear_attention_cost(...).temporaries_forward`) and one layer's weights, which the
+  layer scan slices out of the stacked weights (a stack of one layer has no loop and reads
+  them in place);
 - **decode-step peak**: parameters + cache + the layer being run: its weights slice, its
   cache slice (read out of the stacked cache, and the updated copy), and the float32
   scores of one query per device against the local slots;
@@ -45,8 +47,10 @@ from .._partition import param_bytes_per_device
 from .._sharding import ShardingSpec
 from .._units import gib
 from ..attention import check_tensor_heads, plan_attention
+from ..linear import linear_attention_cost
 from ._activations import forward_working_set, stacks
 from ._step_plan import _gathered_layer_bytes, as_family
+from ._step_time import stack_linear
 
 _I32 = 4
 _F32 = 4
@@ -75,6 +79,7 @@ class GenerateMemory(NamedTuple):
     logits: int  # float32 [batch, vocab] logits of the local rows
     prefill_tables: int  # the output head gathered over the fsdp axes (0 without)
     decode_tables: int  # the embedding and the output head gathered (0 without fsdp axes)
+    prefill_linear: int = 0  # linear attention's rule temporaries (part of prefill_layer)
 
     @property
     def prefill(self) -> int:
@@ -122,7 +127,9 @@ class GeneratePlan:
         lines += [
             f"parameters {gib(m.params)}, cache {gib(m.cache)}",
             f"prefill: layer working set {gib(m.prefill_layer)} (attention "
-            f"{gib(m.prefill_attention)}), gathered head {gib(m.prefill_tables)}, logits "
+            f"{gib(m.prefill_attention)}"
+            + (f", linear attention's rule {gib(m.prefill_linear)}" if m.prefill_linear else "")
+            + f"), gathered head {gib(m.prefill_tables)}, logits "
             f"{gib(m.logits)}: peak {gib(m.prefill)}",
             f"decode step: layer working set {gib(m.decode_layer)}, gathered embedding and "
             f"head {gib(m.decode_tables)}: peak {gib(m.decode)}",
@@ -189,12 +196,29 @@ def plan_generate(
         fam, config, batch=b, seq=s_local, tensor=nt, expert=ne, attention=attn_temp
     )
     weights = _layer_weights(model, spec)
+    # A linear-attention layer's rule runs inside a nested call, whose temporaries the
+    # walk does not see: the cost model's forward working set (`linear_attention_cost`).
+    linear = {
+        path: linear_attention_cost(
+            spec, batch=b * nb, seq=s_local * n, **shape, dtype_bytes=dtype.itemsize
+        ).temporaries_forward
+        for path, shape in stack_linear(stacks(model)).items()
+        if shape is not None
+    }
     prefill_layer = decode_layer = 0
     for s in cache_stacks:
-        prefill_layer = max(prefill_layer, acts[s.path] + weights[s.path])
-        layer_cache = s.bytes // s.n_layers * dtype.itemsize // cdtype.itemsize
+        rule = linear.get(s.path, 0)
+        # The layer scan's slice of the stacked weights is a copy; a stack of one layer
+        # runs without a loop and reads its weights in place.
+        layer_weights = weights[s.path] if s.n_layers > 1 else 0
+        prefill_layer = max(prefill_layer, acts[s.path] + layer_weights + rule)
+        # Entries are stored in the cache dtype (read here in the compute dtype); a linear
+        # stack's states are float32 whatever the cache dtype.
+        layer_cache = s.bytes // s.n_layers
+        if s.slots:
+            layer_cache = layer_cache * dtype.itemsize // cdtype.itemsize
         scores = b * (heads[0] // nt) * s.slots * _F32
-        decode_layer = max(decode_layer, weights[s.path] + 2 * layer_cache + 2 * scores)
+        decode_layer = max(decode_layer, layer_weights + 2 * layer_cache + 2 * scores)
     logits = b * config.vocab_size * _F32
     # Under fsdp axes the embedding table and the output head are gathered whole (still
     # split over the tensor axis): the prefill holds the head beside the layers' working
@@ -204,7 +228,7 @@ def plan_generate(
         table = config.vocab_size * config.dim // nt * jnp.dtype(config.param_dtype).itemsize
     tables = table * (1 if getattr(config, "tie_embeddings", False) else 2)
     memory = GenerateMemory(params, cache, prefill_layer, attn_temp, decode_layer, logits,
-                            table, tables)  # fmt: skip
+                            table, tables, max(linear.values(), default=0))  # fmt: skip
     problem = dict(
         model=fam.name, seq=seq, batch=batch, prompt_len=prompt_len, strategy=strategy,
         mesh={} if spec is None else dict(spec.mesh.shape),

@@ -379,8 +379,9 @@ QWEN3_5_PRESETS: dict[str, Qwen3NextConfig] = {
     ),
     # Qwen/Qwen3.5-27B's model card: 64 layers (3 DeltaNet : 1 attention), width 5120,
     # 24 query / 4 key-value heads of 256, SwiGLU 17408, vocabulary 248320, 262144 tokens,
-    # rope_theta 1e7. The DeltaNet's 48 value / 16 key heads of 128 are from its config.json
-    # as recalled, not re-checked here.
+    # rope_theta 1e7. The DeltaNet's 48 value / 16 key heads of 128 and its kernel of 4:
+    # the text_config of Qwen3.5-27B (and of Qwen3.6-27B, the same shape), checked
+    # 2026-12-06 against several public copies of its config.json.
     "qwen3.5-27b": Qwen3NextConfig(
         vocab_size=248320, dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, head_dim=256,
         hidden_dim=17408, linear_n_heads=48, linear_n_key_heads=16, linear_head_dim=128,

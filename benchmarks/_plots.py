@@ -375,9 +375,11 @@ def linear_attention(results: dict, directory) -> list[Path]:
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
         for i, name in enumerate(dict.fromkeys(r["name"] for r in rows)):
             mine = sorted((r for r in rows if r["name"] == name), key=lambda r: r["seq"])
-            seqs = [r["seq"] for r in mine]
-            ax_t.plot(seqs, [r["tokens_per_s"] for r in mine], f"C{i}-o", label=name)
-            ax_m.plot(seqs, [r["memory"] / MIB for r in mine], f"C{i}-o", label=name)
+            timed = [r for r in mine if r.get("tokens_per_s") is not None]  # some: memory only
+            ax_t.plot([r["seq"] for r in timed], [r["tokens_per_s"] for r in timed],
+                      f"C{i}-o", label=name)  # fmt: skip
+            ax_m.plot([r["seq"] for r in mine], [r["memory"] / MIB for r in mine],
+                      f"C{i}-o", label=name)  # fmt: skip
         ax_t.set(yscale="log", ylabel="tokens / s (device step, median)", title="throughput")
         ax_m.set(yscale="log", ylabel="MiB per device", title="compiled memory of the step")
         for ax in (ax_t, ax_m):

@@ -18,10 +18,11 @@ Sections (all by default, pick with `--sections`):
   memory from the compiled programs at every length of `--cp-seqs`; wall time (medians of
   interleaved rounds) at `--cp-time-seqs`.
 - `hybrid`: the trainer's step on 8 fake devices (`context=8`, ring, zig-zag, batch 1):
-  `qwen3_next` preset `tiny` (3 Gated DeltaNet layers, 1 gated attention layer) against a
-  Llama of the same width, depth, heads and MLP width, all softmax: tokens/s of the device
-  step (median of `--repeats`, after one that compiles) and the compiled step's memory per
-  device, at `--hybrid-seqs`.
+  `qwen3_next` preset `tiny` (3 Gated DeltaNet layers, 1 gated attention layer; MoE in 3),
+  the same with every layer a dense SwiGLU (`n_experts=0`), and a Llama of the same width,
+  depth, heads and MLP width, all softmax: the compiled step's memory per device at
+  `--hybrid-seqs`, and tokens/s of the device step (medians of `--repeats` interleaved
+  rounds, after one that compiles) at `--hybrid-time-seqs`.
 
     python benchmarks/linear_attention.py    # over an hour on 2 shared cores (torch at 32K)
     python benchmarks/linear_attention.py --torch-max-seq 8192 --long-seq 2048 \
@@ -235,54 +236,73 @@ def cp_section(seqs, time_seqs, heads, dk, repeats) -> list[dict]:
 # attention layer, experts in all but the first.
 HYBRID = {
     "qwen3_next tiny": dict(model="qwen3_next", preset="tiny"),
+    # Like for like with the Llama: every layer a dense SwiGLU of the same width.
+    "qwen3_next tiny, dense": dict(model="qwen3_next", preset="tiny",
+                                   model_overrides=dict(n_experts=0, mlp_only_layers=())),
     "llama, same size": dict(model="llama", preset="tiny", model_overrides=dict(
         dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256)),
 }  # fmt: skip
 
 
-def hybrid_section(seqs, repeats) -> list[dict]:
+def hybrid_section(seqs, time_seqs, repeats) -> list[dict]:
     import tempfile
 
     from eqx_longctx.data import load_datasets, place_batch
+    from eqx_longctx.plan import compiled_bytes
     from eqx_longctx.train import TrainConfig, Trainer
 
     print(
         "\n(hybrid) the trainer's step on 8 fake devices (context 8: ring, zig-zag), batch 1; "
-        f"device step median of {repeats} (after one that compiles); memory per device from "
-        "the compiled step (arguments + outputs + temporaries - donated)"
+        f"at {time_seqs}, device step median of {repeats} interleaved rounds (after one that "
+        "compiles); memory per device from the compiled step (arguments + outputs + "
+        "temporaries - donated), with its arguments and temporaries"
     )
     rows = []
     for seq in seqs:
-        for name, changes in HYBRID.items():
-            with tempfile.TemporaryDirectory() as tmp:
-                max_bytes = max(4 * 2**20, 8 * seq)
+        timed = seq in time_seqs
+        with tempfile.TemporaryDirectory() as tmp:
+            max_bytes = max(4 * 2**20, 8 * seq)
+            data = load_datasets(None, seq_len=seq, max_bytes=max_bytes) if timed else None
+            steps, found, trainers = {}, {}, []
+            for name, changes in HYBRID.items():
                 config = TrainConfig(
-                    run_dir=os.path.join(tmp, "run"), steps=1, progress=False,
-                    eval_every=10**6, checkpoint_every=10**6, eval_batches=1,
+                    run_dir=os.path.join(tmp, name.replace(" ", "_")), steps=1,
+                    progress=False, eval_every=10**6, checkpoint_every=10**6, eval_batches=1,
                     final_eval_batches=1, seq_len=seq, batch_size=1, mesh="context=8",
                     max_bytes=max_bytes, **changes,
                 )  # fmt: skip
-                data = load_datasets(None, seq_len=seq, max_bytes=max_bytes)
+                run = trainer_run(config)
+                memory = compiled_bytes(compile_train_step(run))
+                shapes = eqx.filter_eval_shape(run.family.model, run.config, key=jax.random.key(0))
+                params = sum(x.size for x in jax.tree.leaves(shapes) if hasattr(x, "size"))
+                found[name] = (memory, params)
+                if not timed:
+                    continue
                 trainer = Trainer(config, datasets=data)
+                trainers.append(trainer)
                 batch = place_batch(data[0].batch(0, 1), trainer.parallel.spec)
                 state = {"model": trainer.model, "opt": trainer.opt_state}
-                memory = compiled_memory(compile_train_step(trainer_run(config)))
-                params = sum(
-                    x.size for x in jax.tree.leaves(eqx.filter(trainer.model, eqx.is_array))
-                )
 
                 def step(state=state, trainer=trainer, batch=batch):
                     model, opt, metrics = trainer.train_step(state["model"], state["opt"], batch)
                     state.update(model=model, opt=opt)
                     jax.block_until_ready(metrics)
 
-                seconds = _medians({name: step}, repeats)[name]
+                steps[name] = step
+            seconds = _medians(steps, repeats) if timed else {}
+            for trainer in trainers:
                 trainer.close()
-            rows.append(dict(seq=seq, name=name, step=seconds, tokens_per_s=seq / seconds,
-                             memory=memory, params=params))  # fmt: skip
+        for name, (memory, params) in found.items():
+            step_s = seconds.get(name)
+            rows.append(dict(seq=seq, name=name, step=step_s, params=params,
+                             tokens_per_s=None if step_s is None else seq / step_s,
+                             memory=memory.device, arguments=memory.arguments,
+                             temporaries=memory.temporaries))  # fmt: skip
+            timing = "-" if step_s is None else f"{step_s:.2f} s | {seq / step_s:,.0f}"
             print(
-                f"| {_tokens(seq)} | {name} ({params / 1e6:.2f} M parameters) | "
-                f"{seconds:.2f} s | {seq / seconds:,.0f} | {memory / MIB:.0f} MiB |",
+                f"| {_tokens(seq)} | {name} ({params / 1e6:.2f} M parameters) | {timing} | "
+                f"{memory.device / MIB:.0f} MiB (arguments {memory.arguments / MIB:.1f}, "
+                f"temporaries {memory.temporaries / MIB:.0f}) |",
                 flush=True,
             )
     print("columns: seq | model | device step | tokens/s | compiled memory per device")
@@ -306,7 +326,10 @@ def main(argv=None) -> None:
                    help="lengths compiled on 8 devices (bytes, memory)")  # fmt: skip
     p.add_argument("--cp-time-seqs", type=int, nargs="+", default=[32768],
                    help="lengths also timed on 8 devices")  # fmt: skip
-    p.add_argument("--hybrid-seqs", type=int, nargs="+", default=[8192, 32768, 65536])
+    p.add_argument("--hybrid-seqs", type=int, nargs="+", default=[8192, 32768, 65536],
+                   help="lengths compiled for the hybrid step's memory")  # fmt: skip
+    p.add_argument("--hybrid-time-seqs", type=int, nargs="+", default=[8192, 32768],
+                   help="lengths also timed")  # fmt: skip
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -316,7 +339,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.seqs, args.cp_seqs, args.cp_time_seqs = [256], [1024], [1024]
-        args.hybrid_seqs = [512]
+        args.hybrid_seqs = args.hybrid_time_seqs = [512]
         args.heads, args.head_dim, args.repeats = 2, 32, 1
     print(
         f"jax {jax.__version__}, {len(jax.devices())} fake {jax.devices()[0].platform} devices, "
@@ -333,7 +356,7 @@ def main(argv=None) -> None:
             args.cp_seqs, args.cp_time_seqs, args.heads, args.head_dim, args.repeats
         )
     if "hybrid" in args.sections:
-        results["hybrid"] = hybrid_section(args.hybrid_seqs, args.repeats)
+        results["hybrid"] = hybrid_section(args.hybrid_seqs, args.hybrid_time_seqs, args.repeats)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}")
     if args.plot:
         import _plots

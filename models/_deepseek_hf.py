@@ -12,11 +12,12 @@ arguments and leave as the keyword arguments of `DeepSeekConfig`.
 """
 
 import dataclasses
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 from eqx_longctx.nn import YarnRopeScaling
 
-from . import _hf, _hf_config
+from . import _hf, _hf_config, _hf_io
 
 _ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -50,61 +51,52 @@ _YARN_KEYS = (
 
 def hf_table(c: Any) -> dict[str, _hf.HFTensor]:
     """Zoo parameter path -> Hugging Face tensor, for the `DeepSeekConfig` `c`."""
-    T = _hf.HFTensor
-    table = {"embed": T("model.embed_tokens.weight"), "norm.weight": T("model.norm.weight")}
-    if not c.tie_embeddings:
-        table["lm_head"] = T("lm_head.weight", "linear")
-    layer, stacks = "model.layers.{layer}.", []
+    table, stacks = _hf_io.decoder_ends(c), []
     if c.first_k_dense:
         stacks.append(("dense_layers.layers.", False, ()))
     if c.n_moe_layers:
         stacks.append(("moe_layers.layers.", True, (("layer", c.first_k_dense),)))
     for prefix, moe, offsets in stacks:
-
-        def add(
-            ours: str,
-            theirs: str,
-            kind: Literal["same", "flat", "linear"] = "same",
-            n_in: int = 1,
-            prefix: str = prefix,
-            offsets: tuple = offsets,
-        ):
-            table[prefix + ours] = T(layer + theirs, kind, n_in, offsets)
-
-        add("attn_norm.weight", "input_layernorm.weight")
-        add("mlp_norm.weight", "post_attention_layernorm.weight")
-        if c.q_lora_rank is None:
-            add("attn.wq", "self_attn.q_proj.weight", "linear")
-        else:
-            add("attn.wq_a", "self_attn.q_a_proj.weight", "linear")
-            add("attn.q_norm.weight", "self_attn.q_a_layernorm.weight")
-            add("attn.wq_b", "self_attn.q_b_proj.weight", "linear")
-        add("attn.wkv_a", "self_attn.kv_a_proj_with_mqa.weight", "linear")
-        add("attn.kv_norm.weight", "self_attn.kv_a_layernorm.weight")
-        add("attn.wkv_b", "self_attn.kv_b_proj.weight", "linear")
-        add("attn.wo", "self_attn.o_proj.weight", "linear", n_in=2)
-        ffn = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+        add = _hf_io.block_tensors(table, prefix, offsets)
+        add_mla(add, c.q_lora_rank)
         if not moe:
-            for ours, theirs in ffn:
+            for ours, theirs in _hf_io.SWIGLU:
                 add(f"mlp.{ours}", f"mlp.{theirs}.weight", "linear")
             continue
         add("mlp.router", "mlp.gate.weight", "linear")
         if c.topk_method == "noaux_tc":
             add("mlp.score_bias", "mlp.gate.e_score_correction_bias")
-        for ours, theirs in ffn:
+        for ours, theirs in _hf_io.SWIGLU:
             add(f"mlp.{ours}", "mlp.experts.{expert}." + theirs + ".weight", "linear")
             if c.n_shared_experts:
                 add(f"mlp.shared.{ours}", f"mlp.shared_experts.{theirs}.weight", "linear")
     return table
 
 
-def mtp_tensors(hf: dict, c: Any) -> list[str]:
-    """The `ignore` patterns of `load_params` for the multi-token-prediction modules of a
-    DeepSeek-V3 checkpoint: `num_nextn_predict_layers` extra layers after the last one,
-    not part of the next-token logits."""
+def add_mla(add: Callable[..., None], q_lora_rank: int | None) -> None:
+    """Put the tensors of a multi-head latent attention layer in a table with `add` (as
+    `_hf_io.block_tensors` returns it), named as DeepSeek's checkpoints (and Kimi Linear's)
+    name them; `q_lora_rank` `None`: a direct query projection."""
+    if q_lora_rank is None:
+        add("attn.wq", "self_attn.q_proj.weight", "linear")
+    else:
+        add("attn.wq_a", "self_attn.q_a_proj.weight", "linear")
+        add("attn.q_norm.weight", "self_attn.q_a_layernorm.weight")
+        add("attn.wq_b", "self_attn.q_b_proj.weight", "linear")
+    add("attn.wkv_a", "self_attn.kv_a_proj_with_mqa.weight", "linear")
+    add("attn.kv_norm.weight", "self_attn.kv_a_layernorm.weight")
+    add("attn.wkv_b", "self_attn.kv_b_proj.weight", "linear")
+    add("attn.wo", "self_attn.o_proj.weight", "linear", n_in=2)
+
+
+def tables(c: Any, hf: dict, path: str | None) -> _hf_io.HFTables:
+    """The `HFFormat.tables` of `models.deepseek`: `hf_table`, and the multi-token-prediction
+    modules of a DeepSeek-V3 checkpoint skipped (`num_nextn_predict_layers` extra layers
+    after the last one, not part of the next-token logits)."""
     n_mtp = hf.get("num_nextn_predict_layers") or 0
     mtp_layers = "|".join(str(c.n_layers + i) for i in range(n_mtp))
-    return [rf"model\.layers\.({mtp_layers})\..*"] if n_mtp else []
+    ignore = [rf"model\.layers\.({mtp_layers})\..*"] if n_mtp else []
+    return _hf_io.HFTables(hf_table(c), ignore=ignore)
 
 
 def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:

@@ -18,7 +18,6 @@ import string
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, final
 
-import equinox as eqx
 import jax
 import numpy as np
 
@@ -463,42 +462,3 @@ def save_params(
             json.dump(index, f, indent=2)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump(dict(config), f, indent=2, sort_keys=True)
-
-
-def load_model(model_cls: type, config, path: str, *, spec, table, ignore: Iterable[str] = ()):
-    """The rest of a family's `from_hf` once `config.json` is read: the shapes of
-    `model_cls(config, spec=spec)` (nothing allocated), filled by `load_params` from the
-    safetensors in `path`, each parameter straight into its shards under `spec`.
-
-    **Arguments:**
-
-    - `model_cls`, `config`: the model class and its config (with `param_dtype` and
-      `tie_embeddings`); with tied embeddings the checkpoint may also store
-      `lm_head.weight`, if it equals the embedding.
-    - `path`: the checkpoint directory.
-    - `spec`: the sharding spec of the model, or `None`.
-    - `table`, `ignore`: as for `load_params`.
-
-    **Returns:** the model.
-    """
-    abstract = eqx.filter_eval_shape(model_cls, config, key=jax.random.key(0), spec=spec)
-    tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_embeddings else None
-    with SafetensorsCheckpoint(path) as checkpoint:
-        return load_params(
-            abstract,
-            table,
-            checkpoint,
-            dtype=config.param_dtype,
-            sharding=shardings_by_path(abstract, spec),
-            ignore=ignore,
-            tied=tied,
-        )
-
-
-def save_model(model, table, path: object, hf_config, max_shard_size, *, family: str) -> None:
-    """The rest of a family's `to_hf` once it has checked `model` and built `hf_config`
-    (the `config.json` contents): `save_params` of its arrays, after `check_concrete`
-    (whose message names `{family}.to_hf`, e.g. `"models.llama.to_hf"`)."""
-    check_concrete(model, f"{family}.to_hf")
-    params = eqx.filter(model, eqx.is_array)
-    save_params(params, table, path, hf_config, max_shard_size=max_shard_size)

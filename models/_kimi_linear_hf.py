@@ -19,9 +19,9 @@ This module never imports `models.kimi_linear` (which imports it): configs arriv
 arguments and leave as the keyword arguments of `KimiLinearConfig`.
 """
 
-from typing import Any, Literal
+from typing import Any
 
-from . import _hf, _hf_config, _hybrid
+from . import _deepseek_hf, _hf, _hf_config, _hf_io, _hybrid
 
 _ARCHITECTURES = {"kimi_linear": "KimiLinearForCausalLM"}
 # transformers' alias -> the key Moonshot's config.json (and transformers' writer) uses
@@ -77,54 +77,26 @@ def hf_table(c: Any, *, dense_prefix: str = "mlp") -> dict[str, _hf.HFTensor]:
     """Zoo parameter path -> Hugging Face tensor, for the `KimiLinearConfig` `c`; the dense
     layers' feed-forward is under `dense_prefix` (`"mlp"`, as Moonshot writes them, or
     `"block_sparse_moe"`, as transformers does)."""
-    T = _hf.HFTensor
-    table = {"embed": T("model.embed_tokens.weight"), "norm.weight": T("model.norm.weight")}
-    if not c.tie_embeddings:
-        table["lm_head"] = T("lm_head.weight", "linear")
-    h, d, k = c.linear_n_heads, c.linear_head_dim, c.conv_size
+    table = _hf_io.decoder_ends(c)
+    h, conv = c.linear_n_heads, (c.linear_n_heads * c.linear_head_dim, 1, c.conv_size)
     for i, (kind, first, _) in enumerate(_hybrid.runs(layer_kinds(c))):
         attn, ffn = kind.split("/")
-        prefix, offsets = f"stacks.{i}.layers.", (("layer", first),)
-
-        def add(
-            ours: str,
-            theirs: str,
-            kind: Literal["same", "flat", "linear"] = "same",
-            n_in: int = 1,
-            stored: tuple[int, ...] | None = None,
-            prefix: str = prefix,
-            offsets: tuple = offsets,
-        ):
-            name = "model.layers.{layer}." + theirs
-            table[prefix + ours] = T(name, kind, n_in, offsets, stored)
-
-        add("attn_norm.weight", "input_layernorm.weight")
-        add("mlp_norm.weight", "post_attention_layernorm.weight")
+        add = _hf_io.block_tensors(table, f"stacks.{i}.layers.", (("layer", first),))
         if attn == "linear_attention":
             for ours in ("q", "k", "v"):
                 add(f"attn.w{ours}", f"self_attn.{ours}_proj.weight", "linear")
-                add(f"attn.conv_{ours}", f"self_attn.{ours}_conv1d.weight", stored=(h * d, 1, k))
+                add(f"attn.conv_{ours}", f"self_attn.{ours}_conv1d.weight", stored_shape=conv)
             for ours, theirs in (("f_a", "f_a"), ("f_b", "f_b"), ("g_a", "g_a"),
                                  ("g_b", "g_b"), ("wb", "b")):  # fmt: skip
                 add(f"attn.{ours}", f"self_attn.{theirs}_proj.weight", "linear")
             add("attn.dt_bias", "self_attn.dt_bias", "flat")
-            add("attn.a_log", "self_attn.A_log", stored=(1, 1, h, 1))
+            add("attn.a_log", "self_attn.A_log", stored_shape=(1, 1, h, 1))
             add("attn.norm", "self_attn.o_norm.weight")
             add("attn.wo", "self_attn.o_proj.weight", "linear", n_in=2)
         else:
-            if c.q_lora_rank is None:
-                add("attn.wq", "self_attn.q_proj.weight", "linear")
-            else:
-                add("attn.wq_a", "self_attn.q_a_proj.weight", "linear")
-                add("attn.q_norm.weight", "self_attn.q_a_layernorm.weight")
-                add("attn.wq_b", "self_attn.q_b_proj.weight", "linear")
-            add("attn.wkv_a", "self_attn.kv_a_proj_with_mqa.weight", "linear")
-            add("attn.kv_norm.weight", "self_attn.kv_a_layernorm.weight")
-            add("attn.wkv_b", "self_attn.kv_b_proj.weight", "linear")
-            add("attn.wo", "self_attn.o_proj.weight", "linear", n_in=2)
-        swiglu = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+            _deepseek_hf.add_mla(add, c.q_lora_rank)
         if ffn == "dense":
-            for ours, theirs in swiglu:
+            for ours, theirs in _hf_io.SWIGLU:
                 add(f"mlp.{ours}", f"{dense_prefix}.{theirs}.weight", "linear")
             continue
         add("mlp.router", "block_sparse_moe.gate.weight", "linear")
@@ -132,7 +104,7 @@ def hf_table(c: Any, *, dense_prefix: str = "mlp") -> dict[str, _hf.HFTensor]:
         for ours, theirs in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
             add(f"mlp.{ours}", "block_sparse_moe.experts.{expert}." + theirs + ".weight", "linear")
         if c.n_shared_experts:
-            for ours, theirs in swiglu:
+            for ours, theirs in _hf_io.SWIGLU:
                 add(f"mlp.shared.{ours}", f"block_sparse_moe.shared_experts.{theirs}.weight",
                     "linear")  # fmt: skip
     return table
@@ -143,6 +115,17 @@ def dense_prefix(names: set[str]) -> str:
     `"block_sparse_moe"` when transformers wrote it, else `"mlp"` (Moonshot's)."""
     dense = [n for n in names if n.endswith(".block_sparse_moe.gate_proj.weight")]
     return "block_sparse_moe" if dense else "mlp"
+
+
+def tables(c: Any, hf: dict, path: str | None) -> _hf_io.HFTables:
+    """The `HFFormat.tables` of `models.kimi_linear`: `hf_table`, the dense layers'
+    feed-forward where the checkpoint at `path` keeps it (`dense_prefix`), or for writing
+    (`path=None`) where Moonshot's do."""
+    if path is None:
+        return _hf_io.HFTables(hf_table(c))
+    with _hf.SafetensorsCheckpoint(path) as checkpoint:
+        prefix = dense_prefix(checkpoint.names)
+    return _hf_io.HFTables(hf_table(c, dense_prefix=prefix))
 
 
 def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from eqx_longctx.nn import Llama3RopeScaling
 
-from . import _hf, _hf_config, _hf_windows
+from . import _hf, _hf_config, _hf_io, _hf_windows
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -39,22 +39,15 @@ _KEYS = {
 _MAX_LEN = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # defaults
 _Kind = Literal["same", "flat", "linear"]
 # Old conversions saved RoPE frequencies as buffers; they are recomputed from config.json.
-IGNORE = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+_IGNORE = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def hf_table(c: Any) -> dict[str, _hf.HFTensor]:
     """Zoo parameter path -> Hugging Face tensor, for the `LlamaConfig` `c`."""
-    T = _hf.HFTensor
-    table = {"embed": T("model.embed_tokens.weight"), "norm.weight": T("model.norm.weight")}
-    if not c.tie_embeddings:
-        table["lm_head"] = T("lm_head.weight", "linear")
+    table = _hf_io.decoder_ends(c)
     # (path in a block, Hugging Face name in model.layers.{layer}, kind, n_in)
-    block: list[tuple[str, str, _Kind, int]] = [
-        ("attn_norm.weight", "input_layernorm.weight", "same", 1),
-        ("mlp_norm.weight", "post_attention_layernorm.weight", "same", 1),
-        ("attn.wo", "self_attn.o_proj.weight", "linear", 2),
-    ]
+    block: list[tuple[str, str, _Kind, int]] = [("attn.wo", "self_attn.o_proj.weight", "linear", 2)]
     for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
         block.append((f"attn.w{ours}", f"self_attn.{theirs}.weight", "linear", 1))
         if c.attention_bias:
@@ -67,10 +60,15 @@ def hf_table(c: Any) -> dict[str, _hf.HFTensor]:
     runs = c.window_runs
     for i, (start, _, _) in enumerate(runs):  # one LayerStack per run (see `Llama`)
         stack = "layers.layers." if len(runs) == 1 else f"layers.{i}.layers."
-        offsets = (("layer", start),) if start else ()
+        add = _hf_io.block_tensors(table, stack, (("layer", start),) if start else ())
         for ours, theirs, kind, n_in in block:
-            table[stack + ours] = T(f"model.layers.{{layer}}.{theirs}", kind, n_in, offsets)
+            add(ours, theirs, kind, n_in)
     return table
+
+
+def tables(c: Any, hf: dict, path: str | None) -> _hf_io.HFTables:
+    """The `HFFormat.tables` of `models.llama`: `hf_table`, old RoPE buffers skipped."""
+    return _hf_io.HFTables(hf_table(c), ignore=_IGNORE)
 
 
 def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:

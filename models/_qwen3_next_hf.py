@@ -10,26 +10,15 @@ key head) and b, a into `in_proj_ba`; Qwen3.5 stores `[q | k | v]` over all head
 the rest map one to one. A Qwen3.5 vision-language checkpoint (`qwen3_5`) keeps the
 text model under `model.language_model.` and its config under `text_config`.
 
-This module never imports `models.qwen3_next` (which imports it lazily): the model and
-config classes arrive as arguments.
+This module never imports `models.qwen3_next` (which imports it): configs arrive as
+arguments and leave as the keyword arguments of `Qwen3NextConfig`.
 """
 
 from typing import Any, Literal
 
-import equinox as eqx
-import jax
-
-from . import _hf, _hf_config
+from . import _hf_config, _hf_io
 from ._hf import HFTensor
-from ._hf_fused import (
-    Fused,
-    FusedCheckpoint,
-    check_parts,
-    fuse_params,
-    fuse_table,
-    leaf_shapes,
-    split_table,
-)
+from ._hf_fused import Fused
 from ._hybrid import runs
 
 FAMILY = "models.qwen3_next"
@@ -79,21 +68,15 @@ _Kind = Literal["same", "flat", "linear"]
 _IGNORE = (r"mtp\..*", r"model\.visual\..*")
 
 
-def prefix(model_type: str) -> str:
-    """Where the text model's weights live in a checkpoint of `model_type`."""
-    return "model.language_model." if model_type in _WRAPPERS else "model."
-
-
-def tables(c: Any, model_type: str) -> tuple[dict[str, HFTensor], list[Fused]]:
-    """Zoo parameter path -> Hugging Face tensor, and the fused tensors, for the config `c`
-    in a checkpoint of `model_type`."""
-    base = prefix(model_type)
-    table = {
-        "embed": HFTensor(base + "embed_tokens.weight"),
-        "norm.weight": HFTensor(base + "norm.weight"),
-    }
-    if not c.tie_embeddings:
-        table["lm_head"] = HFTensor("lm_head.weight", "linear")
+def tables(c: Any, hf: dict, path: str | None) -> _hf_io.HFTables:
+    """The `HFFormat.tables` of `models.qwen3_next` for the config `c`: zoo parameter path
+    -> Hugging Face tensor, the fused tensors, and the tensors reading skips. `hf` is the
+    `config.json` read from `path` (its `_model_type` the outer one of a vision-language
+    checkpoint, which keeps the text model's weights under `model.language_model.`), or
+    the one written (`path=None`)."""
+    model_type = hf["model_type"] if path is None else hf["_model_type"]
+    base = "model.language_model." if model_type in _WRAPPERS else "model."
+    table = _hf_io.decoder_ends(c, base)
     fused: list[Fused] = []
     D, H, hd = c.dim, c.n_heads, c.head_dim
     hv, hk, dk, dv = c.linear_n_heads, c.linear_n_key_heads, c.linear_head_dim, c.linear_v_head_dim
@@ -101,19 +84,13 @@ def tables(c: Any, model_type: str) -> tuple[dict[str, HFTensor], list[Fused]]:
     next_format = model_type == "qwen3_next"
     for n, (kind, first, _) in enumerate(runs(c.kinds)):
         stack, offsets = f"layers.{n}.layers.", (("layer", first),) if first else ()
+        one = _hf_io.block_tensors(table, stack, offsets, base)
 
-        def T(name, kind: _Kind = "same", n_in=1, offsets=offsets):
-            return HFTensor(f"{base}layers.{{layer}}.{name}", kind, n_in, offsets)
-
-        def one(ours, theirs, kind: _Kind = "same", n_in=1, stack=stack):
-            table[stack + ours] = T(theirs, kind, n_in)
-
-        def many(theirs, kind: _Kind, axis, *parts, stack=stack):
+        def many(theirs, kind: _Kind, axis, *parts, stack=stack, offsets=offsets):
             parts = tuple((stack + ours, shape) for ours, shape in parts)
-            fused.append(Fused(T(theirs, kind), parts, axis))
+            tensor = HFTensor(f"{base}layers.{{layer}}.{theirs}", kind, 1, offsets)
+            fused.append(Fused(tensor, parts, axis))
 
-        one("attn_norm.weight", "input_layernorm.weight")
-        one("mlp_norm.weight", "post_attention_layernorm.weight")
         mixer, ffn = kind.split("/")
         if mixer == "full_attention":
             q, gate = ("attn.wq", (D, H, hd)), ("attn.wg", (D, H, hd))
@@ -143,17 +120,16 @@ def tables(c: Any, model_type: str) -> tuple[dict[str, HFTensor], list[Fused]]:
             one("attn.dt_bias", la + "dt_bias")
             one("attn.norm", la + "norm.weight")
             one("attn.wo", la + "out_proj.weight", "linear", 2)
-        mlp = ("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")
         if ffn == "dense":
-            for ours, theirs in mlp:
+            for ours, theirs in _hf_io.SWIGLU:
                 one(f"mlp.{ours}", f"mlp.{theirs}.weight", "linear")
             continue
         one("mlp.router", "mlp.gate.weight", "linear")
-        for ours, theirs in mlp:  # one tensor per expert, as save_pretrained writes them
+        for ours, theirs in _hf_io.SWIGLU:  # one tensor per expert, as save_pretrained writes them
             one(f"mlp.{ours}", f"mlp.experts.{{expert}}.{theirs}.weight", "linear")
             one(f"mlp.shared.{ours}", f"mlp.shared_expert.{theirs}.weight", "linear")
         one("mlp.shared_gate", "mlp.shared_expert_gate.weight", "linear")
-    return table, fused
+    return _hf_io.HFTables(table, fused, _IGNORE)
 
 
 def config_from_hf(hf: dict, file: str) -> tuple[dict, dict[str, Any]]:
@@ -323,51 +299,3 @@ def config_to_hf(c: Any) -> dict:
             decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers),
         )  # fmt: skip
     return hf
-
-
-def read_config(model_cls, config_cls, path, spec, dtype, overrides):
-    """`(checkpoint directory, checked config.json, config)`: `_hf_config.read_model_config`
-    with this family's parser."""
-
-    def parse(hf: dict, file: str):
-        hf, fields = config_from_hf(hf, file)
-        return hf, config_cls(**fields)
-
-    return _hf_config.read_model_config(
-        path, FAMILY, parse, model_cls=model_cls, config_cls=config_cls, spec=spec,
-        dtype=dtype, overrides=overrides,
-    )  # fmt: skip
-
-
-def load(model_cls, config_cls, path, spec, dtype, overrides):
-    """`models.qwen3_next.from_hf`: the config, then each parameter (or part of a fused
-    tensor) read straight into its shards."""
-    path, hf, config = read_config(model_cls, config_cls, path, spec, dtype, overrides)
-    model_type = hf["_model_type"]
-    table, fused = tables(config, model_type)
-    abstract = eqx.filter_eval_shape(model_cls, config, key=jax.random.key(0), spec=spec)
-    shapes = leaf_shapes(abstract)
-    check_parts(fused, shapes)
-    base = prefix(model_type)
-    tied = {"lm_head.weight": base + "embed_tokens.weight"} if config.tie_embeddings else None
-    with _hf.SafetensorsCheckpoint(path) as checkpoint:
-        return _hf.load_params(
-            abstract, split_table(table, fused), FusedCheckpoint(checkpoint, fused, shapes),
-            dtype=config.param_dtype, sharding=_hf.shardings_by_path(abstract, spec),
-            ignore=_IGNORE, tied=tied,
-        )  # fmt: skip
-
-
-def save(model, path, max_shard_size) -> None:
-    """`models.qwen3_next.to_hf` once `model` is checked."""
-    config = model.config
-    hf_config = config_to_hf(config)
-    table, fused = tables(config, hf_config["model_type"])
-    _hf.check_concrete(model, f"{FAMILY}.to_hf")
-    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
-    params = {jax.tree_util.keystr(p, simple=True, separator="."): x for p, x in leaves}
-    check_parts(fused, {k: tuple(v.shape) for k, v in params.items()})
-    _hf.save_params(
-        fuse_params(params, fused), fuse_table(table, fused), path, hf_config,
-        max_shard_size=max_shard_size,
-    )  # fmt: skip

@@ -51,7 +51,7 @@ from eqx_longctx.nn import (
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
 
-from . import _deepseek_hf, _hf, _hf_config
+from . import _deepseek_hf, _hf_io
 
 # DeepSeek's reference code and transformers build the q/kv latent norms with their default
 # epsilon, whatever `rms_norm_eps` says.
@@ -366,6 +366,8 @@ PRESETS: dict[str, DeepSeekConfig] = {
 
 # ---- Hugging Face checkpoints (format: models/_deepseek_hf.py) ---------------------------
 
+_HF = _hf_io.HFFormat(DeepSeek, DeepSeekConfig, _deepseek_hf, "Build it with DeepSeek(...).")
+
 
 def from_hf(
     path,
@@ -406,9 +408,7 @@ def from_hf(
     when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
     `dtype` or overrides that are not valid.
     """
-    path, hf, config = _read_config(path, spec, dtype, overrides)
-    table, ignore = _deepseek_hf.hf_table(config), _deepseek_hf.mtp_tensors(hf, config)
-    return _hf.load_model(DeepSeek, config, path, spec=spec, table=table, ignore=ignore)
+    return _HF.from_hf(path, spec, dtype, overrides)
 
 
 def config_from_hf(
@@ -419,18 +419,7 @@ def config_from_hf(
 
     **Raises:** as `from_hf` for `config.json`, `dtype` and the overrides.
     """
-    return _read_config(path, None, dtype, overrides)[2]
-
-
-def _read_config(path, spec, dtype, overrides) -> tuple[str, dict, DeepSeekConfig]:
-    def parse(hf: dict, file: str) -> tuple[dict, DeepSeekConfig]:
-        hf, fields = _deepseek_hf.config_from_hf(hf, file)
-        return hf, DeepSeekConfig(**fields)
-
-    return _hf_config.read_model_config(
-        path, "models.deepseek", parse, model_cls=DeepSeek, config_cls=DeepSeekConfig,
-        spec=spec, dtype=dtype, overrides=overrides,
-    )  # fmt: skip
+    return _HF.config_from_hf(path, dtype, overrides)
 
 
 def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
@@ -452,11 +441,7 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     `rope_interleave=False`, which that model does not support; `TypeError` or
     `ValueError` for a `max_shard_size` that is not a positive int.
     """
-    check_instance(model, "models.deepseek.to_hf's model", DeepSeek, "Build it with DeepSeek(...).")
-    config = cast(DeepSeek, model).config
-    hf_config = _deepseek_hf.config_to_hf(config)
-    table = _deepseek_hf.hf_table(config)
-    _hf.save_model(model, table, path, hf_config, max_shard_size, family="models.deepseek")
+    _HF.to_hf(model, path, max_shard_size)
 
 
 __all__ = [

@@ -59,7 +59,7 @@ from eqx_longctx.nn import (
     check_routing,
 )
 
-from . import _hf, _hf_config, _hybrid, _kimi_linear_hf
+from . import _hf_io, _hybrid, _kimi_linear_hf
 
 # transformers builds the q/kv latent norms of the MLA layers with their default epsilon,
 # whatever `rms_norm_eps` says.
@@ -402,6 +402,10 @@ PRESETS: dict[str, KimiLinearConfig] = {
 
 # ---- Hugging Face checkpoints (format: models/_kimi_linear_hf.py) ------------------------
 
+_HF = _hf_io.HFFormat(
+    KimiLinear, KimiLinearConfig, _kimi_linear_hf, "Build it with KimiLinear(...)."
+)
+
 
 def from_hf(
     path,
@@ -438,11 +442,7 @@ def from_hf(
     when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
     `dtype` or overrides that are not valid.
     """
-    path, _, config = _read_config(path, spec, dtype, overrides)
-    with _hf.SafetensorsCheckpoint(path) as checkpoint:
-        prefix = _kimi_linear_hf.dense_prefix(checkpoint.names)
-    table = _kimi_linear_hf.hf_table(config, dense_prefix=prefix)
-    return _hf.load_model(KimiLinear, config, path, spec=spec, table=table)
+    return _HF.from_hf(path, spec, dtype, overrides)
 
 
 def config_from_hf(
@@ -453,18 +453,7 @@ def config_from_hf(
 
     **Raises:** as `from_hf` for `config.json`, `dtype` and the overrides.
     """
-    return _read_config(path, None, dtype, overrides)[2]
-
-
-def _read_config(path, spec, dtype, overrides) -> tuple[str, dict, KimiLinearConfig]:
-    def parse(hf: dict, file: str) -> tuple[dict, KimiLinearConfig]:
-        hf, fields = _kimi_linear_hf.config_from_hf(hf, file)
-        return hf, KimiLinearConfig(**fields)
-
-    return _hf_config.read_model_config(
-        path, "models.kimi_linear", parse, model_cls=KimiLinear, config_cls=KimiLinearConfig,
-        spec=spec, dtype=dtype, overrides=overrides,
-    )  # fmt: skip
+    return _HF.config_from_hf(path, dtype, overrides)
 
 
 def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
@@ -483,13 +472,7 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     shapes or parameters this process cannot address; `TypeError` or `ValueError` for a
     `max_shard_size` that is not a positive int.
     """
-    check_instance(
-        model, "models.kimi_linear.to_hf's model", KimiLinear, "Build it with KimiLinear(...)."
-    )
-    config = cast(KimiLinear, model).config
-    hf_config = _kimi_linear_hf.config_to_hf(config)
-    table = _kimi_linear_hf.hf_table(config)
-    _hf.save_model(model, table, path, hf_config, max_shard_size, family="models.kimi_linear")
+    _HF.to_hf(model, path, max_shard_size)
 
 
 __all__ = [

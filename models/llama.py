@@ -30,7 +30,6 @@ from eqx_longctx.family import (
     ShardingSpec,
     check_decoder_config,
     check_fields,
-    check_instance,
     check_layer_windows,
     check_model_args,
     check_preset,
@@ -46,7 +45,7 @@ from eqx_longctx.nn import (
 )
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
 
-from . import _hf, _hf_config, _llama_hf
+from . import _hf_io, _llama_hf
 
 
 @final
@@ -312,6 +311,8 @@ PRESETS: dict[str, LlamaConfig] = {
 
 # ---- Hugging Face checkpoints (format: models/_llama_hf.py) ------------------------------
 
+_HF = _hf_io.HFFormat(Llama, LlamaConfig, _llama_hf, "Build it with Llama(config, ...).")
+
 
 def from_hf(
     path,
@@ -352,9 +353,7 @@ def from_hf(
     when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
     `dtype` or overrides that are not valid.
     """
-    path, config = _read_config(path, spec, dtype, overrides)
-    table = _llama_hf.hf_table(config)
-    return _hf.load_model(Llama, config, path, spec=spec, table=table, ignore=_llama_hf.IGNORE)
+    return _HF.from_hf(path, spec, dtype, overrides)
 
 
 def config_from_hf(path, *, dtype: str | type | np.dtype | None = None, **overrides) -> LlamaConfig:
@@ -363,19 +362,7 @@ def config_from_hf(path, *, dtype: str | type | np.dtype | None = None, **overri
 
     **Raises:** as `from_hf` for `config.json`, `dtype` and the overrides.
     """
-    return _read_config(path, None, dtype, overrides)[1]
-
-
-def _read_config(path, spec, dtype, overrides) -> tuple[str, LlamaConfig]:
-    def parse(hf: dict, file: str) -> tuple[dict, LlamaConfig]:
-        hf, fields = _llama_hf.config_from_hf(hf, file)
-        return hf, LlamaConfig(**fields)
-
-    path, _, config = _hf_config.read_model_config(
-        path, "models.llama", parse, model_cls=Llama, config_cls=LlamaConfig,
-        spec=spec, dtype=dtype, overrides=overrides,
-    )  # fmt: skip
-    return path, config
+    return _HF.config_from_hf(path, dtype, overrides)
 
 
 def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
@@ -398,11 +385,7 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     family (both `qk_norm` and `attention_bias`, or mixed `layer_types` with neither);
     `TypeError` or `ValueError` for a `max_shard_size` that is not a positive int.
     """
-    check_instance(model, "models.llama.to_hf's model", Llama, "Build it with Llama(config, ...).")
-    config = cast(Llama, model).config
-    hf_config = _llama_hf.config_to_hf(config)
-    table = _llama_hf.hf_table(config)
-    _hf.save_model(model, table, path, hf_config, max_shard_size, family="models.llama")
+    _HF.to_hf(model, path, max_shard_size)
 
 
 __all__ = [

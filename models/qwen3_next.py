@@ -62,7 +62,7 @@ from eqx_longctx.nn import (
     check_routing,
 )
 
-from . import _hybrid
+from . import _hf_io, _hybrid, _qwen3_next_hf
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 CHECKPOINT_FORMATS = ("qwen3_next", "qwen3_5")
@@ -396,6 +396,8 @@ QWEN3_5_PRESETS: dict[str, Qwen3NextConfig] = {
 
 # ---- Hugging Face checkpoints (format: models/_qwen3_next_hf.py) -------------------------
 
+_HF = _hf_io.HFFormat(Qwen3Next, Qwen3NextConfig, _qwen3_next_hf, "Build it with Qwen3Next(...).")
+
 
 def from_hf(
     path,
@@ -432,9 +434,7 @@ def from_hf(
     when `path` is not a `str` or `os.PathLike`; `TypeError` or `ValueError` for `spec`,
     `dtype` or overrides that are not valid.
     """
-    from . import _qwen3_next_hf
-
-    return _qwen3_next_hf.load(Qwen3Next, Qwen3NextConfig, path, spec, dtype, overrides)
+    return _HF.from_hf(path, spec, dtype, overrides)
 
 
 def config_from_hf(
@@ -445,9 +445,7 @@ def config_from_hf(
 
     **Raises:** as `from_hf` for `config.json`, `dtype` and the overrides.
     """
-    from . import _qwen3_next_hf
-
-    return _qwen3_next_hf.read_config(Qwen3Next, Qwen3NextConfig, path, None, dtype, overrides)[2]
+    return _HF.config_from_hf(path, dtype, overrides)
 
 
 def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
@@ -470,12 +468,7 @@ def to_hf(model: object, path, *, max_shard_size: int | None = None) -> None:
     `norm_topk_prob`);
     `TypeError` or `ValueError` for a `max_shard_size` that is not a positive int.
     """
-    from . import _qwen3_next_hf
-
-    check_instance(
-        model, "models.qwen3_next.to_hf's model", Qwen3Next, "Build it with Qwen3Next(...)."
-    )
-    _qwen3_next_hf.save(cast(Qwen3Next, model), path, max_shard_size)
+    _HF.to_hf(model, path, max_shard_size)
 
 
 __all__ = [

@@ -18,6 +18,7 @@ Technical Report" (arXiv:2412.19437).
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any, cast, final, no_type_check
 
@@ -51,7 +52,7 @@ from eqx_longctx.nn import (
 )
 from eqx_longctx.nn import YarnRopeScaling as YarnRopeScaling
 
-from . import _deepseek_hf, _hf_io
+from . import _decoder, _deepseek_hf, _hf_io
 
 # DeepSeek's reference code and transformers build the q/kv latent norms with their default
 # epsilon, whatever `rms_norm_eps` says.
@@ -298,29 +299,18 @@ class DeepSeek(AbstractDecoder):
         c, spec = cast(DeepSeekConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
         k_embed, k_dense, k_moe, k_head = jax.random.split(cast(PRNGKeyArray, key), 4)
-        self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
-        self.dense_layers = self.moe_layers = None
-        if c.first_k_dense:
-            self.dense_layers = LayerStack(
-                lambda k: make_block(c, moe=False, key=k, spec=spec),
-                c.first_k_dense,
-                key=k_dense,
-                remat=c.remat,
-                spec=spec,
-            )
-        if c.n_moe_layers:
-            self.moe_layers = LayerStack(
-                lambda k: make_block(c, moe=True, key=k, spec=spec),
-                c.n_moe_layers,
-                key=k_moe,
-                remat=c.remat,
-                spec=spec,
-            )
+        self.embed, self.lm_head = _decoder.embed_and_head(c, k_embed, k_head, dtype)
+
+        def stack(n: int, moe: bool, k_stack: PRNGKeyArray) -> LayerStack | None:
+            """The stack of `n` dense or MoE blocks (`None` if `n == 0`)."""
+            if not n:
+                return None
+            block = functools.partial(make_block, c, moe=moe, spec=spec)
+            return LayerStack(lambda k: block(key=k), n, key=k_stack, remat=c.remat, spec=spec)
+
+        self.dense_layers = stack(c.first_k_dense, False, k_dense)
+        self.moe_layers = stack(c.n_moe_layers, True, k_moe)
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
-        if c.tie_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
         self.config = c
         self.spec = spec
 

@@ -59,7 +59,7 @@ from eqx_longctx.nn import (
     check_routing,
 )
 
-from . import _hf_io, _hybrid, _kimi_linear_hf
+from . import _decoder, _hf_io, _hybrid, _kimi_linear_hf
 
 # transformers builds the q/kv latent norms of the MLA layers with their default epsilon,
 # whatever `rms_norm_eps` says.
@@ -344,7 +344,7 @@ class KimiLinear(AbstractDecoder):
         c, spec = cast(KimiLinearConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
         k_embed, k_layers, k_head = jax.random.split(cast(PRNGKeyArray, key), 3)
-        self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
+        self.embed, self.lm_head = _decoder.embed_and_head(c, k_embed, k_head, dtype)
 
         def builder(kind: str):
             return lambda k: make_block(c, kind, key=k, spec=spec)
@@ -354,10 +354,6 @@ class KimiLinear(AbstractDecoder):
             c.layer_kinds, makers, key=k_layers, remat=c.remat, spec=spec
         )
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
-        if c.tie_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
         self.config = c
         self.spec = spec
 

@@ -45,7 +45,7 @@ from eqx_longctx.nn import (
 )
 from eqx_longctx.nn import Llama3RopeScaling as Llama3RopeScaling
 
-from . import _hf_io, _llama_hf
+from . import _decoder, _hf_io, _llama_hf
 
 
 @final
@@ -254,7 +254,7 @@ class Llama(AbstractDecoder):
             mlp = SwiGLU(c.dim, c.hidden_dim, key=k_mlp, **init)
             return DecoderBlock(attn, mlp, dim=c.dim, norm_eps=c.norm_eps, dtype=dtype)
 
-        self.embed = c.init_std * jax.random.normal(k_embed, (c.vocab_size, c.dim), dtype)
+        self.embed, self.lm_head = _decoder.embed_and_head(c, k_embed, k_head, dtype)
         runs = c.window_runs
         keys = [k_layers] if len(runs) == 1 else list(jax.random.split(k_layers, len(runs)))
         stacks = tuple(
@@ -265,10 +265,6 @@ class Llama(AbstractDecoder):
         )
         self.layers = stacks[0] if len(stacks) == 1 else stacks
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
-        if c.tie_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = c.init_std * jax.random.normal(k_head, (c.dim, c.vocab_size), dtype)
         self.config = c
         self.spec = spec
 

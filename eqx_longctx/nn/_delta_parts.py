@@ -1,11 +1,16 @@
-"""What Gated DeltaNet and Kimi Delta Attention share: the per-head short convolution, the
-decay, the input checks, and their inference (the prefill's states and windows, the
-decode step's convolution and rule on the cached state).
+"""What Gated DeltaNet and Kimi Delta Attention share: the orchestration of a layer
+(`AbstractDeltaLayer`: training, the prefill's states and windows, the decode step's
+convolution and rule on the cached state), the per-head short convolution, the decay and
+the input checks.
 
 Einsum letters: `b` batch, `s` sequence, `n` the copies of a decoded token (one per
 sequence shard), `h` heads, `d` head width, `j` a window's slots.
 """
 
+import abc
+from typing import Any, ClassVar
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -14,7 +19,7 @@ from jaxtyping import Array, Float
 from .._layout import from_layout, to_layout
 from .._sharding import ShardingSpec
 from ..attention import XlaBlockImpl
-from ..linear import short_conv, short_conv_step
+from ..linear import gated_delta_rule, gated_delta_step, short_conv, short_conv_step
 
 
 def rule_impl(impl, spec: ShardingSpec | None):
@@ -148,3 +153,99 @@ def uniform_conv(key, shape, dtype):
 def inverse_softplus(y):
     """`x` with `softplus(x) = y`, stable for small `y > 0`."""
     return y + jnp.log(-jnp.expm1(-y))
+
+
+# ---- the layers' shared orchestration ------------------------------------------------------
+
+
+class AbstractDeltaLayer(eqx.Module):
+    """What a gated-delta-rule layer runs, whatever its projections and gates: project,
+    convolve q, k and v (each head's channels, with halos under a spec), make the rule's
+    inputs, run the rule, gate and project the output; and for inference the same with
+    the states kept (`prefill`), or one step from them (`decode`). `GatedDeltaNet` and
+    `KimiDeltaAttention` supply the four hooks:
+
+    - `_project(x)`: `((q, k, v), extra)` before the convolutions, `[batch, seq, heads,
+      dim]` each; `extra` whatever else the layer projects from `x` (or `None`);
+    - `_convs()`: the q, k and v convolution weights `[heads, dim, K]`;
+    - `_rule_inputs(x, q, k, v, extra)`: `(q, k, v, g, beta)` for `gated_delta_rule`;
+    - `_output(x, o, extra)`: the gated norm and the output projection of the rule's `o`.
+    """
+
+    wq: eqx.AbstractVar[Array]
+    head_dim: eqx.AbstractVar[int]
+    conv_size: eqx.AbstractVar[int]
+    chunk: eqx.AbstractVar[int]
+    spec: eqx.AbstractVar[ShardingSpec | None]
+
+    cache_split_heads: ClassVar[bool] = True
+    """The states' heads split over the spec's tensor axis, like the layer's heads; the
+    states are replicated over the sequence axes (each device runs the decode step's
+    recurrence for its rows and heads)."""
+
+    window: ClassVar[None] = None
+    """No sliding window: the layer keeps no per-token cache."""
+
+    @abc.abstractmethod
+    def _project(self, x) -> tuple[tuple[Array, Array, Array], Any]: ...
+
+    @abc.abstractmethod
+    def _convs(self) -> tuple[Array, Array, Array]: ...
+
+    @abc.abstractmethod
+    def _rule_inputs(self, x, q, k, v, extra) -> tuple[Array, ...]: ...
+
+    @abc.abstractmethod
+    def _output(self, x, o, extra) -> Array: ...
+
+    def cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """**Returns:** `()`: nothing is cached per token."""
+        return ()
+
+    def _rule_args(self, x, segment_ids):
+        """`(raw, extra, (q, k, v, g, beta))`: the projections before the convolutions,
+        the layer's `extra`, and the rule's inputs."""
+        check_hidden(type(self).__name__, x, self.wq.shape[0], segment_ids)
+        raw, extra = self._project(x)
+        q, k, v = (
+            conv_heads(t, w.astype(x.dtype), segment_ids, self.spec)
+            for t, w in zip(raw, self._convs(), strict=True)
+        )
+        return raw, extra, self._rule_inputs(x, q, k, v, extra)
+
+    def _mix(self, x, segment_ids) -> Array:
+        """The layer over a sequence (training)."""
+        _, extra, (q, k, v, g, beta) = self._rule_args(x, segment_ids)
+        o = gated_delta_rule(
+            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
+            impl=rule_impl(None, self.spec),
+        )  # fmt: skip
+        return self._output(x, o, extra)
+
+    def _prefill(self, x, segment_ids, positions, lengths, impl) -> tuple[Array, tuple]:
+        """The layer over a prompt, and the states a prefill caches: `(out, (state,
+        *windows))`, the padding after `lengths` leaving the state as it was (its `g` and
+        `beta` are zero)."""
+        raw, extra, (q, k, v, g, beta) = self._rule_args(x, segment_ids)
+        g, beta = hold_padding(g, beta, positions, lengths)
+        o, state = gated_delta_rule(
+            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
+            return_state=True, impl=rule_impl(impl, self.spec),
+        )  # fmt: skip
+        windows = conv_windows(raw, positions, lengths, self.conv_size - 1)
+        return self._output(x, o, extra), (state, *windows)
+
+    def _step(self, x, cache):
+        """One decode step from one layer's cached states: `(out, new states)`."""
+        state, *windows = cached_arrays(cache)
+        raw, extra = self._project(x)
+        convs = [
+            conv_step(w, t, c.astype(x.dtype))
+            for w, t, c in zip(windows, raw, self._convs(), strict=True)
+        ]
+        (q, _), (k, _), (v, _) = convs
+        q, k, v, g, beta = self._rule_inputs(x, q, k, v, extra)
+        o, state = gated_delta_step(
+            per_copy(state, x.shape[1]), q, k, v, g, beta, scale=self.head_dim**-0.5
+        )
+        return self._output(x, o, extra), (state, *(c[1] for c in convs))

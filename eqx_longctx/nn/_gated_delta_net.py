@@ -9,7 +9,7 @@ Delta Rule" (arXiv:2412.06464); Qwen3-Next and Qwen3.5 (transformers'
 `Qwen3NextGatedDeltaNet`, `Qwen3_5GatedDeltaNet`).
 """
 
-from typing import ClassVar, cast, final
+from typing import ClassVar, final
 
 import equinox as eqx
 import jax
@@ -20,16 +20,8 @@ from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import check_tensor_heads
-from ..linear import gated_delta_rule, gated_delta_step
 from ._delta_parts import (
-    cached_arrays,
-    check_hidden,
-    conv_heads,
-    conv_step,
-    conv_windows,
-    hold_padding,
-    per_copy,
-    rule_impl,
+    AbstractDeltaLayer,
     uniform_conv,
 )
 from ._rope import RotaryTables
@@ -38,7 +30,7 @@ _L2_EPS = 1e-6  # transformers' l2norm (and flash-linear-attention's)
 
 
 @final
-class GatedDeltaNet(eqx.Module):
+class GatedDeltaNet(AbstractDeltaLayer):
     """Gated DeltaNet (GDN): projections, a short causal convolution with SiLU, L2-normalised
     queries and keys, the gated delta rule, a gated RMSNorm and the output projection.
 
@@ -191,18 +183,7 @@ class GatedDeltaNet(eqx.Module):
         sequence the mesh does not split).
         """
         del positions
-        check_hidden("GatedDeltaNet", x, self.wq.shape[0], segment_ids)
-        (q, k, v), rest = self._project(x)
-        q, k, v = (
-            conv_heads(t, w.astype(x.dtype), segment_ids, self.spec)
-            for t, w in zip((q, k, v), self._convs(), strict=True)
-        )
-        q, k, v, g, beta = self._rule_inputs(q, k, v, *rest[1:])
-        o = gated_delta_rule(
-            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
-            impl=rule_impl(None, self.spec),
-        )  # fmt: skip
-        return self._output(cast(Array, o), rest[0])
+        return self._mix(x, segment_ids)
 
     def _project(self, x):
         """`((q, k, v), (z, b, a))`: the projections, q, k and v before the convolution."""
@@ -218,9 +199,10 @@ class GatedDeltaNet(eqx.Module):
     def _convs(self):
         return self.conv_q, self.conv_k, self.conv_v
 
-    def _rule_inputs(self, q, k, v, b, a):
+    def _rule_inputs(self, x, q, k, v, extra):
         """The rule's `(q, k, v, g, beta)` from the convolved q, k, v and the gates' inputs:
         q and k L2-normalised and repeated for their value heads."""
+        _, b, a = extra
         q, k = _l2_normalize(q), _l2_normalize(k)
         groups = self.n_heads // self.n_key_heads
         if groups > 1:
@@ -230,8 +212,8 @@ class GatedDeltaNet(eqx.Module):
         g = -rate * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias.astype(jnp.float32))
         return q, k, v, g, beta
 
-    def _output(self, o, z):
-        dtype = z.dtype
+    def _output(self, x, o, extra):
+        dtype, z = x.dtype, extra[0]
         o = self._gated_norm(o.astype(dtype), z)
         return jnp.einsum("bshv,hve->bse", o, self.wo.astype(dtype))
 
@@ -246,20 +228,9 @@ class GatedDeltaNet(eqx.Module):
 
     # ---- inference (eqx_longctx.inference): fixed-size states, no per-token entries ----
 
-    cache_split_heads: ClassVar[bool] = True
-    """The states' heads split over the spec's tensor axis, like the layer's heads; the
-    states are replicated over the sequence axes (each device runs the decode step's
-    recurrence for its rows and heads)."""
-
-    window: ClassVar[None] = None
-    """No sliding window: the layer keeps no per-token cache."""
     decay: ClassVar[str] = "head"
     """One log decay per head (a GDN gate), as the planner's linear cost model reads it
     (`eqx_longctx.linear.linear_attention_cost`'s `gate`)."""
-
-    def cache_shapes(self) -> tuple[tuple[int, int], ...]:
-        """**Returns:** `()`: nothing is cached per token."""
-        return ()
 
     def cache_state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """**Returns:** the per-row shape of each fixed-size state, heads first: the
@@ -289,7 +260,9 @@ class GatedDeltaNet(eqx.Module):
         last real token.
 
         **Arguments:** as `__call__` (`positions` the tokens' natural positions, in the
-        spec's layout); `impl` is accepted and unused (no softmax attention here);
+        spec's layout); `impl` the block implementation the model's attention runs: `"xla"`
+        (or an `XlaBlockImpl`) keeps the rule on its XLA path too, anything else lets
+        `eqx_longctx.linear.resolve_gated_delta_impl` pick;
         `lengths` `[batch]` each row's real tokens, the rest padding (`None`: all real).
         Padding leaves the state as it was (its `g` and `beta` are zero), so the state is
         the one after token `lengths - 1`, wherever the layout put it.
@@ -301,20 +274,7 @@ class GatedDeltaNet(eqx.Module):
 
         **Raises:** as `__call__`.
         """
-        check_hidden("GatedDeltaNet", x, self.wq.shape[0], segment_ids)
-        raw, (z, b, a) = self._project(x)
-        windows = conv_windows(raw, positions, lengths, self.conv_size - 1)
-        q, k, v = (
-            conv_heads(t, w.astype(x.dtype), segment_ids, self.spec)
-            for t, w in zip(raw, self._convs(), strict=True)
-        )
-        q, k, v, g, beta = self._rule_inputs(q, k, v, b, a)
-        g, beta = hold_padding(g, beta, positions, lengths)
-        o, state = gated_delta_rule(
-            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
-            return_state=True, impl=rule_impl(impl, self.spec),
-        )  # fmt: skip
-        return self._output(o, z), (state, *windows)
+        return self._prefill(x, segment_ids, positions, lengths, impl)
 
     def decode(
         self, x: Hidden, positions: Positions, cache, cache_positions, *, impl
@@ -333,18 +293,7 @@ class GatedDeltaNet(eqx.Module):
         own copy, so the states never move).
         """
         del positions, cache_positions, impl
-        state, *windows = cached_arrays(cache)
-        raw, (z, b, a) = self._project(x)
-        convs = [
-            conv_step(w, t, c.astype(x.dtype))
-            for w, t, c in zip(windows, raw, self._convs(), strict=True)
-        ]
-        (q, _), (k, _), (v, _) = convs
-        q, k, v, g, beta = self._rule_inputs(q, k, v, b, a)
-        o, state = gated_delta_step(
-            per_copy(state, x.shape[1]), q, k, v, g, beta, scale=self.head_dim**-0.5
-        )
-        return self._output(o, z), (state, *(c[1] for c in convs))
+        return self._step(x, cache)
 
 
 def _l2_normalize(x):

@@ -7,7 +7,7 @@ Reference: Kimi Team 2025, "Kimi Linear: An Expressive, Efficient Attention Arch
 (arXiv:2510.26692); transformers' `KimiLinearDeltaAttention`.
 """
 
-from typing import ClassVar, cast, final
+from typing import ClassVar, final
 
 import equinox as eqx
 import jax
@@ -18,17 +18,9 @@ from .._checks import check_spec
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
 from ..attention import check_tensor_heads
-from ..linear import gated_delta_rule, gated_delta_step
 from ._delta_parts import (
-    cached_arrays,
-    check_hidden,
-    conv_heads,
-    conv_step,
-    conv_windows,
-    hold_padding,
+    AbstractDeltaLayer,
     inverse_softplus,
-    per_copy,
-    rule_impl,
     uniform_conv,
 )
 from ._rope import RotaryTables
@@ -37,7 +29,7 @@ _L2_EPS = 1e-6  # transformers' l2norm (and flash-linear-attention's)
 
 
 @final
-class KimiDeltaAttention(eqx.Module):
+class KimiDeltaAttention(AbstractDeltaLayer):
     """Kimi Delta Attention (KDA): Gated DeltaNet's layer with a decay per key channel
     through a low-rank projection, and a low-rank sigmoid output gate.
 
@@ -185,29 +177,20 @@ class KimiDeltaAttention(eqx.Module):
         `[batch, seq]`; as `short_conv` and `gated_delta_rule` under a spec.
         """
         del positions
-        check_hidden("KimiDeltaAttention", x, self.wq.shape[0], segment_ids)
-        raw = self._project(x)
-        q, k, v = (
-            conv_heads(t, c.astype(x.dtype), segment_ids, self.spec)
-            for t, c in zip(raw, self._convs(), strict=True)
-        )
-        q, k, v, g, beta = self._rule_inputs(x, q, k, v)
-        o = gated_delta_rule(
-            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
-            impl=rule_impl(None, self.spec),
-        )  # fmt: skip
-        return self._output(x, cast(Array, o))
+        return self._mix(x, segment_ids)
 
     def _project(self, x):
-        """q, k and v before the convolution."""
-        return tuple(
+        """`((q, k, v), None)`: q, k and v before the convolution (the gates are projected
+        from `x` where they are used)."""
+        qkv = (
             jnp.einsum("bse,ehd->bshd", x, w.astype(x.dtype)) for w in (self.wq, self.wk, self.wv)
         )
+        return tuple(qkv), None
 
     def _convs(self):
         return self.conv_q, self.conv_k, self.conv_v
 
-    def _rule_inputs(self, x, q, k, v):
+    def _rule_inputs(self, x, q, k, v, extra):
         """The rule's `(q, k, v, g, beta)` from `x` and the convolved q, k, v."""
         dtype = x.dtype
         q, k = _l2_normalize(q), _l2_normalize(k)
@@ -218,7 +201,7 @@ class KimiDeltaAttention(eqx.Module):
         beta = jax.nn.sigmoid(jnp.einsum("bse,eh->bsh", x, self.wb.astype(dtype)))
         return q, k, v, g, beta
 
-    def _output(self, x, o):
+    def _output(self, x, o, extra):
         dtype = x.dtype
         o = o.astype(dtype)
         out_gate = jnp.einsum("bse,er->bsr", x, self.g_a.astype(dtype))
@@ -236,20 +219,9 @@ class KimiDeltaAttention(eqx.Module):
 
     # ---- inference (eqx_longctx.inference): fixed-size states, no per-token entries ----
 
-    cache_split_heads: ClassVar[bool] = True
-    """The states' heads split over the spec's tensor axis, like the layer's heads; the
-    states are replicated over the sequence axes (each device runs the decode step's
-    recurrence for its rows and heads)."""
-
-    window: ClassVar[None] = None
-    """No sliding window: the layer keeps no per-token cache."""
     decay: ClassVar[str] = "channel"
     """One log decay per key channel (KDA's gate), as the planner's linear cost model
     reads it (`eqx_longctx.linear.linear_attention_cost`'s `gate`)."""
-
-    def cache_shapes(self) -> tuple[tuple[int, int], ...]:
-        """**Returns:** `()`: nothing is cached per token."""
-        return ()
 
     def cache_state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """**Returns:** the per-row shape of each fixed-size state, heads first: the
@@ -272,28 +244,16 @@ class KimiDeltaAttention(eqx.Module):
         """`__call__`, also returning what the cache keeps: each row's states after its
         last real token (as [`GatedDeltaNet.prefill`][eqx_longctx.nn.GatedDeltaNet.prefill]).
 
-        **Arguments:** as `__call__`; `impl` unused; `lengths` `[batch]` each row's real
-        tokens (`None`: all), the padding after them leaving the state unchanged.
+        **Arguments:** as `__call__`; `impl` as for `GatedDeltaNet.prefill`; `lengths`
+        `[batch]` each row's real tokens (`None`: all), the padding after them leaving the
+        state unchanged.
 
         **Returns:** `(out, (state, window_q, window_k, window_v))`, float32 `[batch, ...]`
         states of `cache_state_shapes` (replicated over the sequence axes under a spec).
 
         **Raises:** as `__call__`.
         """
-        check_hidden("KimiDeltaAttention", x, self.wq.shape[0], segment_ids)
-        raw = self._project(x)
-        windows = conv_windows(raw, positions, lengths, self.conv_size - 1)
-        q, k, v = (
-            conv_heads(t, c.astype(x.dtype), segment_ids, self.spec)
-            for t, c in zip(raw, self._convs(), strict=True)
-        )
-        q, k, v, g, beta = self._rule_inputs(x, q, k, v)
-        g, beta = hold_padding(g, beta, positions, lengths)
-        o, state = gated_delta_rule(
-            q, k, v, g, beta, segment_ids=segment_ids, spec=self.spec, chunk=self.chunk,
-            return_state=True, impl=rule_impl(impl, self.spec),
-        )  # fmt: skip
-        return self._output(x, o), (state, *windows)
+        return self._prefill(x, segment_ids, positions, lengths, impl)
 
     def decode(
         self, x: Hidden, positions: Positions, cache, cache_positions, *, impl
@@ -305,16 +265,7 @@ class KimiDeltaAttention(eqx.Module):
         **Returns:** `(out [batch, n, embed], new states [batch, n, ...] each)`.
         """
         del positions, cache_positions, impl
-        state, *windows = cached_arrays(cache)
-        convs = [
-            conv_step(w, t, c.astype(x.dtype))
-            for w, t, c in zip(windows, self._project(x), self._convs(), strict=True)
-        ]
-        q, k, v, g, beta = self._rule_inputs(x, *(c[0] for c in convs))
-        o, state = gated_delta_step(
-            per_copy(state, x.shape[1]), q, k, v, g, beta, scale=self.head_dim**-0.5
-        )
-        return self._output(x, o), (state, *(c[1] for c in convs))
+        return self._step(x, cache)
 
 
 def _l2_normalize(x):

@@ -169,6 +169,42 @@ def test_collective_bytes(layout):
     assert backward == dict.fromkeys(backward, 0) | expected
 
 
+def _saved_floats(f, *args) -> int:
+    """Float elements the backward of `f` keeps beyond its arguments (JAX's list of saved
+    residuals, `jax.ad_checkpoint.print_saved_residuals`)."""
+    import contextlib
+    import io
+    import math
+    import re
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        jax.ad_checkpoint.print_saved_residuals(f, *args)
+    total = 0
+    for line in text.getvalue().splitlines():
+        m = re.match(r"\s*(f\d+)\[([\d,]*)\]\s+(.*)", line)
+        if m and "from the argument" not in m.group(3):
+            total += math.prod(int(d) for d in m.group(2).split(",") if d)
+    return total
+
+
+@pytest.mark.parametrize("layout", [None, "zigzag", "striped"])
+def test_backward_keeps_the_input_not_the_taps(layout):
+    """The backward recomputes the K shifted taps and their sum from the input and the
+    halos it received: it keeps no float array the size of the input beyond the
+    arguments (it kept K + 2 of them before), only the halos under a spec."""
+    x, w, _, seg, _ = inputs(4)
+    spec = None
+    if layout is not None:
+        need_devices(8)
+        spec = ShardingSpec(make_mesh((8,), ("context",)), load_balance=layout)
+        x, seg = to_layout(x, spec, axis=1), to_layout(seg, spec, axis=1)
+    f = lambda x, w: jnp.sum(short_conv(x, w, segment_ids=seg, activation="silu", spec=spec))  # noqa: E731
+    halos = {None: 0, "zigzag": 2 * 3, "striped": 3 * SEQ // 8}[layout]  # tokens per device
+    # Under a spec the residuals are listed per device's shard; the halos: K - 1 = 3 each.
+    assert _saved_floats(f, x, w) <= halos * BATCH * CHANNELS * 8
+
+
 def test_errors():
     need_devices(8)
     x, w, b, seg, _ = inputs()

@@ -33,6 +33,7 @@ from typing import no_type_check
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike
 
@@ -179,7 +180,15 @@ def _check_spec_inputs(spec: ShardingSpec, shape, kernel: int) -> None:
         )
 
 
+# The backward keeps the convolution's inputs and the halos received from other devices
+# (named HALO), and recomputes the K shifted taps and their sum: K + 2 arrays the size of
+# the input otherwise stay alive per convolution, for 2 K multiply-adds per channel.
+HALO = "short_conv_halo"
+_KEEP_HALOS = jax.checkpoint_policies.save_only_these_names(HALO)
+
+
 @functools.partial(jax.jit, static_argnames=("activation",))
+@functools.partial(jax.checkpoint, static_argnums=(4,), policy=_KEEP_HALOS)
 def _one_device(x, weight, bias, segment_ids, activation):
     kernel = weight.shape[1]
     taps = [_shift(x, j) for j in range(kernel)]
@@ -252,6 +261,7 @@ def _context_parallel(x, weight, bias, segment_ids, activation, spec):
     n = spec.context_parallel_size
     axis = seq_axes[0] if len(seq_axes) == 1 else seq_axes
 
+    @functools.partial(jax.checkpoint, policy=_KEEP_HALOS)
     def local(x, weight, positions, *rest):
         rest = list(rest)
         bias = rest.pop(0) if has_bias else None
@@ -282,14 +292,14 @@ def _layout_taps(x, kernel: int, load_balance: str, n: int, axis):
     up = [(d, d + 1) for d in range(n - 1)]
     if load_balance == "none":
         tail = x[:, x.shape[1] - halo :]
-        received = ppermute(tail, axis, up)  # device 0 receives zeros
+        received = checkpoint_name(ppermute(tail, axis, up), HALO)  # device 0: zeros
         return [_behind(x, received, j) for j in range(kernel)]
     size = x.shape[1] // 2
     front, back = x[:, :size], x[:, size:]
     front_tail, back_tail = front[:, size - halo :], back[:, size - halo :]
-    front_halo = ppermute(front_tail, axis, up)
+    front_halo = checkpoint_name(ppermute(front_tail, axis, up), HALO)
     down = [(d + 1, d) for d in range(n - 1)]
-    from_next = ppermute(back_tail, axis, down)
+    from_next = checkpoint_name(ppermute(back_tail, axis, down), HALO)
     last = lax.axis_index(axis) == n - 1  # chunk N-1 precedes chunk N: both on device N-1
     back_halo = jnp.where(last, front_tail, from_next)
     return [
@@ -305,7 +315,7 @@ def _striped_taps(x, kernel: int, n: int, axis):
     cyclic = [(d, (d + 1) % n) for d in range(n)]
     shards = [x]  # shards[r]: device (d - r) mod N's shard
     for _ in range(min(kernel - 1, n - 1)):
-        shards.append(ppermute(shards[-1], axis, cyclic))
+        shards.append(checkpoint_name(ppermute(shards[-1], axis, cyclic), HALO))
     d = lax.axis_index(axis)
     taps = [x]
     for j in range(1, kernel):

@@ -35,12 +35,14 @@ from eqx_longctx import ShardingSpec, attention, from_layout, reference_attentio
 # The table is instead:
 #   - on one "home" mesh per strategy, Explicit axes: the longest ring (1x8), Ulysses over 8
 #     (1x8: GQA and MQA need K/V head replication), all-gather on 2x4 (batch sharded too),
-#     usp 2x4; the full product of layout x causal x packed (12 cases) on each, times the
-#     three head types where the strategy's own code handles heads (Ulysses and usp repeat
-#     K/V heads and split them over devices: 36 cases). The ring and all-gather move K/V
-#     whole, so heads reach only the block kernel (test_attention_local.py's grid): there
-#     each of the 12 gets one head type, and each head type meets every layout, mask and
-#     packing (`home_heads`; their full product took 48 more cases, ~140 s of one core);
+#     usp 2x4; the full product of layout x causal x packed (12 cases) on each, each of the
+#     12 with one head type, turning so that each head type meets every layout, mask and
+#     packing on every home mesh (`home_head`). Pairwise in heads, not the full product:
+#     Ulysses and usp repeat K/V heads and split them over devices before the masks and
+#     layouts are applied, so heads x (layout, mask, packing) pairs reach every path; their
+#     full product (36 cases per strategy) took 48 more cases, ~140 s of one core, as the
+#     ring's and all-gather's did before (those move K/V whole: heads reach only the block
+#     kernel, test_attention_local.py's grid);
 #   - plus rows chosen so that every pair of values of any two factors appears at least once
 #     (`pairwise_cover`), which brings in every other mesh and the Auto axis type.
 
@@ -58,7 +60,6 @@ MESHES = {  # name: (strategy, mesh shape, mesh axis names)
     "usp-4x2": ("usp", (4, 2), ("ulysses", "context")),
 }
 HOME = ("all_gather-2x4", "ulysses-1x8", "ring-1x8", "usp-2x4")
-HEADS_SPLIT = ("ulysses-1x8", "usp-2x4")  # home meshes whose strategy splits heads
 LAYOUTS = ("none", "zigzag", "striped")
 HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}  # (q_heads, kv_heads)
 FACTORS = dict(
@@ -87,20 +88,17 @@ class Case(NamedTuple):
         return f"{self.mesh}-{self.layout}-{self.heads}-{mask}-{packing}-{self.axes}"
 
 
-def home_heads(mesh: str, layout: str, causal: bool, packed: bool) -> tuple[str, ...]:
-    """The head types a home mesh runs with this layout, mask and packing: all three where
-    the strategy splits heads, else one, turning so that each meets every value of the
-    three (zig-zag, causal, packed gets GQA: .ci/run's Python 3.12 subset runs that row)."""
-    if mesh in HEADS_SPLIT:
-        return tuple(HEADS)
-    return (tuple(HEADS)[(LAYOUTS.index(layout) + causal + 2 * packed) % len(HEADS)],)
+def home_head(layout: str, causal: bool, packed: bool) -> str:
+    """The head type a home mesh runs with this layout, mask and packing, turning so that
+    each meets every value of the three (zig-zag, causal, packed gets GQA on every home
+    mesh: .ci/run's Python 3.12 subset runs those rows, one per strategy)."""
+    return tuple(HEADS)[(LAYOUTS.index(layout) + causal + 2 * packed) % len(HEADS)]
 
 
 def _build_table() -> list[Case]:
     home = [
-        dict(mesh=m, layout=lb, heads=h, causal=c, packed=p, axes="explicit")
-        for m, lb, c, p in itertools.product(HOME, LAYOUTS, FACTORS["causal"], FACTORS["packed"])
-        for h in home_heads(m, lb, c, p)
+        dict(mesh=m, layout=lb, heads=home_head(lb, c, p), causal=c, packed=p, axes="explicit")
+        for m, lb, c, p in itertools.product(HOME, LAYOUTS, (True, False), (False, True))
     ]
     return [Case(**row) for row in pairwise_cover(FACTORS, seed_rows=home)]
 
@@ -209,11 +207,9 @@ def test_table_covers_every_pair_and_the_home_products():
         rows = {(c.layout, c.heads, c.causal, c.packed) for c in TABLE if c.mesh == mesh}
         masks = set(itertools.product(LAYOUTS, FACTORS["causal"], FACTORS["packed"]))
         assert {(lb, c, p) for lb, _, c, p in rows} == masks, mesh
-        if mesh in HEADS_SPLIT:
-            assert len(rows) == len(LAYOUTS) * len(HEADS) * 2 * 2
-        else:  # each head type with every layout, mask and packing
-            for i, values in ((0, LAYOUTS), (2, FACTORS["causal"]), (3, FACTORS["packed"])):
-                assert {(r[1], r[i]) for r in rows} == set(itertools.product(HEADS, values))
+        # each head type with every layout, mask and packing
+        for i, values in ((0, LAYOUTS), (2, FACTORS["causal"]), (3, FACTORS["packed"])):
+            assert {(r[1], r[i]) for r in rows} == set(itertools.product(HEADS, values))
     assert {c.mesh for c in TABLE if c.axes == "auto"} == set(MESHES)
 
 

@@ -131,11 +131,15 @@ LAYOUTS = ("none", "zigzag", "striped")
 # (strategy, layout, mesh): all_gather / ulysses / ring over 'context' of a 2x4 (data,
 # context) mesh; usp over (ulysses 2, context 2) of a 2x2x2 mesh, and 'auto' there (which
 # runs its choice over both sequence axes together).
-GRID = [(s, lay, "2x4") for s in ("all_gather", "ulysses", "ring") for lay in LAYOUTS]
-GRID += [("usp", lay, "2x2x2") for lay in LAYOUTS] + [("auto", "striped", "2x2x2")]
-# DeepSeek: a diagonal (every strategy, every layout, both meshes, at least once).
+# Pairwise in family, not the full product: every (strategy, layout) pair runs once, on
+# DeepSeek (MLA and MoE) for a diagonal and on Llama (GQA, a sliding layer) for the rest,
+# so each family meets every strategy and every layout and both meshes; the Llama rows the
+# diagonal already ran (4 cases, ~50 s of one core) are left out.
 DIAGONAL = [("all_gather", "striped", "2x4"), ("ulysses", "zigzag", "2x4"),
             ("ring", "none", "2x4"), ("usp", "zigzag", "2x2x2")]  # fmt: skip
+GRID = [(s, lay, "2x4") for s in ("all_gather", "ulysses", "ring") for lay in LAYOUTS]
+GRID += [("usp", lay, "2x2x2") for lay in LAYOUTS]
+GRID = [g for g in GRID if g not in DIAGONAL] + [("auto", "striped", "2x2x2")]
 CASES = [("llama", *g) for g in GRID] + [("deepseek", *g) for g in DIAGONAL]
 
 
@@ -263,6 +267,8 @@ def test_pallas_decoding_equals_the_xla_path(family):
     out = np.asarray(el.generate(build(family), PROMPTS, lengths=LENGTHS, max_new_tokens=new,
                                  max_len=MAX_LEN, impl=impl))  # fmt: skip
     np.testing.assert_array_equal(out, tokens[:, :new])
+    if family == "llama":  # its ring / zig-zag loop: test_inference_floor.py's Pallas test
+        return
     spec = spec_on((4,), ("context",), "ring", "zigzag")
     got_tokens, got_logits = greedy_loop(build(family, spec), new=new, impl=impl)
     np.testing.assert_array_equal(got_tokens, tokens[:, :new])

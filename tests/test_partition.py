@@ -210,8 +210,9 @@ DS_PLANS = [
     ("fsdp_context", (2, 4), ("fsdp", "context"), dict(fsdp_axis=("fsdp", "context"))),
     ("fsdp_expert", (2, 2, 2), ("fsdp", "expert", "context"),
      dict(fsdp_axis="fsdp", expert_axis="expert")),
-    # MLA's heads over a tensor axis (the latent whole on each shard), with every other axis.
-    ("tensor_ring", (2, 4), ("tensor", "context"), dict(tensor_axis="tensor")),
+    # MLA's heads over a tensor axis (the latent whole on each shard), with every other axis:
+    # pairwise, the tensor axis beside ring is fsdp_tensor's and expert_tensor's (a
+    # tensor_ring case alone, ~30 s of one core, ran nothing they do not).
     ("tensor_ulysses", (2, 2, 2), ("data", "tensor", "context"),
      dict(tensor_axis="tensor", strategy="ulysses", load_balance="striped")),
     ("fsdp_tensor", (2, 2, 2), ("fsdp", "tensor", "context"),

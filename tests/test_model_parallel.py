@@ -39,8 +39,10 @@ def _loss(model, tokens, pos, seg):
 
 
 # Every strategy with zig-zag, and every layout on the ring (the attention table covers the
-# rest of the product; here the point is the model around attention).
-CASES = [(*m, "zigzag") for m in MESHES] + [
+# rest of the product; here the point is the model around attention). The ring's zig-zag
+# runs on 2x4 only: 1x8 has striped, and a second zig-zag ring (~15 s of one core) ran no
+# path of the model's that those two do not.
+CASES = [(*m, "zigzag") for m in MESHES if m is not MESHES[2]] + [
     (*MESHES[1], "none"),
     (*MESHES[2], "striped"),
 ]

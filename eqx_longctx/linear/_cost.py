@@ -54,7 +54,9 @@ piece (zig-zag's two run as rows): `DECAY_COPIES` arrays of its decays' shape `[
 assignment of a KDA step), a few `C x C` products, and the float32 gradients of the rule's
 inputs. The forward's (a prefill's): `FORWARD_DECAY_COPIES` = 4 such arrays (the decays,
 the decayed keys and queries, their product), the same `C x C` products, and the outputs,
-`dk + dv` wide under a split.
+`dk + dv` wide under a split. Under a remat policy the layer's backward also rebuilds
+the convolutions' taps: `CONV_COPIES` = 10 float32 arrays per convolution input (JAX's list
+of a Gated DeltaNet layer's residuals before `short_conv` checkpointed them).
 """
 
 import math
@@ -67,6 +69,7 @@ _F32 = 4
 GATES = ("head", "channel")
 DECAY_COPIES = 7
 FORWARD_DECAY_COPIES = 4
+CONV_COPIES = 10
 
 
 class LinearCost(NamedTuple):
@@ -82,6 +85,7 @@ class LinearCost(NamedTuple):
     saved_extra: int  # residual bytes beyond the one-device layer's (sequence split)
     temporaries: int  # the backward's working set of the rule, bytes
     temporaries_forward: int  # the forward's (a prefill's), bytes
+    conv_rebuild: int  # the convolutions' taps a rematerialised layer's backward rebuilds
     compute_s: float  # flops_train / flops_per_s
     exposed_s: float  # communication, none of it hidden
     time_s: float  # compute_s + exposed_s
@@ -241,8 +245,13 @@ def linear_attention_cost(
     chunk_work = 6 * size * size + 4 * size * (dk + w)
     temps_forward = _F32 * rows * h * (FORWARD_DECAY_COPIES * decays + chunk_work)
     temps_forward += _F32 * b * h * run * w
+    # `short_conv`'s backward keeps its input and rebuilds its taps (a `jax.checkpoint`), so
+    # JAX's list of a layer's residuals leaves them out; in a rematerialised layer they
+    # live beside its other residuals: about CONV_COPIES float32 arrays of the input's size
+    # per convolution (the taps, masks and sums of JAX's list before the checkpoint).
+    conv_rebuild = _F32 * b * s * sum(channels) * CONV_COPIES
     return LinearCost(
         composition, forward, train, model, {k: int(v) for k, v in fwd.items()},
         {k: int(v) for k, v in train_bytes.items()}, 2 * rounds, saved, temps,
-        int(temps_forward), compute_s, exposed_s, compute_s + exposed_s,
+        int(temps_forward), int(conv_rebuild), compute_s, exposed_s, compute_s + exposed_s,
     )  # fmt: skip

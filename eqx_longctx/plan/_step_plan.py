@@ -361,7 +361,7 @@ def plan_train_step(
                 factor = MOE_BACKWARD if s.moe else 1
                 rebuild = int(s.recompute * factor) if remat != "none" else 0
                 if remat != "none" and s.path in by_linear:
-                    rebuild += by_linear[s.path].saved_extra
+                    rebuild += by_linear[s.path].saved_extra + by_linear[s.path].conv_rebuild
                 weights = gathered[s.path] * (1 if remat == "none" else 2)
                 work = max(work, rebuild + weights + temp)
             param_tokens = (active + head_recompute) * b_local * s_local

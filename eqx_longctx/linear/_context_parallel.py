@@ -237,7 +237,7 @@ def _starts(ids, axis, pieces: np.ndarray, d):
     return jnp.concatenate([first[..., None], inside], axis=-1)
 
 
-def _augmented_pass(q, k, v, g, beta, starts, *, scale, chunk, run):
+def _augmented_pass(q, k, v, g, beta, starts, *, scale, chunk, run="xla"):
     """`chunk_gated_delta` (or the kernel `run`) from `[I | 0]` with values `[0 | v]`,
     every piece at once (the pieces stacked on the batch axis).
 

@@ -46,6 +46,7 @@ token.
 """
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -237,7 +238,7 @@ def _starts(ids, axis, pieces: np.ndarray, d):
     return jnp.concatenate([first[..., None], inside], axis=-1)
 
 
-def _augmented_pass(q, k, v, g, beta, starts, *, scale, chunk, run="xla"):
+def _augmented_pass(q, k, v, g, beta, starts, *, scale, chunk, run: Any = "xla"):
     """`chunk_gated_delta` (or the kernel `run`) from `[I | 0]` with values `[0 | v]`,
     every piece at once (the pieces stacked on the batch axis).
 

@@ -17,16 +17,38 @@ import numpy as np
 
 
 class BlockOptions(NamedTuple):
-    """The mask and scale of an attention call (static)."""
+    """The mask, scale and score cap of an attention call (static).
+
+    - `window`: query `i` sees key `j` only if `i - j < window` (with `causal`).
+    - `softcap`: scaled scores `x` become `softcap * tanh(x / softcap)` before the softmax
+      (Gemma 2), inside the block; the merge of partials is unchanged.
+    - `chunk`: query `i` sees key `j` only if `i // chunk == j // chunk` (Llama 4's
+      chunked attention, by token position; with `causal`).
+    """
 
     causal: bool
     window: int | None
     scale: float
+    softcap: float | None = None
+    chunk: int | None = None
 
     @staticmethod
-    def make(causal, window, scale, head_dim: int) -> "BlockOptions":
+    def make(causal, window, scale, head_dim: int, softcap=None, chunk=None) -> "BlockOptions":
         scale = 1.0 / float(np.sqrt(head_dim)) if scale is None else float(scale)
-        return BlockOptions(bool(causal), None if window is None else int(window), scale)
+        return BlockOptions(
+            bool(causal),
+            None if window is None else int(window),
+            scale,
+            None if softcap is None else float(softcap),
+            None if chunk is None else int(chunk),
+        )
+
+    @property
+    def reach(self) -> int | None:
+        """How far back (in positions) a query can see, or `None` (unbounded): `window - 1`
+        and `chunk - 1` bound it; what a neighbour exchange must bring."""
+        bounds = [n - 1 for n in (self.window, self.chunk) if n is not None]
+        return min(bounds) if bounds else None
 
 
 class AbstractBlockImpl(eqx.Module):
@@ -78,6 +100,10 @@ def pairs_are_empty(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):
         empty = empty | (q_pos.max(-1) < kv_pos.min(-1))
     if options.window is not None:  # every key at least `window` before every query
         empty = empty | (q_pos.min(-1) - kv_pos.max(-1) >= options.window)
+    if options.chunk is not None:  # every key in a chunk before every query's (or after)
+        c = options.chunk
+        empty = empty | (q_pos.min(-1) // c > kv_pos.max(-1) // c)
+        empty = empty | (q_pos.max(-1) // c < kv_pos.min(-1) // c)
     if q_seg is not None and kv_seg is not None:
         disjoint = (q_seg.max(-1) < kv_seg.min(-1)) | (q_seg.min(-1) > kv_seg.max(-1))
         empty = empty | disjoint
@@ -92,6 +118,10 @@ def pairs_are_full(options: BlockOptions, q_pos, kv_pos, q_seg, kv_seg):
         full = full & (q_pos.min(-1) >= kv_pos.max(-1))
     if options.window is not None:
         full = full & (q_pos.max(-1) - kv_pos.min(-1) < options.window)
+    if options.chunk is not None:  # every query and every key in one chunk
+        c = options.chunk
+        full = full & (q_pos.min(-1) // c == kv_pos.max(-1) // c)
+        full = full & (q_pos.max(-1) // c == kv_pos.min(-1) // c)
     if q_seg is not None and kv_seg is not None:
         one = q_seg.min(-1) == q_seg.max(-1)
         same = (kv_seg.min(-1) == q_seg.min(-1)) & (kv_seg.max(-1) == q_seg.min(-1))

@@ -24,6 +24,7 @@ from .._partition import local_shape, param_pspecs
 from .._sharding import ShardingSpec
 from ._all_gather import all_gather_latent_attention
 from ._block import PlatformChoice as PlatformChoice
+from ._block import apply_sinks as apply_sinks
 from ._block import block_attention as block_attention
 from ._block import merge_partials as merge_partials
 from ._choose import choose_strategy as choose_strategy
@@ -51,8 +52,10 @@ from ._validate import (
     check_attention_inputs,
 )
 from ._validate import check_options as check_options
+from ._validate import check_sinks as check_sinks
 from ._validate import check_spec_inputs as check_spec_inputs
 from ._validate import check_tensor_heads as check_tensor_heads
+from ._validate import check_variants as check_variants
 
 
 @no_type_check  # validated eagerly, with errors that say what to fix
@@ -66,6 +69,9 @@ def attention(
     spec: ShardingSpec | None = None,
     causal: bool = True,
     window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: ArrayLike | None = None,
     segment_ids: ArrayLike | None = None,
     scale: float | None = None,
     impl: str | None = None,
@@ -89,6 +95,15 @@ def attention(
     - `window`: sliding-window size `W`, or `None`: query `i` then sees keys `j` with
       `0 <= i - j < W` (Hugging Face's `sliding_window` rule; needs `causal=True`). Blocks
       and ring hops wholly outside the window are skipped, so the cost is O(W) per query.
+    - `chunk`: chunked attention (Llama 4), or `None`: query `i` sees key `j <= i` only if
+      `i // chunk == j // chunk` (original token positions; needs `causal=True`). Blocks
+      and ring hops outside every chunk are skipped. Composes with `window`.
+    - `softcap`: soft-capping of the scaled scores, `x -> softcap * tanh(x / softcap)`
+      before the softmax (Gemma 2), or `None`.
+    - `sinks`: `[q_heads]` float learned logits (GPT-OSS's attention sinks), or `None`: each
+      joins every row's softmax denominator and carries no value. Applied once after the
+      partial results are merged, so every strategy and layout supports it; its gradient is
+      exact (under a mesh, summed over the devices that hold each head).
     - `segment_ids`: `[batch, seq]` ints; tokens attend only within their own segment
       (packed documents stay isolated).
     - `scale`: score scale, default `1/sqrt(head_dim)`.
@@ -99,22 +114,26 @@ def attention(
     **Returns:** `[batch, seq, q_heads, v_head_dim]` (layout order) in the common dtype of
     `q`, `k`, `v` (mixed float dtypes are promoted; NumPy arrays are accepted).
 
-    **Raises:** `TypeError` for non-float q/k/v or a `spec` that is not a `ShardingSpec`;
-    `ValueError` for shapes that do not fit together or do not split over the spec's mesh.
+    **Raises:** `TypeError` for non-float q/k/v or sinks, or a `spec` that is not a
+    `ShardingSpec`; `ValueError` for shapes that do not fit together or do not split over
+    the spec's mesh, `sinks` not `[q_heads]`, `softcap <= 0`, `chunk < 1` or `chunk`
+    without `causal`.
 
     NaN and inf propagate as in naive softmax attention: a non-finite value in a query, or
     in a key or value that the query sees, makes that query's output non-finite. Keys a
     query does not see never affect it.
     """
     window = check_options("attention", spec, causal, scale, window)
+    softcap, chunk = check_variants("attention", causal, softcap, chunk)
     impl = _impl_name(impl, spec)
     q, k, v = as_float_arrays("attention", q=q, k=k, v=v)
     segment_ids = as_ids(segment_ids, "segment_ids")
     check_attention_inputs(q, k, v, segment_ids)
+    sinks = check_sinks("attention", sinks, q.shape[2])
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
     if spec is None:
-        out, _ = flash_attention(
+        out, lse = flash_attention(
             q,
             k,
             v,
@@ -122,15 +141,26 @@ def attention(
             kv_segment_ids=segment_ids,
             causal=causal,
             window=window,
+            chunk=chunk,
+            softcap=softcap,
             scale=scale,
             impl=impl,
         )
-        return out
-    strategy = resolve_strategy(spec, q, k, window)
+        return out if sinks is None else apply_sinks(out, lse, sinks)
+    options = BlockOptions.make(causal, window, scale, q.shape[-1], softcap, chunk)
+    strategy = resolve_strategy(spec, q, k, _reach_window(options))
     check_spec_inputs(spec, q, k, strategy)
-    options = BlockOptions.make(causal, window, scale, q.shape[-1])
-    out = _context_parallel(spec, strategy, q, (k, v), _kv_identity, (), segment_ids, options, impl)
+    out = _context_parallel(
+        spec, strategy, q, (k, v), _kv_identity, (), segment_ids, options, impl, sinks=sinks
+    )
     return cast(Array, out)
+
+
+def _reach_window(options: BlockOptions) -> int | None:
+    """The window that bounds what a query sees (`window`, `chunk`, whichever is tighter),
+    as the strategy's cost and the ring's hops count it; `None`: unbounded."""
+    reach = options.reach
+    return None if reach is None else reach + 1
 
 
 @no_type_check  # validated eagerly, with errors that say what to fix
@@ -142,6 +172,9 @@ def latent_attention(
     spec: ShardingSpec | None = None,
     causal: bool = True,
     window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: ArrayLike | None = None,
     segment_ids: ArrayLike | None = None,
     scale: float | None = None,
     impl: str | None = None,
@@ -169,7 +202,8 @@ def latent_attention(
       are differentiated, and replicated over the mesh except for a `tensor_axis`, over
       which they split as their annotations' logical axes say, e.g. `Float[Array,
       "kv_lora_rank heads nope_plus_v"]`) or a function (then no `tensor_axis`).
-    - `spec`, `causal`, `window`, `segment_ids`, `scale`, `impl`: as in `attention`.
+    - `spec`, `causal`, `window`, `chunk`, `softcap`, `sinks`, `segment_ids`, `scale`,
+      `impl`: as in `attention`.
 
     **Returns:** `[batch, seq, q_heads, v_head_dim]` (layout order) in the common dtype of
     `q` and the arrays `up_project` returns (mixed float dtypes are promoted).
@@ -181,6 +215,7 @@ def latent_attention(
     logical axes or, split by them, do not give each device its share of the heads.
     """
     window = check_options("latent_attention", spec, causal, scale, window)
+    softcap, chunk = check_variants("latent_attention", causal, softcap, chunk)
     impl = _impl_name(impl, spec)
     if not callable(up_project):
         raise TypeError(
@@ -193,11 +228,12 @@ def latent_attention(
     params, static = eqx.partition(up_project, eqx.is_array)
     k_shape, v_shape = _kv_shapes(up_project, latent)
     check_attention_inputs(q, k_shape, v_shape, segment_ids)
+    sinks = check_sinks("latent_attention", sinks, q.shape[2])
     if spec is None:
         k, v = up_project(latent)
         return attention(
-            q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale,
-            impl=impl,
+            q, k, v, causal=causal, window=window, chunk=chunk, softcap=softcap, sinks=sinks,
+            segment_ids=segment_ids, scale=scale, impl=impl,
         )  # fmt: skip
     for leaf in jax.tree.leaves(latent):
         if tuple(leaf.shape[:2]) != tuple(q.shape[:2]):
@@ -207,14 +243,15 @@ def latent_attention(
             )
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
-    strategy = resolve_strategy(spec, q, k_shape, window)
+    options = BlockOptions.make(causal, window, scale, q.shape[-1], softcap, chunk)
+    strategy = resolve_strategy(spec, q, k_shape, _reach_window(options))
     check_spec_inputs(spec, q, k_shape, strategy)
     expand = _Expand(static)
     params_specs = _up_projection_pspecs(spec, up_project, params, expand, latent, k_shape)
-    options = BlockOptions.make(causal, window, scale, q.shape[-1])
     out = _context_parallel(
-        spec, strategy, q, latent, expand, params, segment_ids, options, impl, params_specs
-    )
+        spec, strategy, q, latent, expand, params, segment_ids, options, impl, params_specs,
+        sinks=sinks,
+    )  # fmt: skip
     return cast(Array, out)
 
 
@@ -292,10 +329,13 @@ def _impl_name(impl, spec) -> Any:
 
 
 def _context_parallel(
-    spec, strategy, q, source, expand, params, segment_ids, options, impl, params_specs=None
-):
+    spec, strategy, q, source, expand, params, segment_ids, options, impl, params_specs=None,
+    *, sinks=None,
+):  # fmt: skip
     """Run `strategy` under `shard_map`; `expand(params, source) -> (k, v)` builds K/V from
-    `params` laid out as `params_specs` (default: replicated)."""
+    `params` laid out as `params_specs` (default: replicated). Every strategy returns
+    `(out, lse)`; `sinks` join them after the `shard_map` (`apply_sinks`), where each
+    device's heads take their own sinks and their gradients sum over the devices."""
     b, s = q.shape[:2]
     positions = jnp.broadcast_to(jnp.asarray(layout_order(spec, s)), (b, s))
     heads, tokens = spec.heads_pspec(), spec.token_pspec()
@@ -316,7 +356,7 @@ def _context_parallel(
         params = jax.tree.map(spec.place, params, params_specs)
     hops = None
     if strategy in ("ring", "usp"):
-        hops = ring_hops(spec, s, options.causal, options.window)
+        hops = ring_hops(spec, s, options.causal, _reach_window(options))
     # Outside USP, a strategy runs over every sequence axis (two of them when "auto" had a
     # ulysses axis to choose with); collectives accept a tuple of mesh axes.
     axes = spec.sequence_axes
@@ -328,7 +368,8 @@ def _context_parallel(
 
     def local(q, params, source, positions, segment_ids):
         with jax.named_scope(f"{strategy}_attention"):  # how a profile names the strategy
-            return strategy_local(q, params, source, positions, segment_ids)
+            out, lse = strategy_local(q, params, source, positions, segment_ids)
+        return out if sinks is None else (out, lse)
 
     def strategy_local(q, params, source, positions, segment_ids):
         if strategy == "all_gather":
@@ -365,8 +406,12 @@ def _context_parallel(
     fn = local
     if segment_ids is None:
         fn = lambda q, p, src, pos: local(q, p, src, pos, None)  # noqa: E731
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)
-    return mapped(*args)
+    out_specs = heads if sinks is None else (heads, PartitionSpec(*heads[:3]))
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    if sinks is None:
+        return mapped(*args)
+    out, lse = mapped(*args)
+    return apply_sinks(out, lse, spec.place(sinks, PartitionSpec(heads[2])))
 
 
 __all__ = [
@@ -378,12 +423,15 @@ __all__ = [
     "LayerCache",
     "Plan",
     "XlaBlockImpl",
+    "apply_sinks",
     "attention",
     "block_attention",
     "check_impl",
     "check_options",
+    "check_sinks",
     "check_spec_inputs",
     "check_tensor_heads",
+    "check_variants",
     "choose_strategy",
     "decode_attention",
     "explain",

@@ -36,6 +36,8 @@ def all_gather_latent_attention(
     crosses the wire; autodiff sends its gradient back with a reduce-scatter. The local
     attention is `impl`'s (`_block.block_attention`), split into zig-zag's causal halves
     when `halves` (`_halves.zigzag_attention`, `_tiling_policy.zigzag_halves`).
+
+    **Returns:** `(out, lse)` of this device's queries.
     """
     gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
     k, v = expand(params, jax.tree.map(gather, source))
@@ -43,5 +45,4 @@ def all_gather_latent_attention(
     args = (q, k, v, positions, gather(positions), segment_ids, kv_segments, options)
     if halves:  # this device's queries are one zig-zag shard, the keys all of them
         return zigzag_attention(impl, *args, q_shards=1, kv_shards=lax.axis_size(axis))
-    out, _ = block_attention(impl, *args)
-    return out
+    return block_attention(impl, *args)

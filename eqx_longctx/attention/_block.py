@@ -86,6 +86,23 @@ def merge_partials(out, lse, block_out, block_lse):
     return w_old * out + w_new * block_out.astype(jnp.float32), new
 
 
+def apply_sinks(out, lse, sinks):
+    """Attention sinks joined to merged partials: one learned logit per head (`sinks`,
+    `[heads]`) added to every row's softmax denominator, with no value (GPT-OSS).
+
+    With `lse' = logaddexp(lse, sink)` the output is `out * exp(lse - lse')`, that is
+    `out * sigmoid(lse - sink)`, applied once after every partial result is merged, so
+    every strategy and layout supports sinks unchanged. Differentiable: the gradient of
+    `lse` reaches the block backward (`delta = rowsum(dout * out) - dlse`) and the sinks
+    get theirs, summed over rows (and, under a mesh, over the devices holding them).
+
+    **Returns:** `out` `[batch, seq, heads, v_head_dim]` in its dtype; rows that see no key
+    stay 0.
+    """
+    weight = jax.nn.sigmoid(lse - sinks.astype(jnp.float32))
+    return (out.astype(jnp.float32) * weight[..., None]).astype(out.dtype)
+
+
 def block_attention(
     impl: BlockImpl, q, k, v, q_pos, kv_pos, q_seg, kv_seg, options
 ) -> tuple[jax.Array, jax.Array]:

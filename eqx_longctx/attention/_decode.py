@@ -73,12 +73,15 @@ def _split(kv: tuple, value_dim: int | None):
     return k, k[..., :value_dim]
 
 
-def _self_partial(q_rows, k_new, v_new, scale):
+def _self_partial(q_rows, k_new, v_new, options: BlockOptions):
     """The new token against its own key: `(out, lse)` in rows layout (`[b, g, kvh, dv]`,
     `[b, g, kvh]`). A single visible key: its value, weighted one."""
     s = jnp.einsum("bgkd,bkd->bgk", q_rows.astype(jnp.float32), k_new.astype(jnp.float32))
     out = jnp.broadcast_to(v_new[:, None].astype(jnp.float32), (*s.shape, v_new.shape[-1]))
-    return out, s * scale
+    s = s * options.scale
+    if options.softcap is not None:
+        s = options.softcap * jnp.tanh(s / options.softcap)
+    return out, s
 
 
 def _chunk_slots(entries, slots: int) -> int:
@@ -129,14 +132,16 @@ def _attend_slots(impl: AbstractBlockImpl, options, value_dim, rows, rows_pos, v
 
 
 def _local(
-    impl: AbstractBlockImpl, options: BlockOptions, value_dim, axes, q, new, view, cache_pos, q_pos
-):
-    """One device's decode attention (inside `shard_map`, or the whole of it on one device)."""
+    impl: AbstractBlockImpl, options: BlockOptions, value_dim, axes, q, new, view, cache_pos, q_pos,
+    sinks=None,
+):  # fmt: skip
+    """One device's decode attention (inside `shard_map`, or the whole of it on one device);
+    `sinks`: this device's heads' sinks, or `None`."""
     with jax.named_scope("decode_attention"):
-        return _local_scoped(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos)
+        return _local_scoped(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos, sinks)
 
 
-def _local_scoped(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos):
+def _local_scoped(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos, sinks):
     b, _, h, dk = q.shape
     k_new, v_new = _split(tuple(x[:, 0] for x in new), value_dim)
     kvh = view.entries[0].shape[2]
@@ -150,7 +155,10 @@ def _local_scoped(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos
         out, lse = outs[0, ..., :-1], outs[0, ..., -1]
         for i in range(1, outs.shape[0]):
             out, lse = merge_partials(out, lse, outs[i, ..., :-1], outs[i, ..., -1])
-    out, _ = merge_partials(out, lse, *_self_partial(rows, k_new, v_new, options.scale))
+    out, lse = merge_partials(out, lse, *_self_partial(rows, k_new, v_new, options))
+    if sinks is not None:  # after the merge, as `apply_sinks`; rows are [b, g, kvh]
+        rows_sinks = sinks.astype(jnp.float32).reshape(kvh, g).T
+        out = out * jax.nn.sigmoid(lse - rows_sinks)[..., None]
     out = out.transpose(0, 2, 1, 3).reshape(b, 1, h, out.shape[-1])
     return out.astype(q.dtype)
 
@@ -165,6 +173,9 @@ def decode_attention(
     spec: ShardingSpec | None,
     impl: AbstractBlockImpl,
     window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks=None,
     scale: float | None = None,
     split_heads: bool = True,
     value_dim: int | None = None,
@@ -186,6 +197,8 @@ def decode_attention(
     - `spec`: the sharding spec, or `None` for one device.
     - `impl`: the block implementation that attends each device's slots.
     - `window`: sliding window `W` (keys `j` with `0 <= i - j < W`), or `None`.
+    - `chunk`, `softcap`, `sinks`: as in `eqx_longctx.attention` (`sinks` `[q_heads]`,
+      joined after the merge; under a tensor axis each shard takes its own heads').
     - `scale`: the score scale (default `1/sqrt(head_dim)`).
     - `split_heads`: whether the cache's heads split over the spec's tensor axis (K/V
       heads), or stay whole on every tensor shard (one shared latent).
@@ -193,10 +206,12 @@ def decode_attention(
 
     **Returns:** `[batch, n, q_heads, v_dim]` in `q`'s dtype (equal along `n`).
     """
-    options = BlockOptions.make(True, window, scale, q.shape[-1])
+    options = BlockOptions.make(True, window, scale, q.shape[-1], softcap, chunk)
     view = _as_view(cache)
     if spec is None:
-        return _local(impl, options, value_dim, None, q, new, view, cache_positions, positions)
+        return _local(
+            impl, options, value_dim, None, q, new, view, cache_positions, positions, sinks
+        )
     batch, seq, tensor = spec.batch_entry(), spec.sequence_axes, spec.tensor_axis
     kv_heads = tensor if split_heads else None
     q_spec = PartitionSpec(batch, seq, tensor, None)
@@ -205,23 +220,25 @@ def decode_attention(
     tokens = spec.token_pspec()
     axes = seq[0] if len(seq) == 1 else seq
 
-    def local(q, new, view, cache_pos, q_pos):
-        return _local(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos)
+    def local(q, new, view, cache_pos, q_pos, *sinks):
+        sinks = sinks[0] if sinks else None
+        return _local(impl, options, value_dim, axes, q, new, view, cache_pos, q_pos, sinks)
 
     view_spec = LayerCache(tuple(stacked for _ in view.entries), PartitionSpec())
-    mapped = jax.shard_map(
-        local,
-        mesh=spec.compute_mesh(),
-        in_specs=(q_spec, tuple(kv_spec for _ in new), view_spec, tokens, tokens),
-        out_specs=q_spec,
-        check_vma=False,
-    )
+    in_specs = (q_spec, tuple(kv_spec for _ in new), view_spec, tokens, tokens)
     place = spec.place
     view = LayerCache(tuple(place(x, stacked) for x in view.entries), view.layer)
-    return mapped(
+    args = (
         place(q, q_spec),
         tuple(place(x, kv_spec) for x in new),
         view,
         place(cache_positions, tokens),
         place(positions, tokens),
     )
+    if sinks is not None:
+        in_specs = (*in_specs, PartitionSpec(tensor))
+        args = (*args, place(sinks, PartitionSpec(tensor)))
+    mapped = jax.shard_map(
+        local, mesh=spec.compute_mesh(), in_specs=in_specs, out_specs=q_spec, check_vma=False
+    )
+    return mapped(*args)

@@ -59,11 +59,12 @@ def zigzag_attention(
     q_shards: int,
     kv_shards: int,
 ):
-    """`block_attention(impl, q, k, v, ...)[0]` for a call whose queries are `q_shards` whole
+    """`block_attention(impl, q, k, v, ...)` for a call whose queries are `q_shards` whole
     zig-zag shards and whose keys are `kv_shards` (all-gather: 1 and `N`; Ulysses: `N` and
     `N`), split into its causal halves where `impl` asks for it.
 
-    **Returns:** the output, `[batch, q_seq, heads, v_head_dim]`, in `q`'s order.
+    **Returns:** `(out, lse)`, `[batch, q_seq, heads, v_head_dim]` and float32 `[batch,
+    q_seq, heads]`, in `q`'s order.
     """
     ids = () if q_seg is None else (q_seg, kv_seg)
     args = (q, k, v, q_pos, kv_pos, *ids)
@@ -76,13 +77,13 @@ def zigzag_attention(
 def _attend(impl, options, q_shards, kv_shards, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None):
     """One implementation's side of `zigzag_attention`: the halves, or the call whole."""
     if not (impl.splits_zigzag_halves and options.causal):
-        return block_attention(impl, q, k, v, q_pos, kv_pos, q_seg, kv_seg, options)[0]
+        return block_attention(impl, q, k, v, q_pos, kv_pos, q_seg, kv_seg, options)
     early_k, early_v, early_pos, early_seg = (half(x, kv_shards, 0) for x in (k, v, kv_pos, kv_seg))
     qa, qa_pos, qa_seg, qb, qb_pos, qb_seg = (
         half(x, q_shards, i) for i in (0, 1) for x in (q, q_pos, q_seg)
     )
-    out_a, _ = block_attention(
+    out_a, lse_a = block_attention(
         impl, qa, early_k, early_v, qa_pos, early_pos, qa_seg, early_seg, options
     )
-    out_b, _ = block_attention(impl, qb, k, v, qb_pos, kv_pos, qb_seg, kv_seg, options)
-    return join(out_a, out_b, q_shards)
+    out_b, lse_b = block_attention(impl, qb, k, v, qb_pos, kv_pos, qb_seg, kv_seg, options)
+    return join(out_a, out_b, q_shards), join(lse_a, lse_b, q_shards)

@@ -24,6 +24,7 @@ from ._validate import (
     check_attention_inputs,
     check_options,
     check_token_array,
+    check_variants,
 )
 
 
@@ -137,6 +138,8 @@ def flash_attention(
     kv_segment_ids=None,
     causal: bool = True,
     window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
     scale: float | None = None,
     impl: str = "auto",
     block_q: int | None = None,
@@ -161,7 +164,8 @@ def flash_attention(
       `0..seq-1` and `0..kv_seq-1`.
     - `q_segment_ids`, `kv_segment_ids`: `[batch, seq]` / `[batch, kv_seq]` ints, or `None`
       (both or neither).
-    - `causal`, `window`, `scale`: as in `attention`.
+    - `causal`, `window`, `chunk`, `softcap`, `scale`: as in `attention` (sinks join the
+      result afterwards: `apply_sinks(out, lse, sinks)`).
     - `impl`: `"auto"` (the Pallas kernels on TPU, XLA elsewhere), `"xla"` or `"pallas"`
       (on a CPU the kernels run in Pallas interpret mode).
     - `block_q`, `block_k`: block lengths (`None`: 512 on the XLA path, the TPU
@@ -179,6 +183,7 @@ def flash_attention(
     """
     where = "flash_attention"
     window = check_options(where, None, causal, scale, window)
+    softcap, chunk = check_variants(where, causal, softcap, chunk)
     for name, value in (("block_q", block_q), ("block_k", block_k), ("tile_bytes", tile_bytes)):
         if value is not None:
             check_int(value, f"{where}: {name}")
@@ -209,6 +214,6 @@ def flash_attention(
     block_impl = resolve_block_impl(
         impl, tiling=tiling, pallas_blocks=(block_q, block_k), dtype=q.dtype
     )
-    options = BlockOptions.make(causal, window, scale, q.shape[-1])
+    options = BlockOptions.make(causal, window, scale, q.shape[-1], softcap, chunk)
     with jax.named_scope("flash_attention"):
         return block_attention(block_impl, q, k, v, *masks, options)

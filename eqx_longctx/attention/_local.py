@@ -47,7 +47,8 @@ class XlaBlockImpl(AbstractBlockImpl):
     def tile_queries(self, q, positions, segment_ids, kv_like, options: BlockOptions):
         return QueryTiles.make(
             q, positions, segment_ids, kv_like, causal=options.causal, scale=options.scale,
-            tiling=self.tiling, window=options.window,
+            tiling=self.tiling, window=options.window, softcap=options.softcap,
+            chunk=options.chunk,
         )  # fmt: skip
 
     def attend(self, qt: QueryTiles, k, v, kv_positions, kv_segment_ids):
@@ -128,6 +129,8 @@ def _block_mask(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
         mask = q_pos[:, :, None] >= kv_pos[:, None, :]
     if config.window is not None:
         mask = mask & (q_pos[:, :, None] - kv_pos[:, None, :] < config.window)
+    if config.chunk is not None:
+        mask = mask & (q_pos[:, :, None] // config.chunk == kv_pos[:, None, :] // config.chunk)
     if config.use_segments:
         same = q_seg[:, :, None] == kv_seg[:, None, :]
         mask = same if mask is None else mask & same
@@ -141,6 +144,8 @@ def _block_mask_keys_major(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
         mask = q_pos[:, None, :] >= kv_pos[:, :, None]
     if config.window is not None:
         mask = mask & (q_pos[:, None, :] - kv_pos[:, :, None] < config.window)
+    if config.chunk is not None:
+        mask = mask & (q_pos[:, None, :] // config.chunk == kv_pos[:, :, None] // config.chunk)
     if config.use_segments:
         same = q_seg[:, None, :] == kv_seg[:, :, None]
         mask = same if mask is None else mask & same
@@ -149,22 +154,27 @@ def _block_mask_keys_major(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
 
 def _block_is_empty(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     """True when no query of the block sees any key of the block, for every batch row."""
-    options = BlockOptions(config.causal, config.window, config.scale)
     segments = (q_seg, kv_seg) if config.use_segments else (None, None)
-    return pairs_are_empty(options, q_pos, kv_pos, *segments)
+    return pairs_are_empty(config.options, q_pos, kv_pos, *segments)
 
 
 def _block_is_full(config: _Config, q_pos, kv_pos, q_seg, kv_seg):
     """True when every query of the block sees every key of the block, for every batch row
     (then the block runs without a mask)."""
-    options = BlockOptions(config.causal, config.window, config.scale)
     segments = (q_seg, kv_seg) if config.use_segments else (None, None)
-    return pairs_are_full(options, q_pos, kv_pos, *segments)
+    return pairs_are_full(config.options, q_pos, kv_pos, *segments)
+
+
+def _cap(config: _Config, s):
+    """Scaled float32 scores soft-capped (`softcap * tanh(s / softcap)`), or as they are."""
+    if config.softcap is None:
+        return s
+    return config.softcap * jnp.tanh(s / config.softcap)
 
 
 def _scores(config: _Config, qi, kj, mask):
     s = jnp.einsum("bkgsd,bktd->bkgst", qi, kj, preferred_element_type=jnp.float32)
-    s = s * config.scale
+    s = _cap(config, s * config.scale)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     return s
@@ -249,6 +259,7 @@ def _flash_fwd_tile(config, qb, kn, vn, kv_tile, v_finite, q_pos, kv_pos, q_seg,
             s = jnp.einsum("BSd,BdT->BST", qi_scaled, kj, preferred_element_type=jnp.float32)
         else:
             s = jnp.einsum("BSd,BdT->BST", qi, kj, preferred_element_type=jnp.float32) * scale
+        s = _cap(config, s)
         mask = None
         if kind != _FULL:
             mask = _block_mask(config, qpi, kv_pos[j], qsi, None if qsi is None else kv_seg[j])
@@ -374,7 +385,12 @@ def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, 
                 if masked:
                     mask = _block_mask_keys_major(config, q_pos[i], kpj, qsi, ksj)
                 s_t = jnp.einsum("bktd,bkgsd->bktgs", kj, qb[i], preferred_element_type=jnp.float32)
-                z_t = s_t * config.scale - lse_safe[i][:, :, None]
+                x_t = s_t * config.scale
+                t_t = x_t
+                if config.softcap is not None:  # d(c tanh(x / c))/dx = 1 - tanh(x / c)^2
+                    t_t = jnp.tanh(x_t / config.softcap)
+                    x_t = config.softcap * t_t
+                z_t = x_t - lse_safe[i][:, :, None]
                 # Masked before the exponential (exp(-inf) is 0), so that the masked
                 # probabilities are one pass: masked after it, XLA:CPU wrote `p_t` out
                 # unmasked, then masked, and built the mask again for `ds_t`.
@@ -391,6 +407,8 @@ def _backward_tile(config, qb, kb, vb, q_pos, kv_pos, q_seg, kv_seg, dout, lse, 
                     "bktv,bkgsv->bktgs", vj, dout[i], preferred_element_type=jnp.float32
                 )
                 ds_t = p_t * (dp_t - delta[i][:, :, None]) * config.scale
+                if config.softcap is not None:
+                    ds_t = ds_t * (1.0 - t_t * t_t)
                 dk = dk + jnp.einsum(
                     "bktgs,bkgsd->bktd",
                     ds_t.astype(qb.dtype),

@@ -75,7 +75,8 @@ def ring_attention(
     - `impl`, `options`: the block implementation and the mask and scale.
     - `hops`: how many hops can see anything (`None`: all `N`).
 
-    **Returns:** this shard's attention output, `q`'s dtype.
+    **Returns:** `(out, lse)`: this shard's attention output (`q`'s dtype) and float32
+    logsumexp.
     """
     return ring_latent_attention(
         q, (k, v), _kv_identity, (), positions, segment_ids, axis=axis, impl=impl,
@@ -110,7 +111,8 @@ def ring_latent_attention(
     - `params`: a pytree of arrays `expand` uses (replicated).
     - `positions`, `segment_ids`, `impl`, `options`, `hops`: as in `ring_attention`.
 
-    **Returns:** this shard's attention output, `q`'s dtype.
+    **Returns:** `(out, lse)`: this shard's attention output (`q`'s dtype) and float32
+    logsumexp (differentiable: its cotangent reaches the backward's `delta`).
     """
     config = _RingConfig(axis, impl, options, expand, hops)
     fn = _ring if config.impl.pure_forward else _ring_effects
@@ -137,8 +139,7 @@ def _zeros_f32(tree):
 
 
 def _ring_primal(config, q, params, source, positions, segment_ids):
-    out, _ = _ring_forward(config, q, params, source, positions, segment_ids)
-    return out
+    return _ring_forward(config, q, params, source, positions, segment_ids)
 
 
 def _query_tiles(config, q, positions, segment_ids, k_shape):
@@ -185,17 +186,19 @@ def _ring_forward_one(impl, config, q, params, source, positions, segment_ids):
 
 def _ring_fwd(config, q, params, source, positions, segment_ids):
     out, lse = _ring_forward(config, q, params, source, positions, segment_ids)
-    return out, (q, params, source, positions, segment_ids, out, lse)
+    return (out, lse), (q, params, source, positions, segment_ids, out, lse)
 
 
-def _ring_bwd(config, residuals, dout):
-    return per_platform(config.impl, _ring_bwd_one, config, residuals, dout)
+def _ring_bwd(config, residuals, cotangents):
+    return per_platform(config.impl, _ring_bwd_one, config, residuals, cotangents)
 
 
-def _ring_bwd_one(impl, config, residuals, dout):
+def _ring_bwd_one(impl, config, residuals, cotangents):
     config = config._replace(impl=impl)  # the side `per_platform` runs
     q, params, source, positions, segment_ids, out, lse = residuals
+    dout, dlse = cotangents
     delta = jnp.einsum("bshv,bshv->bsh", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - dlse.astype(jnp.float32)
     # The query side is tiled once; the query gradient accumulates block-major over the hops.
     k0, _ = jax.eval_shape(config.expand, params, source)
     qt = _query_tiles(config, q, positions, segment_ids, k0)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._block_contract import BlockOptions
 from .._types import Array
 
 DEFAULT_BLOCK_Q = 512
@@ -46,6 +47,13 @@ class _Config(NamedTuple):
     scale: float
     use_segments: bool
     window: int | None = None  # keys with q_pos - kv_pos >= window are hidden (causal only)
+    softcap: float | None = None  # scaled scores x -> softcap * tanh(x / softcap)
+    chunk: int | None = None  # keys with kv_pos // chunk != q_pos // chunk are hidden
+
+    @property
+    def options(self):
+        """The `BlockOptions` this configuration masks by (the skip rules' input)."""
+        return BlockOptions(self.causal, self.window, self.scale, self.softcap, self.chunk)
 
 
 class QueryTiles(NamedTuple):
@@ -64,10 +72,22 @@ class QueryTiles(NamedTuple):
     blocks: "_Blocks"
     qb: Array  # block-major queries
     window: int | None = None
+    softcap: float | None = None
+    chunk: int | None = None
 
     @staticmethod
     def make(
-        q, positions, segment_ids, kv, *, causal, scale, tiling: Tiling, window=None
+        q,
+        positions,
+        segment_ids,
+        kv,
+        *,
+        causal,
+        scale,
+        tiling: Tiling,
+        window=None,
+        softcap=None,
+        chunk=None,
     ) -> "QueryTiles":
         """`kv`: anything with the `.shape` of the K/V blocks to come."""
         q_like = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -77,7 +97,7 @@ class QueryTiles(NamedTuple):
         )  # fmt: skip
         return QueryTiles(
             q_like, positions, segment_ids, causal, scale, tiling, blocks, blocks.split_q(q),
-            window,
+            window, softcap, chunk,
         )  # fmt: skip
 
     def hop(self, k, kv_positions, kv_segment_ids) -> tuple["_Blocks", _Config]:
@@ -86,7 +106,8 @@ class QueryTiles(NamedTuple):
             self.q, k, self.positions, kv_positions, self.segment_ids, kv_segment_ids, t.block,
             t.kv_block, t.tile_bytes,
         )  # fmt: skip
-        return blocks, blocks.config(self.causal, self.scale, self.q.shape[-1], self.window)
+        config = blocks.config(self.causal, self.scale, self.q.shape[-1], self.window)
+        return blocks, config._replace(softcap=self.softcap, chunk=self.chunk)
 
     @property
     def rows(self) -> tuple[int, ...]:

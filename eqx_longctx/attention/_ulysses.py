@@ -45,7 +45,9 @@ def ulysses_attention(
 
     `inner(q, k, v, positions, segment_ids)` attends the head shard over the full sequence
     gathered over `axis` (default: `impl`'s local attention, split into zig-zag's causal
-    halves when `halves`; USP passes the ring).
+    halves when `halves`; USP passes the ring), and returns `(out, lse)`.
+
+    **Returns:** `(out, lse)` of this device's sequence shard, all heads.
     """
     degree = lax.axis_size(axis)
     r = kv_repeats(k.shape[2], degree)
@@ -57,11 +59,12 @@ def ulysses_attention(
     positions, segment_ids = together((positions, segment_ids), gather)
     if inner is None and halves:  # the whole sequence: every zig-zag shard, both sides
         args = (q, k, v, positions, positions, segment_ids, segment_ids, options)
-        out = zigzag_attention(impl, *args, q_shards=degree, kv_shards=degree)
+        out, lse = zigzag_attention(impl, *args, q_shards=degree, kv_shards=degree)
     elif inner is None:
-        out, _ = block_attention(
+        out, lse = block_attention(
             impl, q, k, v, positions, positions, segment_ids, segment_ids, options
         )
     else:
-        out = inner(q, k, v, positions, segment_ids)
-    return lax.all_to_all(out, axis, 1, 2, tiled=True)
+        out, lse = inner(q, k, v, positions, segment_ids)
+    to_tokens = lambda x: lax.all_to_all(x, axis, 1, 2, tiled=True)  # noqa: E731
+    return to_tokens(out), to_tokens(lse)

@@ -77,6 +77,58 @@ def check_options(where: str, spec, causal, scale, window=None) -> int | None:
     return window
 
 
+def check_variants(where: str, causal, softcap, chunk) -> tuple[float | None, int | None]:
+    """The softmax variants' options; **returns** `(softcap, chunk)` as float and int.
+
+    **Raises:** `TypeError` for options of the wrong type; `ValueError` for `softcap <= 0`,
+    `chunk < 1`, or `chunk` without `causal`.
+    """
+    if softcap is not None:
+        softcap = float(check_real(softcap, f"{where}: softcap"))
+        if not softcap > 0 or not np.isfinite(softcap):
+            raise ValueError(
+                f"{where}: softcap must be a finite number > 0 (scores x become softcap * "
+                f"tanh(x / softcap)); got softcap={softcap}. Use softcap=None for no cap."
+            )
+    if chunk is not None:
+        chunk = check_int(chunk, f"{where}: chunk", minimum=None)
+        if chunk < 1:
+            raise ValueError(
+                f"{where}: chunk must be >= 1 (query i sees keys j with i // chunk == j // "
+                f"chunk); got chunk={chunk}. Use chunk=None for no chunking."
+            )
+        if not causal:
+            raise ValueError(
+                f"{where}: chunked attention needs causal=True (query i sees keys j <= i of "
+                f"its own chunk); got chunk={chunk} with causal=False. Pass causal=True, or "
+                "chunk=None."
+            )
+    return softcap, chunk
+
+
+def check_sinks(where: str, sinks, q_heads: int):
+    """`None`, or `sinks` as a float `[q_heads]` JAX array (one learned logit per query
+    head, GPT-OSS's attention sinks).
+
+    **Raises:** `TypeError` for a non-float array; `ValueError` for the wrong shape.
+    """
+    if sinks is None:
+        return None
+    if not isinstance(sinks, jax.Array | jax.ShapeDtypeStruct):
+        sinks = jnp.asarray(sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(
+            f"{where}: sinks must be floating point (one learned logit per query head); got "
+            f"dtype {sinks.dtype}. Cast with .astype(jnp.float32)."
+        )
+    if tuple(sinks.shape) != (q_heads,):
+        raise ValueError(
+            f"{where}: sinks must have shape [q_heads] = ({q_heads},), one logit per query "
+            f"head; got shape {tuple(sinks.shape)}."
+        )
+    return sinks
+
+
 def check_layout(where: str, **arrays) -> None:
     """Raise `ValueError` unless every one of `arrays` (by name) is of rank 4, laid out
     `[batch, seq, heads, head_dim]`."""

@@ -136,6 +136,11 @@ class PallasBlockImpl(AbstractBlockImpl):
                 f"impl='pallas' runs float32 or bfloat16 inputs; got {q.dtype}. Cast q, k, v "
                 "with .astype(jnp.float32) (or bfloat16), or use impl='xla'."
             )
+        if options.softcap is not None or options.chunk is not None:
+            raise NotImplementedError(
+                "impl='pallas': the kernels do not run softcap= or chunk= yet; got softcap="
+                f"{options.softcap}, chunk={options.chunk}. Use impl='xla'."
+            )
         cfg = make_config(
             q, kv_like, segment_ids, causal=options.causal, window=options.window,
             scale=options.scale, block_q=self.block_q, block_k=self.block_k,

@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._sharding import ShardingSpec
 from .._types import Hidden, Positions, SegmentIds
-from ..attention import attention, check_options, decode_attention
+from ..attention import attention, check_options, check_variants, decode_attention
 from ._norm import RMSNorm
 from ._rope import RoPE, RotaryTables
 
@@ -41,6 +41,11 @@ class SelfAttention(eqx.Module):
     `rope.head_dim` features of each query and key (partial RoPE), passing the rest through.
     `norm_zero_centred` makes the q/k norms scale by `1 + weight` (`RMSNorm`'s
     `zero_centred`).
+
+    The softmax variants of `eqx_longctx.attention` are options too: `sinks=True` learns one
+    sink logit per query head (GPT-OSS; zero-initialised), `softcap` caps the scores
+    (Gemma 2), `chunk` makes the attention chunked (Llama 4), and `scale` replaces
+    `1/sqrt(head_dim)` (Gemma's `query_pre_attn_scalar ** -0.5`).
     """
 
     wq: Float[Array, "embed q_heads head_dim"]
@@ -53,12 +58,16 @@ class SelfAttention(eqx.Module):
     bv: Float[Array, "kv_heads head_dim"] | None
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
+    sinks: Float[Array, " q_heads"] | None
     rope: RoPE
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
     window: int | None = eqx.field(static=True)
+    chunk: int | None = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
+    scale: float | None = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
@@ -77,6 +86,10 @@ class SelfAttention(eqx.Module):
         output_gate: bool = False,
         causal: bool = True,
         window: int | None = None,
+        chunk: int | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+        scale: float | None = None,
         init_std: float = 0.02,
         out_init_std: float | None = None,
         dtype=jnp.float32,
@@ -100,6 +113,12 @@ class SelfAttention(eqx.Module):
         - `window`: sliding-window size `W` (needs `causal`): query `i` attends keys `j`
           with `0 <= i - j < W`; `None` = no window. Static, so that the attention skips
           the blocks outside the window.
+        - `chunk`: chunked attention (needs `causal`): query `i` attends keys `j <= i` with
+          `i // chunk == j // chunk`; `None` = no chunks (Llama 4).
+        - `softcap`: cap on the scaled scores, `softcap * tanh(x / softcap)` (Gemma 2).
+        - `sinks`: learn one sink logit per query head (`sinks`, `[q_heads]`,
+          zero-initialised), joined to every softmax denominator (GPT-OSS).
+        - `scale`: the score scale; `None` = `1/sqrt(head_dim)`.
         - `init_std`, `out_init_std`: standard deviations of q/k/v and of the output
           projection (default `init_std`).
         - `dtype`: parameter dtype.
@@ -107,9 +126,13 @@ class SelfAttention(eqx.Module):
 
         **Raises:** `TypeError` for a `spec` that is not a `ShardingSpec` or options of the wrong
         type; `ValueError` when `n_heads` is not a multiple of `n_kv_heads`, `rope.head_dim`
-        exceeds `head_dim`, or `window` is not a positive int or is set without `causal`.
+        exceeds `head_dim`, `window` or `chunk` is not a positive int or is set without
+        `causal`, or `softcap` is not a positive number.
         """
-        self.window = check_options("SelfAttention", spec, causal, None, window)
+        self.window = check_options("SelfAttention", spec, causal, scale, window)
+        self.softcap, self.chunk = check_variants("SelfAttention", causal, softcap, chunk)
+        self.scale = None if scale is None else float(scale)
+        self.sinks = jnp.zeros((n_heads,), dtype) if sinks else None
         out_init_std = init_std if out_init_std is None else out_init_std
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.wq = init_std * jax.random.normal(kq, (dim, n_heads, head_dim), dtype)
@@ -227,8 +250,9 @@ class SelfAttention(eqx.Module):
 
     def _attend(self, q, k, v, segment_ids, impl=None):
         return attention(
-            q, k, v, spec=self.spec, causal=self.causal, window=self.window,
-            segment_ids=segment_ids, impl=impl,
+            q, k, v, spec=self.spec, causal=self.causal, window=self.window, chunk=self.chunk,
+            softcap=self.softcap, sinks=self.sinks, segment_ids=segment_ids, scale=self.scale,
+            impl=impl,
         )  # fmt: skip
 
     def _output(self, out, x):
@@ -278,6 +302,7 @@ class SelfAttention(eqx.Module):
         q, k, v = self._project(x, positions)
         out = decode_attention(
             q, (k, v), cache, cache_positions, positions, spec=self.spec, impl=impl,
-            window=self.window,
+            window=self.window, chunk=self.chunk, softcap=self.softcap, sinks=self.sinks,
+            scale=self.scale,
         )  # fmt: skip
         return self._output(out, x), (k, v)

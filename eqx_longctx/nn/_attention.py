@@ -56,6 +56,7 @@ class SelfAttention(eqx.Module):
     bq: Float[Array, "q_heads head_dim"] | None
     bk: Float[Array, "kv_heads head_dim"] | None
     bv: Float[Array, "kv_heads head_dim"] | None
+    bo: Float[Array, " embed"] | None
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     sinks: Float[Array, " q_heads"] | None
@@ -80,6 +81,7 @@ class SelfAttention(eqx.Module):
         rope: RoPE,
         key: PRNGKeyArray,
         qkv_bias: bool = False,
+        output_bias: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
         norm_zero_centred: bool = False,
@@ -104,6 +106,8 @@ class SelfAttention(eqx.Module):
           leading `rope.head_dim` features when narrower (partial RoPE).
         - `key`: PRNG key for the normal initialisation.
         - `qkv_bias`: add learned biases to the q/k/v projections (Qwen2); zero-initialised.
+        - `output_bias`: add a learned `[embed]` bias to the output projection (GPT-OSS,
+          with `qkv_bias`); zero-initialised.
         - `qk_norm`: RMS-normalise each query and key head before RoPE (Qwen3).
         - `norm_eps`: epsilon of those norms (unused without `qk_norm`).
         - `norm_zero_centred`: those norms scale by `1 + weight` (Qwen3-Next).
@@ -149,6 +153,7 @@ class SelfAttention(eqx.Module):
             self.bv = jnp.zeros((n_kv_heads, head_dim), dtype)
         else:
             self.bq = self.bk = self.bv = None
+        self.bo = jnp.zeros((dim,), dtype) if output_bias else None
         if qk_norm:
             self.q_norm, self.k_norm = (
                 RMSNorm(head_dim, eps=norm_eps, dtype=dtype, zero_centred=norm_zero_centred)
@@ -259,7 +264,8 @@ class SelfAttention(eqx.Module):
         if self.wg is not None:
             gate = jnp.einsum("bse,ehd->bshd", x, self.wg.astype(x.dtype))
             out = out * jax.nn.sigmoid(gate).astype(out.dtype)
-        return jnp.einsum("bshd,hde->bse", out, self.wo.astype(out.dtype))
+        out = jnp.einsum("bshd,hde->bse", out, self.wo.astype(out.dtype))
+        return out if self.bo is None else out + self.bo.astype(out.dtype)
 
     # ---- inference (eqx_longctx.inference): the cache holds K and V per KV head ----------
 

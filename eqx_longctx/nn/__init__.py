@@ -22,6 +22,7 @@ from ._loss import vocab_axes as vocab_axes
 from ._mla import MultiHeadLatentAttention as MultiHeadLatentAttention
 from ._mlp import SwiGLU as SwiGLU
 from ._moe import GROUPED_MATMULS as GROUPED_MATMULS
+from ._moe import ClampedSwiGLU as ClampedSwiGLU
 from ._moe import MoE as MoE
 from ._moe import check_routing as check_routing
 from ._norm import RMSNorm as RMSNorm
@@ -44,6 +45,7 @@ __all__ = [
     "prepare_inputs",
     "REMAT_POLICIES",
     "GROUPED_MATMULS",
+    "ClampedSwiGLU",
     "AbstractDecoder",
     "AbstractRopeScaling",
     "check_routing",

@@ -32,6 +32,7 @@ from .._types import Hidden
 from ._mlp import SwiGLU
 from ._moe_dispatch import (
     GROUPED_MATMULS,
+    ClampedSwiGLU,
     resolve_grouped_matmul,
     routed_experts,
     routed_experts_all_to_all,
@@ -112,6 +113,11 @@ class MoE(eqx.Module):
     With `shared_gate` (Qwen2-MoE, Qwen3-Next), the shared block's output is multiplied by
     a per-token gate, `sigmoid(x @ shared_gate)`, before it is added.
 
+    GPT-OSS's experts: `router_bias` adds a learned bias to the router logits (greedy
+    routing with `norm_topk_prob` is then its softmax over the top-k logits),
+    `expert_bias` gives every routed expert biases on its three projections, and
+    `activation=ClampedSwiGLU(alpha, limit)` replaces their `silu(gate) * up`.
+
     With a sharding spec, each device routes its own tokens. Without `spec.expert_axis`,
     it computes them against replicated expert weights, with no communication. With it
     (expert parallelism), the routed experts are split over that axis, `experts / D`
@@ -124,9 +130,13 @@ class MoE(eqx.Module):
 
     router: Float[Array, "embed experts"]
     score_bias: Float[Array, " experts"] | None
+    router_bias: Float[Array, " experts"] | None
     w_gate: Float[Array, "experts embed hidden"]
     w_up: Float[Array, "experts embed hidden"]
     w_down: Float[Array, "experts hidden embed"]
+    b_gate: Float[Array, "experts hidden"] | None
+    b_up: Float[Array, "experts hidden"] | None
+    b_down: Float[Array, "experts embed"] | None
     shared: SwiGLU | None
     shared_gate: Float[Array, " embed"] | None
     top_k: int = eqx.field(static=True)
@@ -138,6 +148,7 @@ class MoE(eqx.Module):
     grouped_matmul: str = eqx.field(static=True)
     tile: int = eqx.field(static=True)
     capacity_factor: float | None = eqx.field(static=True)
+    activation: ClampedSwiGLU | None = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
@@ -159,6 +170,9 @@ class MoE(eqx.Module):
         grouped_matmul: str = "auto",
         tile: int = 128,
         capacity_factor: float | None = None,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        activation: ClampedSwiGLU | None = None,
         init_std: float = 0.02,
         out_init_std: float | None = None,
         dtype=jnp.float32,
@@ -188,6 +202,11 @@ class MoE(eqx.Module):
           * tokens * top_k / D)`, `tokens` being the device's own. Copies beyond it are
           dropped, as in GShard and MaxText (they add nothing to the output); `D` or more
           never drops. Without `spec.expert_axis` it has no effect.
+        - `router_bias`: a learned `[experts]` bias on the router logits; zero-initialised.
+        - `expert_bias`: biases on each routed expert's gate, up and down projections;
+          zero-initialised.
+        - `activation`: the routed experts' gated activation; `None` = `silu(gate) * up`,
+          or a `ClampedSwiGLU` (GPT-OSS).
         - `init_std`, `out_init_std`: standard deviations of the router and input
           projections, and of the output projections (default `init_std`).
         - `dtype`: parameter dtype.
@@ -210,6 +229,17 @@ class MoE(eqx.Module):
         self.w_gate = init_std * jax.random.normal(k_gate, shape, dtype)
         self.w_up = init_std * jax.random.normal(k_up, shape, dtype)
         self.w_down = out_init_std * jax.random.normal(k_down, (n_experts, hidden_dim, dim), dtype)
+        self.router_bias = jnp.zeros((n_experts,), dtype) if router_bias else None
+        self.b_gate = self.b_up = self.b_down = None
+        if expert_bias:
+            self.b_gate = jnp.zeros((n_experts, hidden_dim), dtype)
+            self.b_up = jnp.zeros((n_experts, hidden_dim), dtype)
+            self.b_down = jnp.zeros((n_experts, dim), dtype)
+        if activation is not None and not isinstance(activation, ClampedSwiGLU):
+            raise TypeError(
+                f"MoE activation must be None (SwiGLU) or a ClampedSwiGLU; got {activation!r}."
+            )
+        self.activation = activation
         self.shared = self.shared_gate = None
         if n_shared:
             if shared_gate:
@@ -280,6 +310,8 @@ class MoE(eqx.Module):
         top_k]` each.
         """
         logits = jnp.einsum("te,ex->tx", x.astype(jnp.float32), self.router.astype(jnp.float32))
+        if self.router_bias is not None:
+            logits = logits + self.router_bias.astype(jnp.float32)
         if self.topk_method == "noaux_tc":
             assert self.score_bias is not None
             scores = jax.nn.sigmoid(logits)
@@ -340,11 +372,19 @@ class MoE(eqx.Module):
         b, s, e = x.shape
         tokens = x.reshape(b * s, e)
         indices, weights = self.route(tokens)
-        w = tuple(a.astype(x.dtype) for a in (self.w_gate, self.w_up, self.w_down))
+        w, biases = self._experts(x.dtype)
         method = resolve_grouped_matmul(self.grouped_matmul)
-        out = routed_experts(tokens, indices, weights, *w, method=method, tile=self.tile)
+        out = routed_experts(tokens, indices, weights, *w, method=method, tile=self.tile,
+                             biases=biases, act=self.activation)  # fmt: skip
         out = out.reshape(b, s, e)
         return out if self.shared is None else out + self._shared(x)
+
+    def _experts(self, dtype):
+        """The routed experts' `(w_gate, w_up, w_down)` and biases (or `None`) in `dtype`."""
+        w = tuple(a.astype(dtype) for a in (self.w_gate, self.w_up, self.w_down))
+        if self.b_gate is None or self.b_up is None or self.b_down is None:
+            return w, None
+        return w, tuple(b.astype(dtype) for b in (self.b_gate, self.b_up, self.b_down))
 
     def _shared(self, x):
         """The shared block's output, gated if `shared_gate`."""
@@ -363,21 +403,21 @@ class MoE(eqx.Module):
         axis = spec.expert_axis
         spec.check_batch(x.shape[0], "the MoE input's batch")
         act = spec.activation_pspec()
+
+        def split(m):  # the arrays split over the expert axis
+            biases = () if m.b_gate is None else (m.b_gate, m.b_up, m.b_down)
+            return (m.w_gate, m.w_up, m.w_down, *biases)
+
         # Gathered out of any fsdp/tensor split, still split over the experts: the weights
         # never travel, the tokens do.
-        experts = tuple(
-            spec.place(w, PartitionSpec(axis, None, None))
-            for w in (self.w_gate, self.w_up, self.w_down)
-        )
-        routed = eqx.tree_at(lambda m: (m.w_gate, m.w_up, m.w_down), self, experts)
+        experts = tuple(spec.place(w, PartitionSpec(axis)) for w in split(self))
+        routed = eqx.tree_at(split, self, experts)
         routed = eqx.tree_at(
             lambda m: (m.shared, m.shared_gate), routed, (None, None), is_leaf=_none
         )
         params, static = eqx.partition(routed, eqx.is_array)
         in_specs = jax.tree.map(lambda _: PartitionSpec(), params)
-        in_specs = eqx.tree_at(
-            lambda m: (m.w_gate, m.w_up, m.w_down), in_specs, (PartitionSpec(axis),) * 3
-        )
+        in_specs = eqx.tree_at(split, in_specs, (PartitionSpec(axis),) * len(experts))
         method = resolve_grouped_matmul(self.grouped_matmul)
 
         def local(params, x):
@@ -385,10 +425,11 @@ class MoE(eqx.Module):
             b, s, e = x.shape
             tokens = x.reshape(b * s, e)
             indices, weights = moe.route(tokens)
-            w = tuple(a.astype(x.dtype) for a in (moe.w_gate, moe.w_up, moe.w_down))
+            w, biases = moe._experts(x.dtype)
             out = routed_experts_all_to_all(
                 tokens, indices, weights, *w, axis=axis, n_experts=self.n_experts,
                 method=method, tile=self.tile, capacity_factor=self.capacity_factor,
+                biases=biases, act=self.activation,
             )  # fmt: skip
             return out.reshape(b, s, e)
 

@@ -21,7 +21,9 @@ References: Lepikhin et al. 2020, "GShard" (arXiv:2006.16668), for all-to-all di
 Gale et al. 2022, "MegaBlocks" (arXiv:2211.15841), for dropless grouped matmuls.
 """
 
+import dataclasses
 import math
+from typing import final
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,28 @@ from jaxtyping import Array, Float, Int
 GROUPED_MATMULS = ("auto", "ragged_dot", "scan")
 """How `MoE(grouped_matmul=...)` runs its experts: `"auto"` (`"ragged_dot"` on TPU, else
 `"scan"`), `"ragged_dot"` (one grouped matmul) or `"scan"` (one expert at a time)."""
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation, in place of SwiGLU's `silu(gate) * up`: the gate
+    clamped above at `limit`, the up projection to `[-limit, limit]`, then
+    `gate * sigmoid(alpha * gate) * (up + 1)`. Frozen (hashable): a static field of `MoE`.
+
+    **Arguments:**
+
+    - `alpha`: the sigmoid's gain (GPT-OSS: 1.702).
+    - `limit`: the clamp (GPT-OSS: 7.0).
+    """
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: Array, up: Array) -> Array:
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
 
 
 def resolve_grouped_matmul(method: str) -> str:
@@ -50,6 +74,8 @@ def routed_experts(
     *,
     method: str,
     tile: int,
+    biases: tuple[Array, ...] | None = None,
+    act: ClampedSwiGLU | None = None,
 ) -> Float[Array, "tokens embed"]:
     """`sum_k weights[t, k] * expert_{indices[t, k]}(tokens[t])`, every expert local.
 
@@ -59,13 +85,16 @@ def routed_experts(
     - `indices`, `weights`: the routing, `[tokens, top_k]` each (see `MoE.route`).
     - `w_gate`, `w_up`, `w_down`: the experts' SwiGLU weights, in the compute dtype.
     - `method`: `"ragged_dot"` or `"scan"`; `tile`: rows per tile of `"scan"`.
+    - `biases`: the experts' `(gate [experts, hidden], up [experts, hidden], down
+      [experts, embed])` biases, or `None`.
+    - `act`: the gated activation of `gate` and `up`; `None` = SwiGLU's `silu(gate) * up`.
 
     **Returns:** `[tokens, embed]` in the dtype of `tokens`.
     """
     t, top_k = indices.shape
     rows = indices.reshape(-1)  # row n = token n // top_k, slot n % top_k
     y = _experts_by_row(tokens, jnp.arange(t * top_k) // top_k, rows, w_gate, w_up, w_down,
-                        method=method, tile=tile)  # fmt: skip
+                        method=method, tile=tile, biases=biases, act=act)  # fmt: skip
     return _combine(y.reshape(t, top_k, -1), weights, tokens.dtype)
 
 
@@ -82,6 +111,8 @@ def routed_experts_all_to_all(
     method: str,
     tile: int,
     capacity_factor: float | None = None,
+    biases: tuple[Array, ...] | None = None,
+    act: ClampedSwiGLU | None = None,
 ) -> Float[Array, "tokens embed"]:
     """The same as `routed_experts`, with the experts split over mesh axis `axis`.
 
@@ -89,7 +120,7 @@ def routed_experts_all_to_all(
     its `experts / D` consecutive experts (device `d` of the `D` along `axis` holds experts
     `d * experts / D` onwards).
 
-    **Arguments:** as `routed_experts`, and
+    **Arguments:** as `routed_experts` (the biases this device's experts'), and
 
     - `axis`: the expert mesh axis.
     - `n_experts`: the number of experts over all devices.
@@ -124,7 +155,7 @@ def routed_experts_all_to_all(
     recv_x, recv_expert = exchange(send_x), exchange(send_expert)  # [d, c, ...] by source
     recv_y = _experts_by_row(
         recv_x.reshape(n_dev * room, -1), jnp.arange(n_dev * room), recv_expert.reshape(-1),
-        w_gate, w_up, w_down, method=method, tile=tile,
+        w_gate, w_up, w_down, method=method, tile=tile, biases=biases, act=act,
     )  # fmt: skip
     back = exchange(recv_y.reshape(n_dev, room, -1))  # back[d, c]: the result of send_x[d, c]
     rank = _inverse(order) - starts[rows // local]  # each row's place in its buffer
@@ -140,7 +171,9 @@ def _inverse(order):
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
-def _experts_by_row(x, row_source, row_expert, w_gate, w_up, w_down, *, method, tile):
+def _experts_by_row(
+    x, row_source, row_expert, w_gate, w_up, w_down, *, method, tile, biases=None, act=None
+):
     """Row `n` is `x[row_source[n]]` for expert `row_expert[n]` -> `[rows, embed]`.
 
     A `row_expert` of `experts` (one past the last) marks a padding row: it belongs to no
@@ -151,27 +184,47 @@ def _experts_by_row(x, row_source, row_expert, w_gate, w_up, w_down, *, method, 
     group_sizes = jnp.bincount(row_expert, length=n_experts).astype(jnp.int32)
     sorted_x = x[row_source[order]]
     if method == "ragged_dot":
-        sorted_y = _experts_ragged_dot(sorted_x, group_sizes, w_gate, w_up, w_down)
+        sorted_y = _experts_ragged_dot(
+            sorted_x, group_sizes, row_expert[order], w_gate, w_up, w_down, biases, act
+        )
     else:
         sorted_y = _experts_tiled(
-            sorted_x, group_sizes, row_expert[order], w_gate, w_up, w_down, tile=tile
-        )
+            sorted_x, group_sizes, row_expert[order], w_gate, w_up, w_down, tile=tile,
+            biases=biases, act=act,
+        )  # fmt: skip
     return sorted_y[_inverse(order)]
 
 
-def _swiglu_rows(x, w_gate, w_up, w_down):
-    return jnp.dot(jax.nn.silu(jnp.dot(x, w_gate)) * jnp.dot(x, w_up), w_down)
+def _glu(gate, up, act):
+    return jax.nn.silu(gate) * up if act is None else act(gate, up)
 
 
-def _experts_ragged_dot(x, group_sizes, w_gate, w_up, w_down):
-    """`[rows, embed]` sorted by expert -> `[rows, embed]`, one ragged matmul per weight
-    (rows past `sum(group_sizes)` come out zero)."""
+def _swiglu_rows(x, w_gate, w_up, w_down, biases=None, act=None):
+    """One expert's rows; `biases` its `(gate, up, down)` biases, or `None`."""
+    gate, up = jnp.dot(x, w_gate), jnp.dot(x, w_up)
+    if biases is not None:
+        gate, up = gate + biases[0], up + biases[1]
+    out = jnp.dot(_glu(gate, up, act), w_down)
+    return out if biases is None else out + biases[2]
+
+
+def _experts_ragged_dot(x, group_sizes, row_expert, w_gate, w_up, w_down, biases, act):
+    """`[rows, embed]` sorted by expert (`row_expert` each row's) -> `[rows, embed]`, one
+    ragged matmul per weight (rows past `sum(group_sizes)` come out zero)."""
     gate = lax.ragged_dot(x, w_gate, group_sizes)
     up = lax.ragged_dot(x, w_up, group_sizes)
-    return lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)
+    if biases is None:
+        return lax.ragged_dot(_glu(gate, up, act), w_down, group_sizes)
+    n_experts = w_gate.shape[0]
+    expert = jnp.minimum(row_expert, n_experts - 1)
+    gate, up = gate + biases[0][expert], up + biases[1][expert]
+    out = lax.ragged_dot(_glu(gate, up, act), w_down, group_sizes) + biases[2][expert]
+    return jnp.where((row_expert < n_experts)[:, None], out, 0)
 
 
-def _experts_tiled(x, group_sizes, row_expert, w_gate, w_up, w_down, *, tile):
+def _experts_tiled(
+    x, group_sizes, row_expert, w_gate, w_up, w_down, *, tile, biases=None, act=None
+):
     """The same as `_experts_ragged_dot`, as a scan over tiles of `tile` rows.
 
     Each expert's rows are padded to a whole number of tiles, so every tile belongs to one
@@ -202,10 +255,11 @@ def _experts_tiled(x, group_sizes, row_expert, w_gate, w_up, w_down, *, tile):
         rows, expert, is_used = inputs
 
         def compute(rows):
-            weights = (
-                lax.dynamic_index_in_dim(w, expert, keepdims=False) for w in (w_gate, w_up, w_down)
-            )
-            return _swiglu_rows(rows, *weights)
+            def pick(a):
+                return lax.dynamic_index_in_dim(a, expert, keepdims=False)
+
+            b = None if biases is None else tuple(pick(a) for a in biases)
+            return _swiglu_rows(rows, pick(w_gate), pick(w_up), pick(w_down), b, act)
 
         return None, lax.cond(is_used, compute, jnp.zeros_like, rows)
 

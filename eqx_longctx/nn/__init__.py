@@ -27,6 +27,7 @@ from ._moe import MoE as MoE
 from ._moe import check_routing as check_routing
 from ._norm import RMSNorm as RMSNorm
 from ._rope import AbstractRopeScaling as AbstractRopeScaling
+from ._rope import LinearRopeScaling as LinearRopeScaling
 from ._rope import Llama3RopeScaling as Llama3RopeScaling
 from ._rope import RoPE as RoPE
 from ._rope import RotaryTables as RotaryTables
@@ -53,6 +54,7 @@ __all__ = [
     "GatedDeltaNet",
     "KimiDeltaAttention",
     "LayerStack",
+    "LinearRopeScaling",
     "Llama3RopeScaling",
     "MoE",
     "MultiHeadLatentAttention",

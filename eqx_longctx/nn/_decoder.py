@@ -22,6 +22,7 @@ from .._partition import param_pspecs
 from .._sharding import ShardingSpec
 from .._types import Hidden, Logits, Positions, SegmentIds, Tokens
 from ._inputs import check_shapes, check_token_ids, prepare_inputs
+from ._loss import softcap_logits
 from ._norm import RMSNorm
 
 
@@ -38,6 +39,9 @@ class AbstractDecoder(eqx.Module):
     - `config`: the family's config; it must have `vocab_size`, `max_seq_len` and
       `compute_dtype`.
     - `spec`: the sharding spec, or `None` for one device.
+
+    Two hooks a family may override: `embed_scale()` (a factor on the looked-up
+    embeddings) and `logit_softcap()` (a `tanh` cap on the logits); both `None` here.
     """
 
     embed: eqx.AbstractVar[Float[Array, "vocab embed"]]
@@ -67,11 +71,27 @@ class AbstractDecoder(eqx.Module):
             "for a forward that is more than them; such a model cannot generate)."
         )
 
+    def embed_scale(self) -> float | None:
+        """**Returns:** the factor the looked-up token embeddings are multiplied by, in the
+        embedding's dtype (Gemma's `sqrt(dim)`), or `None` (the default) for none."""
+        return None
+
+    def logit_softcap(self) -> float | None:
+        """**Returns:** the cap `c` of the logits, `c * tanh(logits / c)` (Gemma 2's
+        final-logit soft-cap), or `None` (the default) for none. `head` applies it; a loss
+        computed from [`hidden_states`][] and [`head_weight`][] must too
+        (`eqx_longctx.nn.chunked_cross_entropy(..., softcap=...)`)."""
+        return None
+
     def head(self, x: Hidden) -> Logits:
         """The final norm and output head: `[batch, seq, embed]` last hidden states (what
-        `run_layers` returns) to `[batch, seq, vocab]` float32 logits."""
+        `run_layers` returns) to `[batch, seq, vocab]` float32 logits (soft-capped by
+        `logit_softcap()`, if set)."""
         x = self.norm(x.astype(self.config.compute_dtype))
-        return jnp.einsum("bse,ev->bsv", x, self.head_weight(), preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "bse,ev->bsv", x, self.head_weight(), preferred_element_type=jnp.float32
+        )
+        return softcap_logits(logits, self.logit_softcap())
 
     def head_weight(self) -> Float[Array, "embed vocab"]:
         """**Returns:** the output head `[embed, vocab]` in the compute dtype and its compute
@@ -113,14 +133,17 @@ class AbstractDecoder(eqx.Module):
         check_token_ids(tokens, self.config.vocab_size, self._config_name)
 
     def embed_tokens(self, tokens: Tokens) -> Hidden:
-        """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype (ids
-        are not checked here: see `check_tokens`).
+        """**Returns:** `[batch, seq, embed]` token embeddings in the compute dtype, times
+        `embed_scale()` when set (ids are not checked here: see `check_tokens`).
 
         **Raises:** with fsdp axes, `ValueError` as `eqx_longctx.param_pspecs` when the
         embedding does not split over the spec's mesh.
         """
-        embed = self._gathered("embed")
-        return jnp.take(embed, tokens, axis=0).astype(self.config.compute_dtype)
+        x = jnp.take(self._gathered("embed"), tokens, axis=0)
+        scale = self.embed_scale()
+        if scale is not None:  # in the embedding's dtype, as Gemma's checkpoints compute it
+            x = x * jnp.asarray(scale, jnp.float32).astype(x.dtype)
+        return x.astype(self.config.compute_dtype)
 
     def _gathered(self, name: str) -> Array:
         """The embedding or output head in its compute layout (gathered over fsdp)."""

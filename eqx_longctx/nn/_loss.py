@@ -54,6 +54,13 @@ def check_loss_chunk(value: object, *, whole_ok: bool = True) -> None:
     )
 
 
+def softcap_logits(logits: Array, softcap: float | None) -> Array:
+    """**Returns:** `softcap * tanh(logits / softcap)` (the logits themselves for `None`)."""
+    if softcap is None:
+        return logits
+    return softcap * jnp.tanh(logits / softcap)
+
+
 def vocab_axes(weight_pspec: PartitionSpec | None) -> tuple[str, ...]:
     """The mesh axes an `[embed, vocab]` output head's `weight_pspec` splits the vocabulary
     over (`None`: no spec, none)."""
@@ -63,7 +70,7 @@ def vocab_axes(weight_pspec: PartitionSpec | None) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _local_loss(hidden, weight, targets, mask, chunk_tokens, vocab_axes):
+def _local_loss(hidden, weight, targets, mask, chunk_tokens, vocab_axes, softcap=None):
     """The summed loss of one device's tokens: `hidden [b, s, e]`, `weight [e, v_local]`
     (this device's vocabulary shard, at offset `index * v_local` over `vocab_axes`)."""
     e, v_local = weight.shape
@@ -77,6 +84,7 @@ def _local_loss(hidden, weight, targets, mask, chunk_tokens, vocab_axes):
 
     def chunk_loss(h, t, m):
         logits = jnp.einsum("ne,ev->nv", h, weight, preferred_element_type=jnp.float32)
+        logits = softcap_logits(logits, softcap)
         local_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
         top = jax.lax.pmax(local_max, vocab_axes) if vocab_axes else local_max
         sum_exp = jnp.sum(jnp.exp(logits - top[:, None]), axis=-1)
@@ -118,6 +126,7 @@ def chunked_cross_entropy(
     spec: ShardingSpec | None = None,
     weight_pspec: PartitionSpec | None = None,
     chunk_tokens: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """Summed masked token cross-entropy (nats) of `hidden @ weight`, never holding the
     whole logits: equal to `optax.softmax_cross_entropy_with_integer_labels` of the full
@@ -138,14 +147,24 @@ def chunked_cross_entropy(
       the logsumexp and the target logit are reduced over.
     - `chunk_tokens`: tokens per chunk on each device; `None` picks the most whose float32
       logits over the device's share of the vocabulary take `LOSS_CHUNK_BYTES`.
+    - `softcap`: the logits' soft-cap `c`: each chunk's logits become `c * tanh(logits /
+      c)` before the softmax (the model's `logit_softcap()`); `None` = none.
 
     **Returns:** `(loss summed over the masked tokens, sum of loss_mask)`, float32.
 
-    **Raises:** `ValueError` for a `chunk_tokens` that is not an int `>= 1`, or shapes
+    **Raises:** `ValueError` for a `chunk_tokens` that is not an int `>= 1`, a `softcap`
+    that is not a positive number, or shapes
     that do not match (`hidden`'s embed against `weight`'s, `targets` and `loss_mask`
     against `hidden`'s `[batch, seq]`).
     """
     check_loss_chunk(chunk_tokens, whole_ok=False)
+    if softcap is not None and not (
+        isinstance(softcap, int | float) and not isinstance(softcap, bool) and softcap > 0
+    ):
+        raise ValueError(
+            f"chunked_cross_entropy's softcap must be a positive number (the cap c of c * "
+            f"tanh(logits / c)) or None; got softcap={softcap!r}. Pass model.logit_softcap()."
+        )
     if hidden.shape[-1] != weight.shape[0] or targets.shape != hidden.shape[:-1]:
         raise ValueError(
             f"chunked_cross_entropy takes hidden [batch, seq, embed], weight [embed, vocab] "
@@ -159,13 +178,15 @@ def chunked_cross_entropy(
             f"{tuple(loss_mask.shape)}."
         )
     with jax.named_scope("cross_entropy"):
-        return _cross_entropy(hidden, weight, targets, loss_mask, spec, weight_pspec, chunk_tokens)
+        return _cross_entropy(
+            hidden, weight, targets, loss_mask, spec, weight_pspec, chunk_tokens, softcap
+        )
 
 
-def _cross_entropy(hidden, weight, targets, loss_mask, spec, weight_pspec, chunk_tokens):
+def _cross_entropy(hidden, weight, targets, loss_mask, spec, weight_pspec, chunk_tokens, softcap):
     if spec is None:
         count = jnp.sum(loss_mask.astype(jnp.float32))
-        return _local_loss(hidden, weight, targets, loss_mask, chunk_tokens, ()), count
+        return _local_loss(hidden, weight, targets, loss_mask, chunk_tokens, (), softcap), count
     if weight_pspec is None:
         weight_pspec = PartitionSpec(None, spec.tensor_axis)
     axes = vocab_axes(weight_pspec)
@@ -173,7 +194,7 @@ def _cross_entropy(hidden, weight, targets, loss_mask, spec, weight_pspec, chunk
     tokens, act = spec.token_pspec(), spec.activation_pspec()
 
     def local(h, w, t, m):
-        total = _local_loss(h, w, t, m, chunk_tokens, axes)
+        total = _local_loss(h, w, t, m, chunk_tokens, axes, softcap)
         # One reduction of the loss and the token count, after the loss (see `eqx_longctx._after`).
         sums = jnp.stack([total, jnp.sum(m.astype(jnp.float32))])
         sums = jax.lax.psum(sums, token_axes) if token_axes else sums

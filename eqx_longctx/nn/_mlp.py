@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward block.
+"""SwiGLU feed-forward block (and GeGLU, its GELU-gated twin).
 
 Einsum letters: `b` batch, `s` sequence, `e` embed, `f` hidden (feed-forward width).
 
@@ -14,13 +14,23 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._checks import check_spec
+from .._config_checks import check_choice
 from .._sharding import ShardingSpec
 from .._types import Hidden
+
+GATE_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+"""The gate activations of `SwiGLU(activation=...)`: `"silu"` (SwiGLU) and `"gelu_tanh"`,
+GELU's tanh approximation (GeGLU; transformers' `gelu_pytorch_tanh`)."""
 
 
 @final
 class SwiGLU(eqx.Module):
-    """`down(silu(x @ gate) * (x @ up))`, without biases (the Llama MLP).
+    """`down(silu(x @ gate) * (x @ up))`, without biases (the Llama MLP); with
+    `activation="gelu_tanh"` the gate goes through GELU's tanh approximation instead
+    (GeGLU, Gemma's MLP).
 
     Weights are stored `[in, out]`; they are cast to the activation dtype at use, so float32
     parameters serve bfloat16 compute.
@@ -30,6 +40,7 @@ class SwiGLU(eqx.Module):
     w_up: Float[Array, "embed hidden"]
     w_down: Float[Array, "hidden embed"]
     spec: ShardingSpec | None = eqx.field(static=True)
+    activation: str = eqx.field(static=True, default="silu")
 
     def __init__(
         self,
@@ -41,6 +52,7 @@ class SwiGLU(eqx.Module):
         out_init_std: float | None = None,
         dtype=jnp.float32,
         spec=None,
+        activation: str = "silu",
     ):
         """**Arguments:**
 
@@ -53,11 +65,14 @@ class SwiGLU(eqx.Module):
         - `dtype`: parameter dtype.
         - `spec`: the sharding spec, or `None` for one device; with a `tensor_axis`, the
           hidden activations are split over it (the weights are placed by the rules table).
+        - `activation`: the gate's activation, a key of `GATE_ACTIVATIONS` (`"silu"`, or
+          `"gelu_tanh"` for GeGLU).
 
         **Raises:** `TypeError` when `spec` is not a `ShardingSpec` (or `None`); `ValueError`
-        for a width that is not positive.
+        for a width that is not positive or an `activation` not in `GATE_ACTIVATIONS`.
         """
         check_spec(spec, "SwiGLU")
+        self.activation = check_choice(activation, "SwiGLU activation", GATE_ACTIVATIONS)
         if dim <= 0 or hidden_dim <= 0:
             raise ValueError(
                 f"SwiGLU needs positive widths; got dim={dim}, hidden_dim={hidden_dim}."
@@ -84,4 +99,5 @@ class SwiGLU(eqx.Module):
             # the down projection (row-parallel) ends in one all-reduce over tensor_axis.
             hidden = PartitionSpec(*self.spec.activation_pspec()[:2], self.spec.tensor_axis)
             gate, up = self.spec.hint(gate, hidden), self.spec.hint(up, hidden)
-        return jnp.einsum("bsf,fe->bse", jax.nn.silu(gate) * up, self.w_down.astype(dtype))
+        hidden = GATE_ACTIVATIONS[self.activation](gate) * up
+        return jnp.einsum("bsf,fe->bse", hidden, self.w_down.astype(dtype))

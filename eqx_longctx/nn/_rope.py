@@ -7,9 +7,10 @@ Mistral checkpoints) frequency `i` rotates the features `(i, i + head_dim/2)`; w
 `interleaved=True` (DeepSeek's layout, and the original Meta code) it rotates the
 neighbours `(2i, 2i + 1)`.
 
-Scalings (all `AbstractRopeScaling`): `Llama3RopeScaling` (Llama 3.1) and `YarnRopeScaling`
-(YaRN, with DeepSeek's magnitude terms). A scaling gives the frequencies, a multiplier of
-cos and sin, and a multiplier of the softmax scale for attention layers that apply one.
+Scalings (all `AbstractRopeScaling`): `Llama3RopeScaling` (Llama 3.1), `YarnRopeScaling`
+(YaRN, with DeepSeek's magnitude terms) and `LinearRopeScaling` (position interpolation).
+A scaling gives the frequencies, a multiplier of cos and sin, and a multiplier of the
+softmax scale for attention layers that apply one.
 
 References: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position
 Embedding" (arXiv:2104.09864); Llama Team 2024, "The Llama 3 Herd of Models"
@@ -238,6 +239,37 @@ class YarnRopeScaling(AbstractRopeScaling):
         if not self.mscale_all_dim:
             return 1.0
         return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+@final
+@no_type_check  # __post_init__ checks the field, with a message that names the fix
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling(AbstractRopeScaling):
+    """Linear RoPE scaling, position interpolation (Hugging Face `rope_type="linear"`):
+    every frequency divided by `factor`, so that position `p` turns as `p / factor` would.
+
+    **Arguments:**
+
+    - `factor`: how much slower every frequency turns (8 on Gemma 3's global layers).
+
+    **Raises:** `TypeError` for a `factor` that is not a number; `ValueError` unless
+    `factor >= 1`.
+    """
+
+    factor: float | int
+
+    def __post_init__(self):
+        object.__setattr__(self, "factor", check_real(self.factor, "LinearRopeScaling.factor"))
+        if not self.factor >= 1:
+            raise ValueError(
+                f"LinearRopeScaling needs factor >= 1 (it divides every frequency to stretch "
+                f"the context); got factor={self.factor}. Gemma 3 uses 8."
+            )
+
+    def frequencies(self, head_dim: int, theta: float) -> np.ndarray:
+        """**Returns:** `[head_dim / 2]` float64 frequencies for base `theta`, each divided
+        by `factor`."""
+        return _plain_frequencies(head_dim, theta) / self.factor
 
 
 @final

@@ -35,13 +35,18 @@ class DecoderBlock(eqx.Module):
 
     One block serves every family: it takes its two sublayers built, so Llama, Qwen2/3 and
     Mistral pass a `SelfAttention` and a `SwiGLU`, DeepSeek a `MultiHeadLatentAttention`
-    and a `SwiGLU` or `MoE`. The norms are `RMSNorm`s over `dim`.
+    and a `SwiGLU` or `MoE`. The norms are `RMSNorm`s over `dim`. With `post_norms`, each
+    sublayer's output is normalised too before it joins the residual stream,
+    `x + attn_post_norm(attn(attn_norm(x)))` and likewise for the MLP (four norms per
+    block, as Gemma 2 and 3).
     """
 
     attn_norm: RMSNorm
     attn: Callable[[Hidden, Positions | RotaryTables, SegmentIds | None], Hidden]
     mlp_norm: RMSNorm
     mlp: Callable[[Hidden], Hidden]
+    attn_post_norm: RMSNorm | None
+    mlp_post_norm: RMSNorm | None
 
     def __init__(
         self,
@@ -52,6 +57,7 @@ class DecoderBlock(eqx.Module):
         norm_eps: float = 1e-5,
         dtype=jnp.float32,
         zero_centred_norms: bool = False,
+        post_norms: bool = False,
     ):
         """**Arguments:**
 
@@ -63,8 +69,10 @@ class DecoderBlock(eqx.Module):
         - `dim`: model width (`embed`), the size the two RMSNorms normalise.
         - `norm_eps`: RMSNorm epsilon.
         - `dtype`: dtype of the norm weights.
-        - `zero_centred_norms`: the two norms scale by `1 + weight` (`RMSNorm`'s
+        - `zero_centred_norms`: the norms scale by `1 + weight` (`RMSNorm`'s
           `zero_centred`, as Gemma and Qwen3-Next).
+        - `post_norms`: normalise each sublayer's output as well (`attn_post_norm`,
+          `mlp_post_norm`), before the residual addition.
 
         **Raises:** `TypeError` when `attn` or `mlp` is not a callable Equinox module; as
         `RMSNorm` for `dim` or `norm_eps`.
@@ -76,9 +84,12 @@ class DecoderBlock(eqx.Module):
                     f"{'SelfAttention' if name == 'attn' else 'SwiGLU'}(...)); got "
                     f"{type(layer).__name__}."
                 )
-        self.attn_norm, self.mlp_norm = (
-            RMSNorm(dim, eps=norm_eps, dtype=dtype, zero_centred=zero_centred_norms) for _ in "am"
-        )
+
+        def norm():
+            return RMSNorm(dim, eps=norm_eps, dtype=dtype, zero_centred=zero_centred_norms)
+
+        self.attn_norm, self.mlp_norm = norm(), norm()
+        self.attn_post_norm, self.mlp_post_norm = (norm(), norm()) if post_norms else (None, None)
         self.attn = attn
         self.mlp = mlp
 
@@ -101,9 +112,12 @@ class DecoderBlock(eqx.Module):
         [`SelfAttention.__call__`][eqx_longctx.nn.SelfAttention.__call__]).
         """
         with jax.named_scope("attention"):
-            x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+            x = x + _post(self.attn_post_norm, self.attn(self.attn_norm(x), positions, segment_ids))
         with jax.named_scope("mlp"):
-            return x + self.mlp(self.mlp_norm(x))
+            return self._mlp_residual(x)
+
+    def _mlp_residual(self, x: Hidden) -> Hidden:
+        return x + _post(self.mlp_post_norm, self.mlp(self.mlp_norm(x)))
 
     def rotary_tables(self, positions: Positions) -> RotaryTables | None:
         """**Returns:** the attention's RoPE tables at `positions` where it takes them in
@@ -127,9 +141,9 @@ class DecoderBlock(eqx.Module):
         kw = {} if lengths is None else {"lengths": lengths}
         with jax.named_scope("attention"):
             a, entry = self.attn.prefill(self.attn_norm(x), positions, segment_ids, impl=impl, **kw)  # pyright: ignore[reportAttributeAccessIssue]
-        x = x + a
+        x = x + _post(self.attn_post_norm, a)
         with jax.named_scope("mlp"):
-            return x + self.mlp(self.mlp_norm(x)), entry
+            return self._mlp_residual(x), entry
 
     def decode(self, x: Hidden, positions: Positions, cache: tuple, cache_positions, *, impl):
         """One new token per row (`attn.decode`); **returns** `(x, new cache entry)`."""
@@ -137,9 +151,14 @@ class DecoderBlock(eqx.Module):
             a, entry = self.attn.decode(  # pyright: ignore[reportAttributeAccessIssue]
                 self.attn_norm(x), positions, cache, cache_positions, impl=impl
             )
-        x = x + a
+        x = x + _post(self.attn_post_norm, a)
         with jax.named_scope("mlp"):
-            return x + self.mlp(self.mlp_norm(x)), entry
+            return self._mlp_residual(x), entry
+
+
+def _post(norm: RMSNorm | None, out: Hidden) -> Hidden:
+    """A sublayer's output through its post-norm, if the block has one."""
+    return out if norm is None else norm(out)
 
 
 @final

@@ -218,6 +218,7 @@ def loss_sum(
             return chunked_cross_entropy(
                 hidden, model.head_weight(), batch.targets, mask, spec=model.spec,
                 weight_pspec=model.head_pspec(), chunk_tokens=loss_chunk,
+                softcap=model.logit_softcap(),
             )  # fmt: skip
     logits = model(batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels

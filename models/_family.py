@@ -249,6 +249,44 @@ class Qwen35Family(Qwen3NextFamily):
         return self._mod.QWEN3_5_PRESETS
 
 
+class Gemma2Family(_ZooFamily):
+    """Gemma 2 (`models.gemma`): local (sliding-window) and global GQA layers in turn,
+    soft-capped scores and logits, four norms per block, GeGLU."""
+
+    name = "gemma2"
+    model_types = ("gemma2",)
+    _module = "models.gemma"
+    _names = ("GemmaConfig", "Gemma")
+
+    def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
+        """One global layer (every layer is built of the same modules; a global one keeps
+        the most), heads and GeGLU width divided by `tensor` (`expert` is unused)."""
+        c = config
+        return dataclasses.replace(
+            c, n_layers=1, layer_types=None, sliding_window=None, n_heads=c.n_heads // tensor,
+            n_kv_heads=max(1, c.n_kv_heads // tensor), hidden_dim=c.hidden_dim // tensor,
+            head_dim=c.head_dim,
+        )  # fmt: skip
+
+    def attention_shape(self, config: Any) -> AttentionShape:
+        """`n_heads` query and `n_kv_heads` key/value heads of `head_dim`."""
+        c = config
+        return AttentionShape(c.n_heads, c.n_kv_heads, c.head_dim, c.head_dim)
+
+
+class Gemma3TextFamily(Gemma2Family):
+    """Gemma 3 text (`models.gemma`, presets `GEMMA3_PRESETS`; the text model of `gemma3`
+    vision-language checkpoints too): five local layers per global one, q/k norms, a RoPE
+    base per layer kind."""
+
+    name = "gemma3_text"
+    model_types = ("gemma3_text", "gemma3")
+
+    @property
+    def presets(self):  # type: ignore[override]
+        return self._mod.GEMMA3_PRESETS
+
+
 LLAMA = LlamaFamily()
 """The Llama family plugin (`--model llama`)."""
 DEEPSEEK = DeepSeekFamily()
@@ -259,3 +297,7 @@ QWEN3_NEXT = Qwen3NextFamily()
 """The Qwen3-Next family plugin (`--model qwen3_next`)."""
 QWEN3_5 = Qwen35Family()
 """The Qwen3.5 family plugin (`--model qwen3_5`)."""
+GEMMA2 = Gemma2Family()
+"""The Gemma 2 family plugin (`--model gemma2`)."""
+GEMMA3_TEXT = Gemma3TextFamily()
+"""The Gemma 3 text family plugin (`--model gemma3_text`)."""

@@ -1,0 +1,286 @@
+"""Gemma 2 and Gemma 3 (text) checkpoints against transformers: logits on one device and
+under three specs, greedy generation, `to_hf` round trips, the local layers' ring-buffer
+cache, the soft-capped chunked loss, config errors, and the presets' sizes.
+
+References are tiny random float32 models (eager attention) with windows of 8 under 64-token
+sequences, so every local layer masks most of each row: `Gemma2ForCausalLM` (local and
+global layers in turn, soft-caps small enough to bite), `Gemma3ForCausalLM` (two local
+layers, then a global one: three layers keep the compiles short; linear RoPE scaling,
+distinct RoPE bases) and the text model of a `Gemma3ForConditionalGeneration` with the same
+text config (so its forward is compiled once with `gemma3_text`'s). Norm scales are random
+around 0 (the zero-centred norms start at 0, which would hide a norm read into the wrong
+place). Errors are relative: max abs difference / max abs reference logit.
+"""
+
+import functools
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import need_devices, rel_err
+from hf_helpers import copy_of, edit_config, forward, hf_logits, hf_modules
+
+torch, transformers = hf_modules()
+import hf_helpers  # noqa: E402
+from test_generate_hf import compared_steps  # noqa: E402
+
+import eqx_longctx as el  # noqa: E402
+from eqx_longctx.nn import LinearRopeScaling, chunked_cross_entropy  # noqa: E402
+from models import gemma  # noqa: E402
+
+RTOL = 1e-4  # float32, relative to the largest reference logit
+BATCH, SEQ, VOCAB, WINDOW = 2, 64, 96, 8
+PROMPT, NEW = 20, 8
+LENGTHS = np.array([PROMPT, 13], np.int32)  # ragged rows, both longer than the window
+SMALL = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=128, initializer_range=0.1,
+    sliding_window=WINDOW,
+)  # fmt: skip
+S, F = "sliding_attention", "full_attention"
+GEMMA2 = dict(num_hidden_layers=3, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+              final_logit_softcapping=3.0)  # fmt: skip
+GEMMA3 = dict(
+    num_hidden_layers=3, layer_types=[S, S, F], query_pre_attn_scalar=20,
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e3},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
+)  # fmt: skip
+VISION = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14)  # fmt: skip
+
+
+def build_hf(family: str):
+    if family == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**SMALL, **GEMMA2))
+    elif family == "gemma3_text":
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**SMALL, **GEMMA3))
+    else:  # the vision-language wrapper
+        text = {**SMALL, **GEMMA3}
+        config = transformers.Gemma3Config(text_config=text, vision_config=VISION,
+                                           mm_tokens_per_image=4)  # fmt: skip
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    model.config._attn_implementation = "eager"
+    for sub in ("text_config", "vision_config"):
+        if hasattr(model.config, sub):
+            getattr(model.config, sub)._attn_implementation = "eager"
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # zero-centred: about one, not exactly
+                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    return model.to(torch.float32).eval()
+
+
+FAMILIES = ("gemma2", "gemma3_text", "gemma3")
+tokens, checkpoints = hf_helpers.checkpoint_fixtures(
+    dict.fromkeys(FAMILIES), lambda f: (torch.manual_seed(0), build_hf(f))[1], (BATCH, SEQ), VOCAB
+)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(checkpoints, tokens, family):
+    path, ref = checkpoints[family]
+    model = el.from_hf(path)
+    c = model.config
+    assert isinstance(model, gemma.Gemma) and c.sliding_window == WINDOW < SEQ
+    assert c.qk_norm == (family != "gemma2") and c.tie_embeddings
+    if family == "gemma2":
+        assert (c.attn_softcap, c.final_softcap, c.query_pre_attn_scalar) == (2.0, 3.0, 24.0)
+        assert c.kinds == (S, F, S) and len(model.layer_stacks()) == 3
+    else:
+        assert c.kinds == (S, S, F) and len(model.layer_stacks()) == 2
+        assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (
+            1e3,
+            50.0,
+            LinearRopeScaling(8.0),
+        )
+    err = rel_err(forward(model, tokens), ref)
+    print(f"{family}: relative error {err:.2e}")
+    assert err <= RTOL
+
+
+def make_spec(strategy, layout, axes):
+    mesh = jax.make_mesh(tuple(axes.values()), tuple(axes))
+    return el.ShardingSpec(mesh, strategy, layout)
+
+
+DATA_CONTEXT = dict(data=2, context=4)
+# Gemma 3 under ring / zig-zag: its prefill in test_generate_matches_transformers.
+SPECS = [
+    ("gemma2", "ring", "zigzag", DATA_CONTEXT),
+    ("gemma3_text", "ulysses", "striped", DATA_CONTEXT),
+    ("gemma2", "all_gather", "none", dict(context=8)),
+]
+
+
+@pytest.mark.parametrize("family,strategy,layout,axes", SPECS)
+def test_sharded_logits_match_transformers(checkpoints, tokens, family, strategy, layout, axes):
+    need_devices(8)
+    path, ref = checkpoints[family]
+    spec = make_spec(strategy, layout, axes)
+    model = gemma.from_hf(path, spec=spec)
+    logits = el.from_layout(forward(model, el.to_layout(tokens, spec)), spec)
+    err = rel_err(logits, ref)
+    print(f"{family} {strategy}/{layout} {axes}: relative error {err:.2e}")
+    assert err <= RTOL
+
+
+# ---------------------------------------------------------------- generation
+
+
+def hf_generate(model, prompt) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' greedy `(tokens [NEW], logits [NEW, vocab])` after one unpadded prompt."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.as_tensor(prompt[None], dtype=torch.long), do_sample=False,
+            max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+    return out.sequences[0, len(prompt) :].numpy(), torch.stack(out.logits, 1)[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, tokens):
+    """`generated(family)`: `(checkpoint, [(tokens, logits)] of transformers' greedy
+    generation per row of the prompts)`."""
+
+    @functools.cache
+    def run(family):
+        torch.manual_seed(0)
+        hf = build_hf(family)
+        hf.generation_config.eos_token_id = None  # generate all NEW tokens
+        hf.generation_config.pad_token_id = None
+        path = tmp_path_factory.mktemp(f"generate-{family}")
+        hf.save_pretrained(path)
+        return path, [hf_generate(hf, tokens[r, :n]) for r, n in enumerate(LENGTHS)]
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "family,spec",
+    [("gemma2", None), ("gemma3_text", ("ring", "zigzag", DATA_CONTEXT))],
+    ids=["gemma2-one-device", "gemma3_text-ring-zigzag"],
+)
+def test_generate_matches_transformers(generated, tokens, family, spec):
+    if spec is not None:
+        need_devices(8)
+    path, refs = generated(family)
+    model = gemma.from_hf(path, spec=None if spec is None else make_spec(*spec))
+    prompts = tokens[:, :PROMPT]
+    out, logits = el.generate(
+        model, prompts, lengths=LENGTHS, max_new_tokens=NEW, return_logits=True
+    )
+    out, logits = np.asarray(out), np.asarray(logits)
+    for row, (ref_tokens, ref_logits) in enumerate(refs):
+        n = compared_steps(out[row], ref_tokens, ref_logits)
+        err = rel_err(logits[row, :n], ref_logits[:n])
+        print(f"{family} {spec} row {row}: {n}/{NEW} tokens equal, logits rel err {err:.1e}")
+        assert err <= RTOL
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "ring-zigzag"])
+def test_local_layers_cache_their_window(checkpoints, sharded):
+    """A local layer keeps a ring buffer of `WINDOW` slots per row (rounded up to the
+    context shards), whatever `max_len`; a global layer keeps at least `max_len`."""
+    if sharded:
+        need_devices(8)
+    spec = make_spec("ring", "zigzag", DATA_CONTEXT) if sharded else None
+    model = gemma.from_hf(checkpoints["gemma3_text"][0], spec=spec)
+    n = 1 if spec is None else spec.context_parallel_size
+    for max_len in (64, 128):
+        layout = el.cache_layout(model, 2, max_len)
+        slots = [(s.window, s.slots) for s in layout.stacks]
+        print(f"sharded={sharded} max_len={max_len}: (window, slots) per stack {slots}")
+        assert [w for w, _ in slots] == [WINDOW, None], slots
+        assert slots[0][1] == -(-WINDOW // n) * n and slots[1][1] >= max_len, slots
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip(checkpoints, tokens, tmp_path, family):
+    """from_hf -> to_hf -> from_hf is exact, and transformers reads the same model back
+    (a gemma3 checkpoint's text model is written as gemma3_text)."""
+    path, ref = checkpoints[family]
+    model = gemma.from_hf(path)
+    el.to_hf(model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == ("gemma2" if family == "gemma2" else "gemma3_text")
+    again = el.from_hf(tmp_path)
+    assert again.config == model.config
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if family != "gemma3":  # the wrapper's logits have no final soft-cap; its text model's do
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, attn_implementation="eager"
+        ).eval()
+        assert rel_err(hf_logits(reloaded, tokens), ref) <= RTOL
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def test_chunked_loss_applies_the_final_softcap(checkpoints, tokens):
+    """The trainer's chunked loss (hidden states, head weight, `logit_softcap()`) equals
+    the cross-entropy of the model's soft-capped logits."""
+    model = gemma.from_hf(checkpoints["gemma2"][0])
+    targets = jnp.asarray(np.roll(tokens, -1, axis=1))
+    mask = jnp.ones(tokens.shape, jnp.float32)
+    hidden = model.hidden_states(tokens)
+    total, count = chunked_cross_entropy(
+        hidden, model.head_weight(), targets, mask, chunk_tokens=24,
+        softcap=model.logit_softcap(),
+    )  # fmt: skip
+    want = optax.softmax_cross_entropy_with_integer_labels(forward(model, tokens), targets).sum()
+    assert float(count) == tokens.size
+    np.testing.assert_allclose(float(total), float(want), rtol=1e-5)
+    plain, _ = chunked_cross_entropy(hidden, model.head_weight(), targets, mask, chunk_tokens=24)
+    assert abs(float(plain) - float(want)) > 1e-2 * float(want)  # the cap bites
+
+
+# ---------------------------------------------------------------- errors and presets
+
+
+@pytest.mark.parametrize(
+    "family,edit,field",
+    [
+        ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+        ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+        ("gemma2", dict(hidden_activation="gelu"), "hidden_activation"),
+        ("gemma2", dict(attention_bias=True), "attention_bias"),
+        ("gemma2", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                         "rope_theta": 1e4}), "rope_parameters"),
+        ("gemma2", dict(quantization_config={"bits": 4}), "quantization_config"),
+    ],
+)  # fmt: skip
+def test_unsupported_checkpoint_fields(checkpoints, tmp_path, family, edit, field):
+    path = copy_of(checkpoints, family, tmp_path)
+    edit_config(path, **edit)
+    with pytest.raises(ValueError, match=field) as e:
+        el.from_hf(path)
+    assert "\n" not in str(e.value)
+
+
+def test_presets():
+    """The real sizes' parameter counts (shapes only), and bad config values."""
+    counts = {
+        name: eqx.filter_eval_shape(gemma.Gemma, gemma.GemmaConfig.from_preset(name),
+                                    key=jax.random.key(0)).num_params() / 1e9
+        for name in ("gemma-2-9b", "gemma-3-4b", "gemma-3-27b")
+    }  # fmt: skip
+    assert [round(v, 2) for v in counts.values()] == [9.24, 3.88, 27.01], counts
+    c = gemma.GemmaConfig.from_preset("gemma3-tiny", n_layers=12)
+    assert c.kinds == (S,) * 5 + (F,) + (S,) * 5 + (F,)
+    with pytest.raises(ValueError, match="GemmaConfig.attn_softcap"):
+        gemma.GemmaConfig.from_preset("tiny", attn_softcap=-1.0)
+    with pytest.raises(ValueError, match="LinearRopeScaling needs factor >= 1"):
+        LinearRopeScaling(0.5)
+    for name in ("gemma2", "gemma3_text"):
+        family = el.model_family(name)
+        tiny = family.config.from_preset(next(iter(family.presets)))
+        assert family.local_config(tiny, tensor=2).n_layers == 1

@@ -10,14 +10,17 @@ per-block ranges so the kernels skip empty pairs and drop the mask arithmetic on
 For a batch row and a pair (query block `i`, key block `j`), let `qp`/`kp` be the minimum
 and maximum query/key positions in the blocks and `qs`/`ks` the minimum and maximum segment
 ids. A token pair is visible iff `(not causal or q_pos >= kv_pos)` and
-`(window is None or q_pos - kv_pos < window)` and `(no segments or q_seg == kv_seg)`.
+`(window is None or q_pos - kv_pos < window)` and
+`(chunk is None or q_pos // chunk == kv_pos // chunk)` and `(no segments or q_seg == kv_seg)`.
 
 - `EMPTY` (0), no pair can be visible, if any of: `causal` and `max qp < min kp`;
-  `window` and `min qp - max kp >= window`; segments and the ranges `[min qs, max qs]` and
-  `[min ks, max ks]` do not overlap.
+  `window` and `min qp - max kp >= window`; `chunk` and the chunks of the two ranges do not
+  meet (`min qp // chunk > max kp // chunk` or `max qp // chunk < min kp // chunk`);
+  segments and the ranges `[min qs, max qs]` and `[min ks, max ks]` do not overlap.
 - `FULL` (2), every pair is visible, if not empty and all of: not `causal` or
-  `min qp >= max kp`; no `window` or `max qp - min kp < window`; no segments or both blocks
-  hold one and the same segment id (`min qs == max qs == min ks == max ks`).
+  `min qp >= max kp`; no `window` or `max qp - min kp < window`; no `chunk` or both ranges
+  lie in one chunk; no segments or both blocks hold one and the same segment id
+  (`min qs == max qs == min ks == max ks`).
 - `PARTIAL` (1) otherwise: the kernel computes the mask per token pair.
 
 Ranges are conservative, so `EMPTY` and `FULL` are exact claims and `PARTIAL` may include
@@ -33,6 +36,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
+from ._checks import check_variants
 from ._operands import NUM_LANES, Side, pad_side
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -114,6 +118,15 @@ class Config(NamedTuple):
     interpret: object
     max_live_blocks: int | None = None
     block_k_compute: int | None = None  # None: the largest that fits VMEM (`_vmem`)
+    softcap: float | None = None  # scaled scores x -> softcap * tanh(x / softcap)
+    chunk: int | None = None  # q_pos // chunk == kv_pos // chunk
+
+    @property
+    def reach(self) -> int | None:
+        """The tighter of `window` and `chunk` (a query sees keys fewer than this many
+        positions back), which bounds the live blocks; `None`: unbounded."""
+        bounds = [n for n in (self.window, self.chunk) if n is not None]
+        return min(bounds) if bounds else None
 
     def steps(self, n: int) -> int:
         """Grid steps along a sequential axis over `n` blocks: `n`, or the caller's bound
@@ -121,55 +134,9 @@ class Config(NamedTuple):
         return n if self.max_live_blocks is None else min(n, self.max_live_blocks)
 
 
-def check_inputs(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
-    """Shape and dtype rules shared by the forward and backward wrappers."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            "q, k, v must be [batch, seq, heads, dim]; got "
-            f"q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}."
-        )
-    b, sq, hq, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b or k.shape[:3] != v.shape[:3] or k.shape[3] != d:
-        raise ValueError(
-            "k and v must share batch, kv_seq and kv_heads with each other, and batch and "
-            f"head_dim with q; got q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}."
-        )
-    hk = k.shape[2]
-    if hq % hk:
-        raise ValueError(
-            f"q_heads must be a multiple of kv_heads (GQA/MQA); got q_heads={hq}, "
-            f"kv_heads={hk}. Repeat or regroup the K/V heads."
-        )
-    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-    if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(
-            "q, k, v must share one dtype, float32 or bfloat16; got "
-            f"{q.dtype}, {k.dtype}, {v.dtype}. Cast them first."
-        )
-    sk = k.shape[1]
-    if q_positions.shape != (b, sq) or kv_positions.shape != (b, sk):
-        raise ValueError(
-            f"q_positions must be [batch, seq]={(b, sq)} and kv_positions [batch, kv_seq]="
-            f"{(b, sk)}; got {q_positions.shape} and {kv_positions.shape}."
-        )
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError(
-            "q_segment_ids and kv_segment_ids go together (or both None); got "
-            f"q_segment_ids={'None' if q_segment_ids is None else 'array'}, "
-            f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}."
-        )
-    if q_segment_ids is not None and (
-        q_segment_ids.shape != (b, sq) or kv_segment_ids.shape != (b, sk)
-    ):
-        raise ValueError(
-            f"q_segment_ids must be [batch, seq]={(b, sq)} and kv_segment_ids [batch, kv_seq]="
-            f"{(b, sk)}; got {q_segment_ids.shape} and {kv_segment_ids.shape}."
-        )
-
-
 def make_config(
     q, k, q_segment_ids, *, causal, window, scale, block_q, block_k, interpret,
-    max_live_blocks=None, block_k_compute=None,
+    max_live_blocks=None, block_k_compute=None, softcap=None, chunk=None,
 ) -> Config:  # fmt: skip
     """Validate the static parameters and clamp the blocks to the (padded) sequences.
 
@@ -202,6 +169,7 @@ def make_config(
                 f"window={window} needs causal=True (a sliding window looks back only); got "
                 "causal=False. Pass causal=True, or window=None for full attention."
             )
+    softcap, chunk = check_variants(causal, softcap, chunk)
     round_up = lambda n: -(-n // NUM_LANES) * NUM_LANES  # noqa: E731
     bq = min(int(block_q), round_up(q.shape[1]))
     bk = min(int(block_k), round_up(k.shape[1]))
@@ -214,14 +182,15 @@ def make_config(
             "max_live_blocks must be a positive int (a bound on the non-empty partner "
             f"blocks of any query or key block) or None; got max_live_blocks={max_live_blocks!r}."
         )
-    if max_live_blocks is None and window is not None:
-        bound = window_live_blocks(bq, bk, int(window))
-        if bound < max(-(-q.shape[1] // bq), -(-k.shape[1] // bk)):  # else: no cut
-            max_live_blocks = bound
     cfg = Config(bool(causal), None if window is None else int(window), scale, bq, bk,
                  use_segments, interpret,
                  None if max_live_blocks is None else int(max_live_blocks),
-                 _sub_block(block_k_compute, int(block_k), bk))  # fmt: skip
+                 _sub_block(block_k_compute, int(block_k), bk), softcap, chunk)  # fmt: skip
+    if max_live_blocks is None and cfg.reach is not None:
+        # A chunk bounds the reach as a window of the same length does.
+        bound = window_live_blocks(bq, bk, cfg.reach)
+        if bound < max(-(-q.shape[1] // bq), -(-k.shape[1] // bk)):  # else: no cut
+            cfg = cfg._replace(max_live_blocks=bound)
     check_smem(cfg, q.shape[0], q.shape[1], k.shape[1])
     return cfg
 
@@ -399,6 +368,10 @@ def classify(cfg: Config, ids: Ids) -> jax.Array:
     if cfg.window is not None:
         empty |= qp_lo - kp_hi >= cfg.window
         full &= qp_hi - kp_lo < cfg.window
+    if cfg.chunk is not None:  # the blocks' chunk ranges do not meet / are one chunk
+        qc_lo, qc_hi, kc_lo, kc_hi = (x // cfg.chunk for x in (qp_lo, qp_hi, kp_lo, kp_hi))
+        empty |= (qc_lo > kc_hi) | (qc_hi < kc_lo)
+        full &= (qc_lo == kc_hi) & (qc_hi == kc_lo)
     if ids.q_seg is not None:
         qs_lo, qs_hi = (r[:, :, None] for r in _ranges(ids.q_seg, cfg.block_q))
         ks_lo, ks_hi = (r[:, None, :] for r in _ranges(ids.kv_seg, cfg.block_k))
@@ -447,10 +420,28 @@ def schedule(cfg: Config, ids: Ids) -> Schedule:
     )
 
 
-def visible(cfg: Config, q_pos, kv_pos, q_seg, kv_seg):
-    """The visibility rule on arrays that broadcast to one score tile (inside a kernel), or
-    None when every pair is visible."""
+def floor_div(x, c: int):
+    """`x // c` for a positive int `c`, from a truncating division: Mosaic lowers
+    `jnp.floor_divide`'s sign by asking the TPU generation, which a CPU host exporting a TPU
+    program does not have."""
+    d = lax.div(x, jnp.asarray(c, x.dtype))
+    return d - (d * c > x).astype(x.dtype)
+
+
+def visible(cfg: Config, q_pos, kv_pos, q_seg, kv_seg, *, widen_q=None, widen_kv=None):
+    """The visibility rule on one score tile (inside a kernel), or None when every pair is
+    visible. The ids broadcast to the tile once `widen_q` / `widen_kv` (if given) have
+    tiled the side held in columns (`[rows, 128]`, equal lanes) to the tile's width; a
+    chunk index is divided out before that, on the narrow tile."""
+    same = lambda x: x  # noqa: E731
+    widen_q, widen_kv = widen_q or same, widen_kv or same
     mask = None
+    chunks = None
+    if cfg.chunk is not None:
+        chunks = widen_q(floor_div(q_pos, cfg.chunk)), widen_kv(floor_div(kv_pos, cfg.chunk))
+    q_pos, kv_pos = widen_q(q_pos), widen_kv(kv_pos)
+    if q_seg is not None and kv_seg is not None:
+        q_seg, kv_seg = widen_q(q_seg), widen_kv(kv_seg)
 
     def conj(a, b):
         return b if a is None else a & b
@@ -459,6 +450,8 @@ def visible(cfg: Config, q_pos, kv_pos, q_seg, kv_seg):
         mask = conj(mask, q_pos >= kv_pos)
     if cfg.window is not None:
         mask = conj(mask, q_pos - kv_pos < cfg.window)
+    if chunks is not None:
+        mask = conj(mask, chunks[0] == chunks[1])
     if cfg.use_segments:
         mask = conj(mask, q_seg == kv_seg)
     return mask

@@ -58,7 +58,6 @@ from ._blocks import (
     Schedule,
     by_batch_rows,
     call_kernel,
-    check_inputs,
     kv_ids,
     make_config,
     query_chunk,
@@ -67,6 +66,7 @@ from ._blocks import (
     visible,
     with_fallback,
 )
+from ._checks import check_inputs
 from ._operands import (
     NUM_LANES,
     NUM_SUBLANES,
@@ -96,6 +96,18 @@ def _tile_lanes(x, width: int):
     return jnp.tile(x, (1, pl.cdiv(width, NUM_LANES)))[:, :width]
 
 
+def capped_scores(cfg: Config, s):
+    """Float32 scores `s` scaled and, with `cfg.softcap`, capped (`c * tanh(x / c)`).
+
+    **Returns:** `(scores, t)`: `t = tanh(x / c)` (for the backward's `1 - t^2`), or None.
+    """
+    x = s * cfg.scale
+    if cfg.softcap is None:
+        return x, None
+    t = jnp.tanh(x / cfg.softcap)
+    return cfg.softcap * t, t
+
+
 def sub_blocks(n: int, size: int, body) -> None:
     """`body(start)` for the `n` key sub-blocks of `size` rows of a grid step's key block,
     unrolled, so every slice has a static, aligned offset (as splash attention unrolls its
@@ -122,15 +134,15 @@ def _fwd_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, q_pos_ref, kv_pos_r
 
     def sub_block(start, masked: bool):
         cols = pl.ds(start, bc)
-        s = _dot(q_ref[...], k_ref[cols, :], _NT)
-        s = s * cfg.scale
+        s, _ = capped_scores(cfg, _dot(q_ref[...], k_ref[cols, :], _NT))
         if masked:
             mask = visible(
                 cfg,
-                _tile_lanes(q_pos_ref[...], bc),
+                q_pos_ref[...],
                 kv_pos_ref[:1, cols],
-                None if q_seg_ref is None else _tile_lanes(q_seg_ref[...], bc),
+                None if q_seg_ref is None else q_seg_ref[...],
                 None if kv_seg_ref is None else kv_seg_ref[:1, cols],
+                widen_q=lambda x: _tile_lanes(x, bc),
             )
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
@@ -272,8 +284,8 @@ def forward_padded(cfg: Config, qs: QuerySide, kvs: KvSide, sched: Schedule):
     ]
     itemsize = qh.dtype.itemsize
     cost = pl.CostEstimate(
-        flops=2 * b * hq * sq * sk * (d + dv),
-        transcendentals=b * hq * sq * sk,
+        flops=2 * b * hq * sq * nt * bk * (d + dv),  # the grid's steps, skipped or not
+        transcendentals=b * hq * sq * nt * bk * (1 if cfg.softcap is None else 2),
         bytes_accessed=itemsize
         * (qh.size + b * hq * sq * dv + nq * g * (kvs.k.x.size + kvs.v.x.size)),
     )
@@ -347,6 +359,7 @@ def pallas_flash_forward_heads_major(
     causal: bool, window: int | None = None, scale: float | None = None,
     block_q: int | None = None, block_k: int | None = None, interpret=None,
     max_live_blocks: int | None = None, block_k_compute: int | None = None,
+    softcap: float | None = None, chunk: int | None = None,
 ):  # fmt: skip
     """`pallas_flash_forward` in the heads-major layout the kernels use, so that a caller
     that attends the same queries to many K/V blocks (the ring) transposes them once.
@@ -366,6 +379,7 @@ def pallas_flash_forward_heads_major(
         _heads_major_like(qh), _heads_major_like(kh), q_segment_ids, causal=causal,
         window=window, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret,
         max_live_blocks=max_live_blocks, block_k_compute=block_k_compute,
+        softcap=softcap, chunk=chunk,
     )  # fmt: skip
     return flash_forward_heads_major(cfg, qh, kh, vh, *masks)
 
@@ -387,12 +401,15 @@ def pallas_flash_forward(
     interpret=None,
     max_live_blocks: int | None = None,
     block_k_compute: int | None = None,
+    softcap: float | None = None,
+    chunk: int | None = None,
 ) -> tuple[AttnOut, LogSumExp]:
     """Flash-attention forward (Pallas TPU kernel) with masks from positions and segments.
 
     A query sees a key iff `(not causal or q_pos >= kv_pos)` and `(window is None or
-    q_pos - kv_pos < window)` and `(no segments or q_seg == kv_seg)`. Positions are any
-    token indices (zig-zag or striped layouts, ring hops), not necessarily `0..n-1`.
+    q_pos - kv_pos < window)` and `(chunk is None or q_pos // chunk == kv_pos // chunk)`
+    and `(no segments or q_seg == kv_seg)`. Positions are any token indices (zig-zag or
+    striped layouts, ring hops), not necessarily `0..n-1`.
     FlashAttention-2 (arXiv:2307.08691) online softmax with float32 accumulation.
 
     **Arguments:**
@@ -420,6 +437,11 @@ def pallas_flash_forward(
     - `block_k_compute`: the key sub-block each grid step walks its key block in (a
       multiple of 128 that divides `block_k`), which sizes the score temporaries in VMEM;
       default the largest that keeps every kernel within the VMEM budget (`_vmem`).
+    - `softcap`: scaled scores `x` become `softcap * tanh(x / softcap)` (in float32, before
+      the mask and the softmax; Gemma 2), or `None`.
+    - `chunk`: chunked attention (Llama 4; needs `causal=True`), or `None`. Key blocks in
+      no chunk of a query block are skipped like the window's, and `max_live_blocks`
+      defaults to the bound of a window of `chunk` tokens.
 
     **Returns:** `(out, lse)`: `out` `[batch, seq, q_heads, v_head_dim]` in `q`'s dtype and
     the float32 logsumexp of the scaled scores `[batch, seq, q_heads]`. Rows that see no key
@@ -428,17 +450,19 @@ def pallas_flash_forward(
     **Raises:** `ValueError` (eagerly, naming the rule) for shapes that do not fit together
     (ranks, batch, head_dim, `q_heads` not a multiple of `kv_heads`), mixed or non-float
     dtypes, positions or segment ids of the wrong shape, only one of the segment ids,
-    `block_q` / `block_k` not positive multiples of 128, a `window` that is not a positive
-    int or comes without `causal`, a `max_live_blocks` that is not a positive int, a
-    `block_k_compute` that is not a multiple of 128 dividing `block_k`, or blocks whose
-    kernels would not fit in the VMEM budget.
+    `block_q` / `block_k` not positive multiples of 128, a `window` or `chunk` that is not
+    a positive int or comes without `causal`, a `softcap` that is not a finite number > 0,
+    a `max_live_blocks` that is not a positive int, a `block_k_compute` that is not a
+    multiple of 128 dividing `block_k`, or blocks whose kernels would not fit in the VMEM
+    budget.
     """
     masks = (q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     check_inputs(q, k, v, *masks)
     cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
                       block_q=block_q, block_k=block_k, interpret=interpret,
                       max_live_blocks=max_live_blocks,
-                      block_k_compute=block_k_compute)  # fmt: skip
+                      block_k_compute=block_k_compute, softcap=softcap,
+                      chunk=chunk)  # fmt: skip
     qs = query_side(cfg, to_seq_major(q), q_positions, q_segment_ids)
     kvs = kv_side(cfg, k, v, kv_positions, kv_segment_ids, heads_major=False)
     out, lse = forward_sides(cfg, qs, kvs)

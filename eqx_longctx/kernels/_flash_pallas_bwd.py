@@ -41,13 +41,13 @@ from ._blocks import (
     Schedule,
     by_batch_rows,
     call_kernel,
-    check_inputs,
     make_config,
     query_chunk,
     schedule,
     visible,
     with_fallback,
 )
+from ._checks import check_inputs
 from ._flash_pallas import (
     _NN,
     _NT,
@@ -56,6 +56,7 @@ from ._flash_pallas import (
     _dot,
     _heads_major_like,
     _tile_lanes,
+    capped_scores,
     kv_side,
     query_side,
     side_ids,
@@ -90,20 +91,23 @@ def _dq_kernel(kind_ref, kv_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
     def sub_block(start, masked: bool):
         cols = pl.ds(start, bc)
         k = k_ref[cols, :]
-        s = _dot(q_ref[...], k, _NT)
-        p = jnp.exp(s * cfg.scale - lse_ref[0][:, None])
+        s, t = capped_scores(cfg, _dot(q_ref[...], k, _NT))
+        p = jnp.exp(s - lse_ref[0][:, None])
         if masked:
             mask = visible(
                 cfg,
-                _tile_lanes(q_pos_ref[...], bc),
+                q_pos_ref[...],
                 kv_pos_ref[:1, cols],
-                None if q_seg_ref is None else _tile_lanes(q_seg_ref[...], bc),
+                None if q_seg_ref is None else q_seg_ref[...],
                 None if kv_seg_ref is None else kv_seg_ref[:1, cols],
+                widen_q=lambda x: _tile_lanes(x, bc),
             )
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
         dp = _dot(do_ref[...], v_ref[cols, :], _NT)
         ds = p * (dp - delta_ref[0][:, None])
+        if t is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
+            ds = ds * (1.0 - t * t)
         dq = _dot(ds.astype(k.dtype), k, _NN)
         dq_ref[...] += dq * cfg.scale
 
@@ -134,21 +138,24 @@ def _dkv_kernel(kind_ref, q_block_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         # Keys-major: the sub-block's key rows against the whole query block.
         rows = pl.ds(start, bc)
         q, do = q_ref[...], do_ref[...]
-        s_t = _dot(k_ref[rows, :], q, _NT)
-        p_t = jnp.exp(s_t * cfg.scale - lse_ref[:1, :])
+        s_t, t_t = capped_scores(cfg, _dot(k_ref[rows, :], q, _NT))
+        p_t = jnp.exp(s_t - lse_ref[:1, :])
         if masked:
             mask = visible(
                 cfg,
                 q_pos_ref[:1, :],
-                _tile_lanes(kv_pos_ref[rows, :], bq),
+                kv_pos_ref[rows, :],
                 None if q_seg_ref is None else q_seg_ref[:1, :],
-                None if kv_seg_ref is None else _tile_lanes(kv_seg_ref[rows, :], bq),
+                None if kv_seg_ref is None else kv_seg_ref[rows, :],
+                widen_kv=lambda x: _tile_lanes(x, bq),
             )
             if mask is not None:
                 p_t = jnp.where(mask, p_t, 0.0)
         dv_ref[rows, :] += _dot(p_t.astype(do.dtype), do, _NN)
         dp_t = _dot(v_ref[rows, :], do, _NT)
         ds_t = p_t * (dp_t - delta_ref[:1, :])
+        if t_t is not None:
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk = _dot(ds_t.astype(q.dtype), q, _NN)
         dk_ref[rows, :] += dk * cfg.scale
 
@@ -175,7 +182,9 @@ def backward_padded(cfg: Config, qs: QuerySide, kvs: KvSide, sched: Schedule, do
     nq, nk, g = sq // bq, sk // bk, hq // hk
     ntk, ntq = cfg.steps(nk), cfg.steps(nq)
     bc, vmem = kernel_vmem(cfg, head_dim=d, v_head_dim=dv, itemsize=qh.dtype.itemsize)
-    flops = 2 * b * hq * sq * sk * (d + dv)
+    # Costs count the grid's steps (a bounded grid is cut; its skipped steps still count).
+    pairs_q, pairs_k = b * hq * sq * ntk * bk, b * hq * ntq * bq * sk
+    exps = 1 if cfg.softcap is None else 2  # exp, and tanh for the cap
     itemsize = qh.dtype.itemsize
     kv_size = kvs.k.x.size + kvs.v.x.size
 
@@ -223,8 +232,8 @@ def backward_padded(cfg: Config, qs: QuerySide, kvs: KvSide, sched: Schedule, do
         ),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(
-            flops=flops + 2 * b * hq * sq * sk * d,
-            transcendentals=b * hq * sq * sk,
+            flops=2 * pairs_q * (2 * d + dv),
+            transcendentals=exps * pairs_q,
             bytes_accessed=itemsize * nq * g * kv_size + 4 * 3 * qh.size,
         ),
         name="eqx_longctx_flash_bwd_dq",
@@ -275,8 +284,8 @@ def backward_padded(cfg: Config, qs: QuerySide, kvs: KvSide, sched: Schedule, do
         ),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(
-            flops=flops + 2 * b * hq * sq * sk * (d + dv),
-            transcendentals=b * hq * sq * sk,
+            flops=4 * pairs_k * (d + dv),
+            transcendentals=exps * pairs_k,
             bytes_accessed=itemsize * nk * (qh.size + do.size) + 4 * kv_size,
         ),
         name="eqx_longctx_flash_bwd_dkv",
@@ -335,6 +344,7 @@ def pallas_flash_backward_heads_major(
     causal: bool, window: int | None = None, scale: float | None = None,
     block_q: int | None = None, block_k: int | None = None, interpret=None,
     max_live_blocks: int | None = None, block_k_compute: int | None = None,
+    softcap: float | None = None, chunk: int | None = None,
 ):  # fmt: skip
     """`pallas_flash_backward` in the heads-major layout.
 
@@ -355,6 +365,7 @@ def pallas_flash_backward_heads_major(
         _heads_major_like(qh), _heads_major_like(kh), q_segment_ids, causal=causal,
         window=window, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret,
         max_live_blocks=max_live_blocks, block_k_compute=block_k_compute,
+        softcap=softcap, chunk=chunk,
     )  # fmt: skip
     return flash_backward_heads_major(cfg, qh, kh, vh, *masks, dout, lse, delta)
 
@@ -390,6 +401,8 @@ def pallas_flash_backward(
     interpret=None,
     max_live_blocks: int | None = None,
     block_k_compute: int | None = None,
+    softcap: float | None = None,
+    chunk: int | None = None,
 ) -> tuple[Query, Key, Value]:
     """Flash-attention gradients of `q` against this `k`/`v` block (Pallas TPU kernels).
 
@@ -417,7 +430,8 @@ def pallas_flash_backward(
     cfg = make_config(q, k, q_segment_ids, causal=causal, window=window, scale=scale,
                       block_q=block_q, block_k=block_k, interpret=interpret,
                       max_live_blocks=max_live_blocks,
-                      block_k_compute=block_k_compute)  # fmt: skip
+                      block_k_compute=block_k_compute, softcap=softcap,
+                      chunk=chunk)  # fmt: skip
     t = to_seq_major
     qs = query_side(cfg, t(q), q_positions, q_segment_ids)
     kvs = kv_side(cfg, k, v, kv_positions, kv_segment_ids, heads_major=False)

@@ -74,9 +74,10 @@ class PallasBlockImpl(AbstractBlockImpl):
       `False` always compiles for TPU; `True` runs Pallas' interpreter (any backend); a
       `pltpu.InterpretParams` runs TPU interpret mode (see `race_detecting_interpret`).
     - `max_live_blocks`: a bound on the non-empty partner blocks of any query or key block
-      (`None`: none, or the sliding window's when there is one, `window_live_blocks`); the
-      kernels' sequential grid axes take that many steps, and a bound some block exceeds
-      falls back to the whole grid at run time (see `pallas_flash_forward`).
+      (`None`: none, or that of the sliding window or chunk when there is one,
+      `window_live_blocks`); the kernels' sequential grid axes take that many steps, and a
+      bound some block exceeds falls back to the whole grid at run time (see
+      `pallas_flash_forward`).
     - `block_k_compute`: the key sub-block each grid step walks its key block in (`None`:
       the largest that fits the VMEM budget; see `pallas_flash_forward`).
 
@@ -123,29 +124,26 @@ class PallasBlockImpl(AbstractBlockImpl):
         - `q`: `[batch, seq, heads, head_dim]` queries; `positions`, `segment_ids` (or
           `None`): their `[batch, seq]` ids.
         - `kv_like`: a key block (its shape sizes the key blocks).
-        - `options`: the mask and scale.
+        - `options`: the mask, scale and score cap (`window`, `chunk`, `softcap` run in the
+          kernels; key blocks outside every chunk of a query block are skipped).
 
         **Returns:** the tiled queries that [`attend`][] and [`attend_backward`][] take.
 
         **Raises:** `ValueError` when `q` is not float32 or bfloat16, `block_q` or `block_k`
-        is not a positive multiple of 128, `options.window` is not a positive int or is
-        set without `options.causal`, or `max_live_blocks` is not a positive int.
+        is not a positive multiple of 128, `options.window` or `options.chunk` is not a
+        positive int or is set without `options.causal`, `options.softcap` is not a finite
+        number > 0, or `max_live_blocks` is not a positive int.
         """
         if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
             raise ValueError(
                 f"impl='pallas' runs float32 or bfloat16 inputs; got {q.dtype}. Cast q, k, v "
                 "with .astype(jnp.float32) (or bfloat16), or use impl='xla'."
             )
-        if options.softcap is not None or options.chunk is not None:
-            raise NotImplementedError(
-                "impl='pallas': the kernels do not run softcap= or chunk= yet; got softcap="
-                f"{options.softcap}, chunk={options.chunk}. Use impl='xla'."
-            )
         cfg = make_config(
             q, kv_like, segment_ids, causal=options.causal, window=options.window,
             scale=options.scale, block_q=self.block_q, block_k=self.block_k,
             interpret=self.interpret, max_live_blocks=self.max_live_blocks,
-            block_k_compute=self.block_k_compute,
+            block_k_compute=self.block_k_compute, softcap=options.softcap, chunk=options.chunk,
         )  # fmt: skip
         return _Queries(query_side(cfg, _swap(q), positions, segment_ids), cfg)
 

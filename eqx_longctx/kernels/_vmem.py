@@ -100,7 +100,7 @@ KERNELS = ("forward", "dq", "dkv")
 
 def vmem_estimate(
     kernel: str, *, block_q: int, block_k: int, block_k_compute: int, head_dim: int,
-    v_head_dim: int, itemsize: int, segments: bool, masked: bool,
+    v_head_dim: int, itemsize: int, segments: bool, masked: bool, softcap: bool = False,
 ) -> VmemEstimate:  # fmt: skip
     """VMEM of one grid step of a kernel.
 
@@ -112,6 +112,7 @@ def vmem_estimate(
     - `itemsize`: bytes per element of q, k, v (4 for float32, 2 for bfloat16).
     - `segments`: whether segment-id tiles are read (segment ids, or padding).
     - `masked`: whether some pair may need the per-token mask (causal, window, segments).
+    - `softcap`: whether scores are soft-capped (`tanh(x / c)` kept for the backward).
 
     **Returns:** a `VmemEstimate`.
 
@@ -143,6 +144,8 @@ def vmem_estimate(
         blocks += ids
     if masked:
         tiles += 2 + segments  # the mask and the broadcast position (and segment) tiles
+    if softcap:
+        tiles += 1  # tanh(x / c): the capped scores, and the backward's 1 - t^2
     if it != 4:
         tiles += 1  # the probabilities cast for the next product (half a tile, rounded up)
     temporaries = tiles * bq * bc * 4 + bc * (d + dv) * it + sum(out_rows)
@@ -173,7 +176,8 @@ def key_sub_block(
         return max(
             vmem_estimate(k, block_q=cfg.block_q, block_k=cfg.block_k, block_k_compute=bc,
                           head_dim=head_dim, v_head_dim=v_head_dim, itemsize=itemsize,
-                          segments=cfg.use_segments, masked=masked).total
+                          segments=cfg.use_segments, masked=masked,
+                          softcap=cfg.softcap is not None).total
             for k in KERNELS
         )  # fmt: skip
 

@@ -37,6 +37,7 @@ from ._cost import STRATEGY_ORDER as STRATEGY_ORDER
 from ._decode import LayerCache as LayerCache
 from ._decode import decode_attention as decode_attention
 from ._explain import Plan as Plan
+from ._halo import HALO_REPLACES, halo_latent_attention, halo_plan
 from ._impls import check_impl as check_impl
 from ._impls import flash_attention as flash_attention
 from ._impls import resolve_block_impl as resolve_block_impl
@@ -354,6 +355,10 @@ def _context_parallel(
         params_specs = jax.tree.map(lambda _: PartitionSpec(), params)
     else:
         params = jax.tree.map(spec.place, params, params_specs)
+    exchange = None
+    if strategy in HALO_REPLACES:  # a local layer: a neighbour exchange, not whole shards
+        exchange = halo_plan(layout_order(spec, s), spec.context_parallel_size, options)
+        strategy = strategy if exchange is None else "halo"
     hops = None
     if strategy in ("ring", "usp"):
         hops = ring_hops(spec, s, options.causal, _reach_window(options))
@@ -376,6 +381,11 @@ def _context_parallel(
             fn = all_gather_latent_attention
             return fn(
                 q, source, expand, params, positions, segment_ids, axis=axis, halves=halves, **kw
+            )
+        if strategy == "halo":
+            fn = halo_latent_attention
+            return fn(
+                q, source, expand, params, positions, segment_ids, axis=axis, plan=exchange, **kw
             )
         if strategy == "ring":
             fn = ring_latent_attention

@@ -113,7 +113,7 @@ DATA_CONTEXT = dict(data=2, context=4)
 SPECS = [
     ("gemma2", "ring", "zigzag", DATA_CONTEXT),
     ("gemma3_text", "ulysses", "striped", DATA_CONTEXT),
-    ("gemma2", "all_gather", "none", dict(context=8)),
+    ("gemma3_text", "all_gather", "none", dict(context=8)),
 ]
 
 
@@ -225,22 +225,25 @@ def test_round_trip(checkpoints, tokens, tmp_path, family):
 # ---------------------------------------------------------------- the loss
 
 
-def test_chunked_loss_applies_the_final_softcap(checkpoints, tokens):
-    """The trainer's chunked loss (hidden states, head weight, `logit_softcap()`) equals
-    the cross-entropy of the model's soft-capped logits."""
-    model = gemma.from_hf(checkpoints["gemma2"][0])
-    targets = jnp.asarray(np.roll(tokens, -1, axis=1))
-    mask = jnp.ones(tokens.shape, jnp.float32)
-    hidden = model.hidden_states(tokens)
-    total, count = chunked_cross_entropy(
-        hidden, model.head_weight(), targets, mask, chunk_tokens=24,
-        softcap=model.logit_softcap(),
-    )  # fmt: skip
-    want = optax.softmax_cross_entropy_with_integer_labels(forward(model, tokens), targets).sum()
-    assert float(count) == tokens.size
+def test_chunked_loss_applies_the_final_softcap():
+    """The chunked loss with `softcap` (what the trainer passes: the model's
+    `logit_softcap()`) equals the cross-entropy of the soft-capped logits."""
+    config = gemma.GemmaConfig.from_preset("tiny", n_layers=1, dim=32, n_heads=2)
+    model = eqx.filter_eval_shape(gemma.Gemma, config, key=jax.random.key(0))
+    assert model.logit_softcap() == 30.0 and model.embed_scale() == 32**0.5
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(k1, (2, 40, 16))
+    weight = 4.0 * jax.random.normal(k2, (16, 24))  # logits of tens: a cap of 3 bites
+    targets = jax.random.randint(k3, (2, 40), 0, 24)
+    mask = jnp.ones((2, 40), jnp.float32)
+    capped = 3.0 * jnp.tanh(jnp.einsum("bse,ev->bsv", hidden, weight) / 3.0)
+    want = optax.softmax_cross_entropy_with_integer_labels(capped, targets).sum()
+    total, _ = chunked_cross_entropy(hidden, weight, targets, mask, chunk_tokens=24, softcap=3.0)
     np.testing.assert_allclose(float(total), float(want), rtol=1e-5)
-    plain, _ = chunked_cross_entropy(hidden, model.head_weight(), targets, mask, chunk_tokens=24)
-    assert abs(float(plain) - float(want)) > 1e-2 * float(want)  # the cap bites
+    plain, _ = chunked_cross_entropy(hidden, weight, targets, mask, chunk_tokens=24)
+    assert abs(float(plain) - float(want)) > 0.1 * float(want)
+    with pytest.raises(ValueError, match="softcap"):
+        chunked_cross_entropy(hidden, weight, targets, mask, softcap=0.0)
 
 
 # ---------------------------------------------------------------- errors and presets

@@ -364,8 +364,8 @@ def test_config_errors(overrides, match):
 def test_building_block_errors():
     with pytest.raises(ValueError, match="unknown Llama preset"):
         LlamaConfig.from_preset("llama9")
-    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
-        Llama3RopeScaling(8.0, 4.0, 4.0, 8192)
+    with pytest.raises(ValueError, match="low_freq_factor <= high_freq_factor"):
+        Llama3RopeScaling(8.0, 4.0, 1.0, 8192)
     with pytest.raises(ValueError, match="factor >= 1"):
         Llama3RopeScaling(0.5, 1.0, 4.0, 8192)
     with pytest.raises(ValueError, match="positive even number"):

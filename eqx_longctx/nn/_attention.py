@@ -9,6 +9,7 @@ References: Vaswani et al. 2017, "Attention Is All You Need" (arXiv:1706.03762);
 Billion Parameters" (query/key normalisation, arXiv:2302.05442), as used by Qwen3.
 """
 
+import math
 from typing import ClassVar, final
 
 import equinox as eqx
@@ -46,6 +47,13 @@ class SelfAttention(eqx.Module):
     sink logit per query head (GPT-OSS; zero-initialised), `softcap` caps the scores
     (Gemma 2), `chunk` makes the attention chunked (Llama 4), and `scale` replaces
     `1/sqrt(head_dim)` (Gemma's `query_pre_attn_scalar ** -0.5`).
+
+    Three more serve Llama 4: `rope=None` is a layer without position embedding (NoPE),
+    `qk_l2_norm` RMS-normalises each query and key head with no learned scale after RoPE,
+    and `query_temperature=(floor, strength)` multiplies the query at position `p` by
+    `1 + strength * log(1 + floor((p + 1) / floor))`, so that the scores of far positions
+    stay sharp (Nakanishi 2025, "Scalable-Softmax Is Superior for Attention",
+    arXiv:2501.19399).
     """
 
     wq: Float[Array, "embed q_heads head_dim"]
@@ -60,7 +68,7 @@ class SelfAttention(eqx.Module):
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     sinks: Float[Array, " q_heads"] | None
-    rope: RoPE
+    rope: RoPE | None
     n_heads: int = eqx.field(static=True)
     n_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
@@ -69,6 +77,8 @@ class SelfAttention(eqx.Module):
     chunk: int | None = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True)
     scale: float | None = eqx.field(static=True)
+    qk_l2_norm_eps: float | None = eqx.field(static=True)
+    query_temperature: tuple[float, float] | None = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
     def __init__(
@@ -78,7 +88,7 @@ class SelfAttention(eqx.Module):
         n_kv_heads: int,
         head_dim: int,
         *,
-        rope: RoPE,
+        rope: RoPE | None,
         key: PRNGKeyArray,
         qkv_bias: bool = False,
         output_bias: bool = False,
@@ -92,6 +102,8 @@ class SelfAttention(eqx.Module):
         softcap: float | None = None,
         sinks: bool = False,
         scale: float | None = None,
+        qk_l2_norm: bool = False,
+        query_temperature: tuple[float, float] | None = None,
         init_std: float = 0.02,
         out_init_std: float | None = None,
         dtype=jnp.float32,
@@ -103,13 +115,14 @@ class SelfAttention(eqx.Module):
         - `n_heads`, `n_kv_heads`: query and key/value heads (`n_heads % n_kv_heads == 0`).
         - `head_dim`: width of each head (`n_heads * head_dim` need not equal `dim`).
         - `rope`: the rotary embedding applied to queries and keys: the whole head, or its
-          leading `rope.head_dim` features when narrower (partial RoPE).
+          leading `rope.head_dim` features when narrower (partial RoPE); `None`: none
+          (a NoPE layer).
         - `key`: PRNG key for the normal initialisation.
         - `qkv_bias`: add learned biases to the q/k/v projections (Qwen2); zero-initialised.
         - `output_bias`: add a learned `[embed]` bias to the output projection (GPT-OSS,
           with `qkv_bias`); zero-initialised.
         - `qk_norm`: RMS-normalise each query and key head before RoPE (Qwen3).
-        - `norm_eps`: epsilon of those norms (unused without `qk_norm`).
+        - `norm_eps`: epsilon of those norms (unused without `qk_norm` or `qk_l2_norm`).
         - `norm_zero_centred`: those norms scale by `1 + weight` (Qwen3-Next).
         - `output_gate`: gate each head's output by `sigmoid(x @ wg)` before the output
           projection (Qwen3-Next); `wg` is initialised as `wq`.
@@ -123,6 +136,11 @@ class SelfAttention(eqx.Module):
         - `sinks`: learn one sink logit per query head (`sinks`, `[q_heads]`,
           zero-initialised), joined to every softmax denominator (GPT-OSS).
         - `scale`: the score scale; `None` = `1/sqrt(head_dim)`.
+        - `qk_l2_norm`: RMS-normalise each query and key head after RoPE, with no learned
+          scale and epsilon `norm_eps` (Llama 4's RoPE layers).
+        - `query_temperature`: `(floor, strength)`: multiply the query at position `p` by
+          `1 + strength * log(1 + floor((p + 1) / floor))` (Llama 4's NoPE layers); `None`
+          = no such scaling.
         - `init_std`, `out_init_std`: standard deviations of q/k/v and of the output
           projection (default `init_std`).
         - `dtype`: parameter dtype.
@@ -131,11 +149,14 @@ class SelfAttention(eqx.Module):
         **Raises:** `TypeError` for a `spec` that is not a `ShardingSpec` or options of the wrong
         type; `ValueError` when `n_heads` is not a multiple of `n_kv_heads`, `rope.head_dim`
         exceeds `head_dim`, `window` or `chunk` is not a positive int or is set without
-        `causal`, or `softcap` is not a positive number.
+        `causal`, `softcap` is not a positive number, or `query_temperature` is not a pair
+        of a positive floor and a finite strength.
         """
         self.window = check_options("SelfAttention", spec, causal, scale, window)
         self.softcap, self.chunk = check_variants("SelfAttention", causal, softcap, chunk)
         self.scale = None if scale is None else float(scale)
+        self.qk_l2_norm_eps = float(norm_eps) if qk_l2_norm else None
+        self.query_temperature = _check_temperature(query_temperature)
         self.sinks = jnp.zeros((n_heads,), dtype) if sinks else None
         out_init_std = init_std if out_init_std is None else out_init_std
         kq, kk, kv, ko = jax.random.split(key, 4)
@@ -182,7 +203,7 @@ class SelfAttention(eqx.Module):
                 f"both be set or both be None; got q_norm={self.q_norm is not None}, "
                 f"k_norm={self.k_norm is not None}. Build it with qk_norm=True or False."
             )
-        if self.rope.head_dim > self.head_dim:
+        if self.rope is not None and self.rope.head_dim > self.head_dim:
             raise ValueError(
                 "SelfAttention's RoPE must rotate the whole head or its leading features "
                 f"(partial RoPE); got head_dim={self.head_dim} but rope.head_dim="
@@ -198,6 +219,11 @@ class SelfAttention(eqx.Module):
     def output_gate(self) -> bool:
         """Whether each head's output is gated by `sigmoid(x @ wg)`."""
         return self.wg is not None
+
+    @property
+    def qk_l2_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalised, unscaled, after RoPE."""
+        return self.qk_l2_norm_eps is not None
 
     @property
     def qk_norm(self) -> bool:
@@ -239,18 +265,31 @@ class SelfAttention(eqx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        tables = self.rope.tables(positions)  # once for the queries and the keys
-        return self._rotate(q, tables), self._rotate(k, tables), v
+        if self.rope is not None:
+            tables = self.rope.tables(positions)  # once for the queries and the keys
+            q, k = self._rotate(q, tables), self._rotate(k, tables)
+        if self.qk_l2_norm_eps is not None:
+            q, k = (_unit_rms(x, self.qk_l2_norm_eps) for x in (q, k))
+        if self.query_temperature is not None:
+            floor, strength = self.query_temperature
+            p = jnp.asarray(positions, jnp.float32)  # positions, never tables: see rotary_tables
+            t = 1.0 + strength * jnp.log1p(jnp.floor((p + 1.0) / floor))
+            q = (q * t[:, :, None, None]).astype(q.dtype)
+        return q, k, v
 
     def _rotate(self, x, tables):
+        assert self.rope is not None
         n = self.rope.head_dim
         if n == self.head_dim:
             return self.rope(x, tables)
         return jnp.concatenate([self.rope(x[..., :n], tables), x[..., n:]], axis=-1)
 
-    def rotary_tables(self, positions: Positions) -> RotaryTables:
+    def rotary_tables(self, positions: Positions) -> RotaryTables | None:
         """**Returns:** this layer's RoPE tables at `positions`, which `__call__` accepts in
-        their place (`LayerStack` computes them once for all its layers)."""
+        their place (`LayerStack` computes them once for all its layers); `None` when the
+        layer has no RoPE or needs the positions themselves (`query_temperature`)."""
+        if self.rope is None or self.query_temperature is not None:
+            return None
         return self.rope.tables(positions)
 
     def _attend(self, q, k, v, segment_ids, impl=None):
@@ -312,3 +351,23 @@ class SelfAttention(eqx.Module):
             scale=self.scale,
         )  # fmt: skip
         return self._output(out, x), (k, v)
+
+
+def _unit_rms(x, eps: float):
+    """`x / sqrt(mean(x**2) + eps)` over each head's features, in float32, cast back."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def _check_temperature(value) -> tuple[float, float] | None:
+    """`SelfAttention`'s `query_temperature`, checked: `None` or `(floor > 0, strength)`."""
+    if value is None:
+        return None
+    ok = isinstance(value, tuple | list) and len(value) == 2
+    ok = ok and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+    if not ok or not (value[0] > 0 and math.isfinite(value[0]) and math.isfinite(value[1])):
+        raise ValueError(
+            "SelfAttention query_temperature must be None or (floor, strength) with a finite "
+            f"floor > 0 and a finite strength; got {value!r}. Llama 4 uses (8192, 0.1)."
+        )
+    return float(value[0]), float(value[1])

@@ -38,7 +38,7 @@ from ._moe_dispatch import (
     routed_experts_all_to_all,
 )
 
-TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc", "sigmoid")
 
 
 def _none(x) -> bool:
@@ -54,7 +54,7 @@ def check_routing(
 
     - `owner`: the caller, named in the messages (e.g. `"MoE"` or `"DeepSeekConfig"`).
     - `n_experts`, `top_k`: routed experts, and how many each token uses.
-    - `topk_method`: `"greedy"`, `"group_limited_greedy"` or `"noaux_tc"`.
+    - `topk_method`: `"greedy"`, `"group_limited_greedy"`, `"noaux_tc"` or `"sigmoid"`.
     - `n_group`, `topk_group`: expert groups, and how many a token may use (group-limited
       methods only).
 
@@ -69,7 +69,7 @@ def check_routing(
         raise ValueError(
             f"{owner} needs 1 <= top_k <= n_experts; got top_k={top_k}, n_experts={n_experts}."
         )
-    if topk_method == "greedy":
+    if topk_method in ("greedy", "sigmoid"):
         return
     if n_group < 1 or n_experts % n_group:
         raise ValueError(
@@ -107,8 +107,12 @@ class MoE(eqx.Module):
       groups are rated by the sum of their two best biased scores (others set to -inf),
       and the chosen experts are weighted by their unbiased scores.
 
+    - `"sigmoid"`: `scores = sigmoid(x @ router)`; the `top_k` best experts, weighted by
+      their scores (Llama 4).
+
     Then the weights are divided by their sum if `norm_topk_prob`, and multiplied by
-    `routed_scaling_factor`.
+    `routed_scaling_factor`. With `weight_inputs` (Llama 4) a token's weight scales the
+    expert's input instead of its output: `sum_k expert_{index_k}(weight_k * x)`.
 
     With `shared_gate` (Qwen2-MoE, Qwen3-Next), the shared block's output is multiplied by
     a per-token gate, `sigmoid(x @ shared_gate)`, before it is added.
@@ -148,6 +152,7 @@ class MoE(eqx.Module):
     grouped_matmul: str = eqx.field(static=True)
     tile: int = eqx.field(static=True)
     capacity_factor: float | None = eqx.field(static=True)
+    weight_inputs: bool = eqx.field(static=True)
     activation: ClampedSwiGLU | None = eqx.field(static=True)
     spec: ShardingSpec | None = eqx.field(static=True)
 
@@ -173,6 +178,7 @@ class MoE(eqx.Module):
         router_bias: bool = False,
         expert_bias: bool = False,
         activation: ClampedSwiGLU | None = None,
+        weight_inputs: bool = False,
         init_std: float = 0.02,
         out_init_std: float | None = None,
         dtype=jnp.float32,
@@ -207,6 +213,8 @@ class MoE(eqx.Module):
           zero-initialised.
         - `activation`: the routed experts' gated activation; `None` = `silu(gate) * up`,
           or a `ClampedSwiGLU` (GPT-OSS).
+        - `weight_inputs`: the routing weights scale each expert's input, not its output
+          (Llama 4).
         - `init_std`, `out_init_std`: standard deviations of the router and input
           projections, and of the output projections (default `init_std`).
         - `dtype`: parameter dtype.
@@ -240,6 +248,7 @@ class MoE(eqx.Module):
                 f"MoE activation must be None (SwiGLU) or a ClampedSwiGLU; got {activation!r}."
             )
         self.activation = activation
+        self.weight_inputs = bool(weight_inputs)
         self.shared = self.shared_gate = None
         if n_shared:
             if shared_gate:
@@ -316,9 +325,11 @@ class MoE(eqx.Module):
             assert self.score_bias is not None
             scores = jax.nn.sigmoid(logits)
             choice = scores + self.score_bias.astype(jnp.float32)
+        elif self.topk_method == "sigmoid":
+            scores = choice = jax.nn.sigmoid(logits)
         else:
             scores = choice = jax.nn.softmax(logits, axis=-1)
-        if self.topk_method != "greedy":
+        if self.topk_method not in ("greedy", "sigmoid"):
             grouped = choice.reshape(*choice.shape[:-1], self.n_group, -1)
             if self.topk_method == "noaux_tc":
                 group_scores = lax.top_k(grouped, 2)[0].sum(-1)
@@ -370,14 +381,30 @@ class MoE(eqx.Module):
 
     def _local(self, x):
         b, s, e = x.shape
-        tokens = x.reshape(b * s, e)
-        indices, weights = self.route(tokens)
+        rows, indices, weights = self._routed_rows(x.reshape(b * s, e))
         w, biases = self._experts(x.dtype)
         method = resolve_grouped_matmul(self.grouped_matmul)
-        out = routed_experts(tokens, indices, weights, *w, method=method, tile=self.tile,
+        out = routed_experts(rows, indices, weights, *w, method=method, tile=self.tile,
                              biases=biases, act=self.activation)  # fmt: skip
-        out = out.reshape(b, s, e)
+        out = self._sum_copies(out, b * s).reshape(b, s, e)
         return out if self.shared is None else out + self._shared(x)
+
+    def _routed_rows(self, tokens):
+        """`(rows, indices, weights)` to dispatch: `tokens` and their routing, or with
+        `weight_inputs` each token's `top_k` copies scaled by their weights, one expert
+        each with weight 1 (`_sum_copies` adds them up)."""
+        indices, weights = self.route(tokens)
+        if not self.weight_inputs:
+            return tokens, indices, weights
+        n = indices.size
+        rows = tokens[:, None, :] * weights[..., None].astype(tokens.dtype)
+        return rows.reshape(n, -1), indices.reshape(n, 1), jnp.ones((n, 1), jnp.float32)
+
+    def _sum_copies(self, out, tokens: int):
+        """The routed output of each token: `out` as dispatched (`_routed_rows`)."""
+        if not self.weight_inputs:
+            return out
+        return out.reshape(tokens, -1, out.shape[-1]).astype(jnp.float32).sum(1).astype(out.dtype)
 
     def _experts(self, dtype):
         """The routed experts' `(w_gate, w_up, w_down)` and biases (or `None`) in `dtype`."""
@@ -423,15 +450,14 @@ class MoE(eqx.Module):
         def local(params, x):
             moe = eqx.combine(params, static)
             b, s, e = x.shape
-            tokens = x.reshape(b * s, e)
-            indices, weights = moe.route(tokens)
+            rows, indices, weights = moe._routed_rows(x.reshape(b * s, e))
             w, biases = moe._experts(x.dtype)
             out = routed_experts_all_to_all(
-                tokens, indices, weights, *w, axis=axis, n_experts=self.n_experts,
+                rows, indices, weights, *w, axis=axis, n_experts=self.n_experts,
                 method=method, tile=self.tile, capacity_factor=self.capacity_factor,
                 biases=biases, act=self.activation,
             )  # fmt: skip
-            return out.reshape(b, s, e)
+            return moe._sum_copies(out, b * s).reshape(b, s, e)
 
         mapped = jax.shard_map(
             local,

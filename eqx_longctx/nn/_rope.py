@@ -72,7 +72,8 @@ class Llama3RopeScaling(AbstractRopeScaling):
     `w > old / low_freq_factor` are divided by `factor`, and the ones in between are
     blended linearly in `old / w`:
     `s = (old / w - low_freq_factor) / (high_freq_factor - low_freq_factor)`,
-    `freq' = (1 - s) * freq / factor + s * freq`.
+    `freq' = (1 - s) * freq / factor + s * freq`. Equal band factors cut without a blend
+    (Llama 4 Scout: both 1).
 
     **Arguments:**
 
@@ -81,7 +82,7 @@ class Llama3RopeScaling(AbstractRopeScaling):
     - `original_max_position_embeddings`: context length of pre-training (8192).
 
     **Raises:** `TypeError` for a field of the wrong type; `ValueError` unless `factor >= 1`,
-    `0 < low_freq_factor < high_freq_factor` and `original_max_position_embeddings` is a
+    `0 < low_freq_factor <= high_freq_factor` and `original_max_position_embeddings` is a
     positive int.
     """
 
@@ -105,10 +106,10 @@ class Llama3RopeScaling(AbstractRopeScaling):
                 f"Llama3RopeScaling needs factor >= 1 (it divides the low frequencies to "
                 f"stretch the context); got factor={self.factor}. Use e.g. 8 (Llama 3.1)."
             )
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
+        if not 0 < self.low_freq_factor <= self.high_freq_factor:
             raise ValueError(
-                "Llama3RopeScaling needs 0 < low_freq_factor < high_freq_factor (the blend "
-                f"divides by their difference); got low_freq_factor={self.low_freq_factor}, "
+                "Llama3RopeScaling needs 0 < low_freq_factor <= high_freq_factor (the bounds "
+                f"of the blended band); got low_freq_factor={self.low_freq_factor}, "
                 f"high_freq_factor={self.high_freq_factor}. Llama 3.1 uses 1 and 4."
             )
 
@@ -118,9 +119,8 @@ class Llama3RopeScaling(AbstractRopeScaling):
         inv_freq = _plain_frequencies(head_dim, theta)
         old = float(self.original_max_position_embeddings)
         wavelen = 2 * math.pi / inv_freq
-        smooth = (old / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
+        span = self.high_freq_factor - self.low_freq_factor  # 0: no band to blend in
+        smooth = (old / wavelen - self.low_freq_factor) / span if span else 0.0 * inv_freq
         blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
         out = np.where(wavelen > old / self.low_freq_factor, inv_freq / self.factor, blended)
         return np.where(wavelen < old / self.high_freq_factor, inv_freq, out)

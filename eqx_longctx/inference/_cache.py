@@ -13,7 +13,9 @@ Geometry. With `N` sequence shards, each device holds `per` slots of every layer
   Row `b` with `L_b` prompt tokens keeps position `p` in ring slot `(p - L_b) mod R`; decode
   step `t` (position `L_b + t`) writes slot `t mod R` in every row, overwriting position
   `L_b + t - R`, which no later query can see. The prefill fills the ring with one
-  reduce-scatter of `R` slots over the sequence axes.
+  reduce-scatter of `R` slots over the sequence axes. **Chunked layers** (chunk `C`) keep
+  the same ring with `R = C` rounded up: a query sees only its own chunk, at most the last
+  `C` positions.
 
 Empty slots have position `-1`; the decoding attention never sees them.
 

@@ -7,7 +7,7 @@ attention sublayer through the cache protocol:
 - `cache_shapes()`: `(heads, dim)` of each array cached **per token** (K and V per K/V
   head; MLA's one latent), each kept in slots split over the sequence axes;
 - `cache_split_heads`: whether those heads split over the spec's tensor axis;
-- `window`: the layers' sliding window (`None`: full attention);
+- `window`, `chunk`: the layers' sliding window and attention chunk (`None`: none);
 - `cache_state_shapes()` (optional, default none): the shape of each **fixed-size state**
   a layer keeps per row instead of per-token slots (a linear-attention layer's recurrent
   state, `[heads, dk, dv]`, and its convolution's windows): its size does not grow with
@@ -18,7 +18,10 @@ attention sublayer through the cache protocol:
 Slots: with `N` sequence shards each device holds `slots_per_device` slots of a full
 stack (any prompt padded to the layout's multiple, plus the decoded tokens spread
 round-robin); a sliding stack whose window is shorter keeps a ring buffer of the window
-rounded up to a multiple of `N` (`inference/_cache.py` says how the slots are written).
+rounded up to a multiple of `N` (`inference/_cache.py` says how the slots are written). A
+chunked stack's (chunk `C`) keeps one of `C` slots the same way: a query at position `p`
+sees keys from `C * floor(p / C)` on, never more than the last `C` tokens, so a ring of
+`C` holds every key a later query can see.
 """
 
 import math
@@ -39,11 +42,12 @@ class StackLayout(NamedTuple):
 
     - `n_layers`: layers in the stack.
     - `window`: their sliding window, or `None`.
-    - `ring`: ring-buffer slots of a sliding stack, or `None` (a full cache).
+    - `ring`: ring-buffer slots of a sliding or chunked stack, or `None` (a full cache).
     - `slots`: slots in all (`ring`, or `slots_per_device * N`).
     - `entries`: `(heads, dim)` of each per-token cached array.
     - `split_heads`: whether the entries' heads split over the tensor axis.
     - `states`: the per-row shape of each fixed-size state (empty for softmax attention).
+    - `chunk`: their attention chunk (chunked attention), or `None`.
     """
 
     n_layers: int
@@ -53,6 +57,7 @@ class StackLayout(NamedTuple):
     entries: tuple[tuple[int, int], ...]
     split_heads: bool
     states: tuple[tuple[int, ...], ...] = ()
+    chunk: int | None = None
 
 
 class CacheLayout(NamedTuple):
@@ -165,10 +170,11 @@ def cache_layout(model: Any, batch: int, max_len: int, dtype: Any = None) -> Cac
     stacks = []
     for stack in model.layer_stacks():
         attn = attention_layer(stack)
-        window = attn.window
+        window, chunk = attn.window, getattr(attn, "chunk", None)
+        reach = min((r for r in (window, chunk) if r is not None), default=None)
         ring = None
-        if window is not None and -(-window // n) < per:  # a ring of round_up(window, N)
-            ring = -(-window // n) * n
+        if reach is not None and -(-reach // n) < per:  # a ring of round_up(reach, N)
+            ring = -(-reach // n) * n
         entries = tuple((int(h), int(d)) for h, d in attn.cache_shapes())
         states_of = getattr(attn, "cache_state_shapes", None)
         states = tuple(tuple(int(x) for x in s) for s in (states_of() if states_of else ()))
@@ -184,5 +190,7 @@ def cache_layout(model: Any, batch: int, max_len: int, dtype: Any = None) -> Cac
         slots = per * n if ring is None else ring
         if not entries:  # fixed-size states only: no per-token slots
             ring, slots = None, 0
-        stacks.append(StackLayout(stack.n_layers, window, ring, slots, entries, split, states))
+        stacks.append(
+            StackLayout(stack.n_layers, window, ring, slots, entries, split, states, chunk)
+        )
     return CacheLayout(int(batch), int(max_len), np.dtype(dtype), spec, tuple(stacks))

@@ -66,6 +66,7 @@ class StackCacheShape(NamedTuple):
     slots: int  # slots per device
     entries: tuple[tuple[int, ...], ...]  # per-device shape of each cached array, then state
     bytes: int  # entries + fixed-size states + slot positions, per device
+    chunk: int | None = None  # the attention chunk of chunked layers
 
 
 class GenerateMemory(NamedTuple):
@@ -117,7 +118,8 @@ class GeneratePlan:
             "cache per layer stack:",
         ]
         for s in self.stacks:
-            kind = "full" if s.ring is None else f"window {s.window}, ring {s.ring} slots"
+            reach = f"window {s.window}" if s.chunk is None else f"chunk {s.chunk}"
+            kind = "full" if s.ring is None else f"{reach}, ring {s.ring} slots"
             kind = "fixed-size states" if not s.slots else kind
             shapes = " + ".join("x".join(map(str, e)) for e in s.entries)
             lines.append(
@@ -256,7 +258,7 @@ def cache_geometry(
         slots = shapes[0][3] if shapes else 0
         shapes += layout.state_device_shapes(s)  # linear attention's fixed-size states
         out.append(StackCacheShape(paths[id(stack)], s.n_layers, s.window, s.ring, slots,
-                                   shapes, layout.stack_bytes_per_device(s)))  # fmt: skip
+                                   shapes, layout.stack_bytes_per_device(s), s.chunk))  # fmt: skip
     return out, layout.bytes_per_device()
 
 

@@ -383,6 +383,7 @@ def _context_parallel(
                 q, source, expand, params, positions, segment_ids, axis=axis, halves=halves, **kw
             )
         if strategy == "halo":
+            assert exchange is not None  # set with the strategy
             fn = halo_latent_attention
             return fn(
                 q, source, expand, params, positions, segment_ids, axis=axis, plan=exchange, **kw

@@ -219,7 +219,9 @@ def halo_latent_attention(
     """
     halos = _exchange(plan, (source, positions, segment_ids), axis)
     length, b = plan.piece_len, q.shape[0]
-    own = lambda x, p: None if x is None else x[:, p * length : (p + 1) * length]  # noqa: E731
+
+    def own(x, p):
+        return None if x is None else x[:, p * length : (p + 1) * length]
 
     def cat(parts):
         if parts[0] is None:
@@ -228,7 +230,10 @@ def halo_latent_attention(
 
     def keys(p):
         buf, pos, seg = halos[p]
-        join = lambda h, x: jnp.concatenate([h, own(x, p)], axis=1)  # noqa: E731
+
+        def join(h, x):
+            return jnp.concatenate([h, x[:, p * length : (p + 1) * length]], axis=1)
+
         src = jax.tree.map(join, buf, source)
         return src, join(pos, positions), None if seg is None else join(seg, segment_ids)
 

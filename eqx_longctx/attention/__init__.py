@@ -22,6 +22,7 @@ from .._block_contract import BlockOptions as BlockOptions
 from .._layout import layout_order
 from .._partition import local_shape, param_pspecs
 from .._sharding import ShardingSpec
+from . import _halo
 from ._all_gather import all_gather_latent_attention
 from ._block import PlatformChoice as PlatformChoice
 from ._block import apply_sinks as apply_sinks
@@ -37,7 +38,7 @@ from ._cost import STRATEGY_ORDER as STRATEGY_ORDER
 from ._decode import LayerCache as LayerCache
 from ._decode import decode_attention as decode_attention
 from ._explain import Plan as Plan
-from ._halo import HALO_REPLACES, halo_latent_attention, halo_plan
+from ._halo import halo_latent_attention, halo_plan
 from ._impls import check_impl as check_impl
 from ._impls import flash_attention as flash_attention
 from ._impls import resolve_block_impl as resolve_block_impl
@@ -356,7 +357,7 @@ def _context_parallel(
     else:
         params = jax.tree.map(spec.place, params, params_specs)
     exchange = None
-    if strategy in HALO_REPLACES:  # a local layer: a neighbour exchange, not whole shards
+    if strategy in _halo.HALO_REPLACES:  # a local layer: a neighbour exchange, not whole shards
         exchange = halo_plan(layout_order(spec, s), spec.context_parallel_size, options)
         strategy = strategy if exchange is None else "halo"
     hops = None

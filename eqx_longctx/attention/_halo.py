@@ -38,8 +38,9 @@ from ._pack import together
 
 _UNSEEN = 2**30  # the position of a halo slot no token fills: no query sees it (causal)
 # The strategies a local layer's exchange replaces: those that would send whole shards.
-# Ulysses and USP keep their all-to-all (the spec asked to split heads).
-HALO_REPLACES = ("ring", "all_gather")
+# Ulysses and USP keep their all-to-all (the spec asked to split heads). Read at every
+# call: a benchmark sets it to `()` to time the ring it replaces.
+HALO_REPLACES: tuple[str, ...] = ("ring", "all_gather")
 # Layouts whose shards are more runs of consecutive tokens than this keep their ring.
 MAX_PIECES = 2
 

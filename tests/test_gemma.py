@@ -269,6 +269,45 @@ def test_unsupported_checkpoint_fields(checkpoints, tmp_path, family, edit, fiel
     assert "\n" not in str(e.value)
 
 
+# The public config.json of google/gemma-2-9b and of google/gemma-3-27b-pt (its vision
+# config left out), keys as the Hub has them.
+HUB_CONFIGS = {
+    "gemma-2-9b": dict(
+        architectures=["Gemma2ForCausalLM"], attention_bias=False, attention_dropout=0.0,
+        attn_logit_softcapping=50.0, bos_token_id=2, cache_implementation="hybrid",
+        eos_token_id=1, final_logit_softcapping=30.0, head_dim=256,
+        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+        hidden_size=3584, initializer_range=0.02, intermediate_size=14336,
+        max_position_embeddings=8192, model_type="gemma2", num_attention_heads=16,
+        num_hidden_layers=42, num_key_value_heads=8, pad_token_id=0, query_pre_attn_scalar=256,
+        rms_norm_eps=1e-06, rope_theta=10000.0, sliding_window=4096, sliding_window_size=4096,
+        torch_dtype="float32", use_cache=True, vocab_size=256000,
+    ),
+    "gemma-3-27b": dict(
+        architectures=["Gemma3ForConditionalGeneration"], boi_token_index=255999,
+        eoi_token_index=256000, eos_token_id=[1, 106], image_token_index=262144,
+        initializer_range=0.02, mm_tokens_per_image=256, model_type="gemma3",
+        text_config=dict(
+            head_dim=128, hidden_size=5376, intermediate_size=21504, model_type="gemma3_text",
+            num_attention_heads=32, num_hidden_layers=62, num_key_value_heads=16,
+            query_pre_attn_scalar=168, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+            sliding_window=1024,
+        ),
+        torch_dtype="bfloat16", vision_config={"model_type": "siglip_vision_model"},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HUB_CONFIGS))
+def test_hub_configs_read_as_the_presets(tmp_path, name):
+    """The real checkpoints' config.json (transformers' defaults for what they leave out)
+    give the presets."""
+    (tmp_path / "config.json").write_text(json.dumps(HUB_CONFIGS[name]))
+    family = el.model_family("gemma2" if name.startswith("gemma-2") else "gemma3_text")
+    assert name in family.presets
+    assert family.config_from_hf(tmp_path, dtype="float32") == family.presets[name]
+
+
 def test_presets():
     """The real sizes' parameter counts (shapes only), and bad config values."""
     counts = {

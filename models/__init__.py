@@ -4,11 +4,13 @@
 attention, MoE), each registered as an `eqx_longctx.ModelFamily` plugin under the
 `eqx_longctx.models` entry-point group (`eqx_longctx.model_family("llama")`).
 `models.gemma` (`gemma2`, `gemma3_text`: local and global layers, soft-caps) is
-registered the same way."""
+registered the same way. So is `models.gpt_oss` (`gpt_oss`: attention sinks, sliding and full
+layers, MoE)."""
 
 from ._family import DEEPSEEK as DEEPSEEK
 from ._family import GEMMA2 as GEMMA2
 from ._family import GEMMA3_TEXT as GEMMA3_TEXT
+from ._family import GPT_OSS as GPT_OSS
 from ._family import KIMI_LINEAR as KIMI_LINEAR
 from ._family import LLAMA as LLAMA
 from ._family import QWEN3_5 as QWEN3_5
@@ -16,6 +18,7 @@ from ._family import QWEN3_NEXT as QWEN3_NEXT
 from ._family import DeepSeekFamily as DeepSeekFamily
 from ._family import Gemma2Family as Gemma2Family
 from ._family import Gemma3TextFamily as Gemma3TextFamily
+from ._family import GptOssFamily as GptOssFamily
 from ._family import KimiLinearFamily as KimiLinearFamily
 from ._family import LlamaFamily as LlamaFamily
 from ._family import Qwen3NextFamily as Qwen3NextFamily
@@ -25,6 +28,7 @@ __all__ = [
     "DEEPSEEK",
     "GEMMA2",
     "GEMMA3_TEXT",
+    "GPT_OSS",
     "KIMI_LINEAR",
     "LLAMA",
     "QWEN3_5",
@@ -32,6 +36,7 @@ __all__ = [
     "DeepSeekFamily",
     "Gemma2Family",
     "Gemma3TextFamily",
+    "GptOssFamily",
     "KimiLinearFamily",
     "LlamaFamily",
     "Qwen35Family",

@@ -287,6 +287,45 @@ class Gemma3TextFamily(Gemma2Family):
         return self._mod.GEMMA3_PRESETS
 
 
+class GptOssFamily(_ZooFamily):
+    """GPT-OSS (`models.gpt_oss`): attention with sinks, alternating sliding and full
+    layers, experts with biases and a clamped SwiGLU in every layer."""
+
+    name = "gpt_oss"
+    model_types = ("gpt_oss",)
+    _module = "models.gpt_oss"
+    _names = ("GptOssConfig", "GptOss")
+
+    def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
+        """One layer of each kind (sliding, full) in order of first appearance (as
+        `KimiLinearFamily.local_config`), the attention heads divided by `tensor` (the
+        experts keep their width, as DeepSeek's); under expert parallelism the routed
+        experts a device holds and the rows they receive, as `DeepSeekFamily.local_config`
+        sizes them."""
+        c = config
+        kinds = tuple(dict.fromkeys(c.layer_types))
+        routing = {}
+        if expert > 1:
+            cf = c.capacity_factor
+            rows = c.top_k * expert if cf is None else math.ceil(c.top_k * cf)
+            local = min(c.n_experts, max(c.n_experts // expert, rows))
+            routing = dict(n_experts=local, top_k=min(local, rows), capacity_factor=None)
+        return dataclasses.replace(
+            c, n_layers=len(kinds), layer_types=kinds, n_heads=c.n_heads // tensor,
+            n_kv_heads=max(1, c.n_kv_heads // tensor), **routing,
+        )  # fmt: skip
+
+    def attention_shape(self, config: Any) -> AttentionShape:
+        """`n_heads` query and `n_kv_heads` key/value heads of `head_dim`."""
+        c = config
+        return AttentionShape(c.n_heads, c.n_kv_heads, c.head_dim, c.head_dim)
+
+    def moe_shape(self, config: Any) -> MoEShape | None:
+        """The routed experts of every layer."""
+        c = config
+        return MoEShape(c.n_experts, c.top_k, c.capacity_factor, c.n_layers, c.hidden_dim)
+
+
 LLAMA = LlamaFamily()
 """The Llama family plugin (`--model llama`)."""
 DEEPSEEK = DeepSeekFamily()
@@ -301,3 +340,5 @@ GEMMA2 = Gemma2Family()
 """The Gemma 2 family plugin (`--model gemma2`)."""
 GEMMA3_TEXT = Gemma3TextFamily()
 """The Gemma 3 text family plugin (`--model gemma3_text`)."""
+GPT_OSS = GptOssFamily()
+"""The GPT-OSS family plugin (`--model gpt_oss`)."""

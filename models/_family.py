@@ -237,6 +237,52 @@ class Qwen3NextFamily(_ZooFamily):
         return MoEShape(c.n_experts, c.top_k, c.capacity_factor, layers, c.moe_hidden_dim)
 
 
+class Llama4TextFamily(_ZooFamily):
+    """Llama 4 text (`models.llama4`; the text part of `llama4` checkpoints too): chunked
+    RoPE and global NoPE attention layers, experts with a shared expert interleaved with
+    dense layers."""
+
+    name = "llama4_text"
+    model_types = ("llama4_text", "llama4")
+    _module = "models.llama4"
+    _names = ("Llama4Config", "Llama4")
+
+    def local_config(self, config: Any, *, tensor: int = 1, expert: int = 1) -> Any:
+        """One layer of each kind in order of first appearance (as
+        `KimiLinearFamily.local_config`), heads and the dense MLP's width divided by
+        `tensor` (the experts and the shared expert, one width, keep it, as DeepSeek's);
+        under expert parallelism the routed experts a device holds and the rows they
+        receive, as `DeepSeekFamily.local_config` sizes them."""
+        c = config
+        kinds = list(dict.fromkeys(c.kinds))
+        routing = {}
+        if expert > 1:
+            cf = c.capacity_factor
+            rows = c.top_k * expert if cf is None else math.ceil(c.top_k * cf)
+            local = min(c.n_experts, max(c.n_experts // expert, rows))
+            routing = dict(n_experts=local, top_k=min(local, rows), capacity_factor=None)
+        return dataclasses.replace(
+            c, n_layers=len(kinds), no_rope_layers=tuple(int(k.startswith("rope")) for k in kinds),
+            layer_types=tuple(f"{k.split('/')[1]}_attention" for k in kinds),
+            moe_layers=tuple(i for i, k in enumerate(kinds) if k.endswith("/moe")),
+            n_heads=c.n_heads // tensor, n_kv_heads=max(1, c.n_kv_heads // tensor),
+            hidden_dim=c.hidden_dim // tensor, **routing,
+        )  # fmt: skip
+
+    def attention_shape(self, config: Any) -> AttentionShape:
+        """`n_heads` query and `n_kv_heads` key/value heads of `head_dim`."""
+        c = config
+        return AttentionShape(c.n_heads, c.n_kv_heads, c.head_dim, c.head_dim)
+
+    def moe_shape(self, config: Any) -> MoEShape | None:
+        """The routed experts of the layers in `moe_layers`."""
+        c = config
+        if not c.moe_layers:
+            return None
+        return MoEShape(c.n_experts, c.top_k, c.capacity_factor, len(c.moe_layers),
+                        c.moe_hidden_dim)  # fmt: skip
+
+
 class Qwen35Family(Qwen3NextFamily):
     """Qwen3.5 (`models.qwen3_next`, presets `QWEN3_5_PRESETS`): the Qwen3-Next decoder with
     Qwen3.5's checkpoint layout; the text model of its vision-language checkpoints."""
@@ -336,6 +382,8 @@ QWEN3_NEXT = Qwen3NextFamily()
 """The Qwen3-Next family plugin (`--model qwen3_next`)."""
 QWEN3_5 = Qwen35Family()
 """The Qwen3.5 family plugin (`--model qwen3_5`)."""
+LLAMA4_TEXT = Llama4TextFamily()
+"""The Llama 4 text family plugin (`--model llama4_text`)."""
 GEMMA2 = Gemma2Family()
 """The Gemma 2 family plugin (`--model gemma2`)."""
 GEMMA3_TEXT = Gemma3TextFamily()

@@ -22,7 +22,7 @@ from ._cost import (
 from ._explain import Plan, gib, sec
 from ._impls import resolve_block_impl
 from ._tiling_policy import block_size, tile_bytes, token_positions, zigzag_halves
-from ._validate import check_attention_inputs, check_layout, check_options
+from ._validate import check_attention_inputs, check_layout, check_options, check_variants
 
 # Budget for one attention call's activations: this fraction of device memory when the
 # device reports it, else the constant (a quarter of a 16 GiB chip). The rest holds weights,
@@ -48,6 +48,7 @@ def plan(
     dtype: Any = jnp.float32,
     causal: bool = True,
     window: int | None = None,
+    chunk: int | None = None,
     segment_ids: bool = False,
     backward: bool = True,
     memory_budget_bytes: int | float | None = None,
@@ -65,7 +66,11 @@ def plan(
     - `dtype`: of q, k, v (any NumPy/JAX dtype or its name).
     - `causal`, `segment_ids`: the masks (segment ids add int32 traffic next to positions).
     - `window`: a sliding window (needs `causal`): work counts only the block pairs within
-      it, and the ring only the hops it reaches (`ring_hops`).
+      it, and the ring only the hops it reaches (`ring_hops`). On the contiguous and
+      zig-zag layouts such a local layer runs as a neighbour exchange (`_halo.py`) where
+      `"ring"` or `"all_gather"` would send whole shards: those rows price the exchange,
+      and their note says so.
+    - `chunk`: chunked attention (needs `causal`), priced like `window`.
     - `backward`: choose by forward + backward cost (training) rather than forward alone.
     - `memory_budget_bytes`: per-device budget for one call; default `MEMORY_FRACTION` of
       the device's memory when it reports it, else `DEFAULT_MEMORY_BUDGET`.
@@ -86,6 +91,7 @@ def plan(
     for name, value in (("segment_ids", segment_ids), ("backward", backward)):
         check_bool(value, f"{where}: {name}")
     window = check_options(where, None, causal, None, window)
+    _, chunk = check_variants(where, causal, None, chunk)
     check_memory_budget(memory_budget_bytes, where)
     check_real(flops_per_s, f"{where}: flops_per_s", positive=True)
     check_real(bytes_per_s, f"{where}: bytes_per_s", positive=True)
@@ -104,7 +110,7 @@ def plan(
         bool(causal), bool(segment_ids), block_size(spec, seq), tile_bytes(spec), window,
         # priced only where the implementation `spec` runs on its platform splits them
         zigzag_halves(spec, seq, causal)
-        and resolve_block_impl(spec=spec, lowering=False).splits_zigzag_halves,
+        and resolve_block_impl(spec=spec, lowering=False).splits_zigzag_halves, chunk,
     )  # fmt: skip
     common = common_problem(spec, p)
     order = None if common else token_positions(spec, seq)
@@ -124,6 +130,7 @@ def plan(
         dtype=str(np.dtype(dtype)),
         causal=bool(causal),
         window=window,
+        chunk=chunk,
         segment_ids=bool(segment_ids),
         backward=bool(backward),
         mesh=dict(spec.mesh.shape),

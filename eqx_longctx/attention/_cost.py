@@ -36,6 +36,8 @@ import numpy as np
 
 from .._hlo import COLLECTIVES
 from .._sharding import ShardingSpec
+from . import _halo
+from ._block import BlockOptions
 from ._halves import half
 from ._tiles import DEFAULT_BLOCK_Q, TILE_BYTES, head_tile
 from ._tiling_policy import cut_ring_hops
@@ -57,7 +59,7 @@ class StrategyCost(NamedTuple):
     strategy: str
     feasible: bool  # the shapes divide as the strategy needs
     runnable: bool  # this spec can dispatch it (usp needs a ulysses_axis, the others none)
-    reason: str  # why not feasible / not runnable, else ""
+    reason: str  # why not feasible / not runnable, else a note (a local layer's exchange) or ""
     degree: str  # "N=8", or "u2 x r4" (ulysses 2 x ring 4)
     memory_forward: int  # arguments + outputs + temporaries of the forward call
     memory_train: int  # the same for forward + backward
@@ -88,6 +90,13 @@ class Problem(NamedTuple):
     tile_bytes: int  # bytes of one block of float32 scores (heads are tiled to fit)
     window: int | None = None  # sliding window (causal only)
     halves: bool = False  # all-gather and Ulysses split into zig-zag's causal halves
+    chunk: int | None = None  # chunked attention (causal only)
+
+    @property
+    def reach_window(self) -> int | None:
+        """The window that bounds what a query sees (`window` or `chunk`, the tighter)."""
+        bounds = [w for w in (self.window, self.chunk) if w is not None]
+        return min(bounds) if bounds else None
 
     @property
     def b(self) -> int:  # local batch
@@ -154,9 +163,17 @@ def strategy_cost(name, spec, p, order, common, backward, flops_per_s, bytes_per
         nothing, nan = dict.fromkeys(COLLECTIVES, 0), float("nan")
         return StrategyCost(name, False, False, reason, degree, 0, 0, nothing, nothing, *[nan] * 4)
     r = nu // math.gcd(p.hk_l, nu)  # K/V head repeats before the all-to-all
-    hops = nr if order is None else cut_ring_hops(order, nu, nr, p.window)
+    hops = nr if order is None else cut_ring_hops(order, nu, nr, p.reach_window)
     fwd, train = _comm(name, p, nu, nr, r, hops)
     mem_f, mem_t = _memory(name, p, nu, nr, r)
+    exchange, note = None, not_runnable
+    if name in _halo.HALO_REPLACES and order is not None:
+        options = BlockOptions(p.causal, p.window, 1.0, None, p.chunk)
+        exchange = _halo.halo_plan(order, p.n, options)
+    if exchange is not None:  # what runs: a neighbour exchange, not this strategy's shards
+        fwd, train = _halo_comm(p, exchange.tokens_received())
+        mem_f, mem_t = _memory("ring", p, 1, p.n, 1)  # a shard and its halo, as a ring hop
+        note = f"local layer: a neighbour exchange of {exchange.halo_len}-token halos"
     work = _work(name, order, p, nu, nr)  # non-empty score elements x heads, per device
     flops_f = 2 * (p.d + p.dv)  # per score element: q.k and p.v
     flops_t = flops_f + 6 * p.d + 4 * p.dv  # backward: recompute s, dp, dv, dq, dk
@@ -166,8 +183,19 @@ def strategy_cost(name, spec, p, order, common, backward, flops_per_s, bytes_per
     hidden = min(ring_bytes / bytes_per_s, compute)  # next hop's transfer overlaps this hop
     exposed = comm - hidden
     balance = float(work.max() / work.mean()) if work.mean() > 0 else 1.0
-    fields = (not not_runnable, not_runnable, degree, int(mem_f), int(mem_t), fwd, train)
+    fields = (not not_runnable, note, degree, int(mem_f), int(mem_t), fwd, train)
     return StrategyCost(name, True, *fields, balance, compute, exposed, compute + exposed)
+
+
+def _halo_comm(p: Problem, tokens: int) -> tuple[dict, dict]:
+    """Bytes of a neighbour exchange (`_halo.py`) receiving `tokens` tokens' K/V and ids per
+    device: (forward, forward + backward); the backward sends their gradients back in the
+    same packed lanes."""
+    halo = p.b * tokens * (p.hk_l * (p.d + p.dv) * p.e + _INT * p.ids)
+    fwd = dict.fromkeys(COLLECTIVES, 0)
+    fwd["collective-permute"] = int(halo)
+    train = dict(fwd, **{"collective-permute": int(2 * halo)})
+    return fwd, train
 
 
 def _comm(name, p: Problem, nu: int, nr: int, r: int, hops: int) -> tuple[dict, dict]:
@@ -309,9 +337,14 @@ def _work(name, order, p: Problem, nu: int, nr: int) -> np.ndarray:
         if not p.causal:
             return qmax.size * kmin.size * bq * bk
         seen = qmax[:, None] >= kmin[None, :]
+        qmin, kmax = _blocks(qpos, bq).min(1), _blocks(kpos, bk).max(1)
         if p.window is not None:
-            qmin, kmax = _blocks(qpos, bq).min(1), _blocks(kpos, bk).max(1)
             seen &= qmin[:, None] - kmax[None, :] < p.window
+        if p.chunk is not None:  # some query and some key of the pair share a chunk
+            c = p.chunk
+            seen &= (qmax[:, None] // c >= kmin[None, :] // c) & (
+                qmin[:, None] // c <= kmax[None, :] // c
+            )
         return int(seen.sum()) * bq * bk
 
     def attend(qpos, kpos, q_shards, kv_shards):  # one call, or its causal halves

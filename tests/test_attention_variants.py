@@ -251,7 +251,7 @@ def test_halo_plan_chunk_fetches_only_what_a_chunk_reaches():
 def test_window_layer_moves_about_its_window(layout, bound):
     """A window-256 layer at 16K tokens on 8 devices: the compiled forward, and the compiled
     backward on top of it, each move at most `bound` times the window's own K/V per device
-    (the ring sent whole shards: ~56x on either layout)."""
+    (the windowed ring sent whole shards: 8x on contiguous, 56x on zig-zag)."""
     mesh = make_mesh((8,), ("context",))
     spec = ShardingSpec(mesh, "ring", layout)
     b, s, hq, hk, d, w = 1, 16384, 2, 1, 64, 256
@@ -286,3 +286,22 @@ def test_bad_variant_options(kwargs, match):
     error = TypeError if "floating" in match else ValueError
     with pytest.raises(error, match=match):
         attention(q, k, v, **kwargs)
+
+
+def test_the_step_planner_shows_what_each_layer_kind_runs():
+    """A Gemma-3-style model under ring on zig-zag: its local layers run a neighbour
+    exchange of a fraction of the bytes its global layers' ring moves; `explain` says so."""
+    from eqx_longctx import model_family
+    from eqx_longctx.plan import plan_train_step
+
+    family = model_family("gemma3_text")
+    config = family.config.from_preset("gemma-3-4b")
+    spec = ShardingSpec(make_mesh((8,), ("context",)), "ring", "zigzag")
+    plan = plan_train_step(family, config, spec, batch=1, seq=32768, remats=("full",))
+    kinds = {k["window"]: k for k in plan.problem["layers"]}
+    local, full = kinds[config.sliding_window], kinds[None]
+    assert local["layers"] + full["layers"] == config.n_layers
+    assert local["runs"]["ring"]["runs"] == "neighbour exchange"
+    assert full["runs"]["ring"]["runs"] == "ring"
+    assert local["runs"]["ring"]["comm_train_bytes"] * 4 < full["runs"]["ring"]["comm_train_bytes"]
+    assert "local (window/chunk 1024) layers: neighbour exchange" in plan.explain()

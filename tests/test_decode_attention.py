@@ -118,3 +118,44 @@ def test_slots_split_over_four_devices_equal_naive_attention(small_chunks, axes)
     out = np.asarray(out)
     for i in range(n):  # every device's copy of the new token's output
         assert_close(out[:, i], want, what=f"{axes} mesh, copy {i}")
+
+
+def _naive_variants(q, k_new, v_new, cache_k, cache_v, cache_pos, q_pos, chunk, softcap, sinks):
+    """`_naive` with chunks, soft-capped scores and a sink logit per head, written out."""
+    b, hq, _ = q.shape
+    kvh = cache_k.shape[1]
+    out = np.zeros((b, hq, cache_v.shape[-1]))
+    for r in range(b):
+        seen = (cache_pos[r] >= 0) & (cache_pos[r] <= q_pos[r])
+        seen &= cache_pos[r] // chunk == q_pos[r] // chunk
+        for h in range(hq):
+            kv = h // (hq // kvh)
+            keys = np.concatenate([cache_k[r, kv, seen], k_new[r, kv][None]]).astype(np.float64)
+            vals = np.concatenate([cache_v[r, kv, seen], v_new[r, kv][None]])
+            s = keys @ q[r, h].astype(np.float64) * D**-0.5
+            s = softcap * np.tanh(s / softcap)
+            m = max(s.max(), sinks[h])
+            p = np.exp(s - m)
+            out[r, h] = p @ vals / (p.sum() + np.exp(sinks[h] - m))
+    return out
+
+
+@pytest.mark.parametrize("mesh", [None, (2, 2)])
+def test_sinks_softcap_and_chunks_in_decode(small_chunks, mesh):
+    """Decode applies the variants: the chunk from positions, the cap on every score, the
+    sinks after the merge (under a tensor axis each shard takes its own heads' sinks)."""
+    n = 1 if mesh is None else mesh[0]
+    spec = None
+    if mesh is not None:
+        grid = make_mesh(mesh, ("context", "tensor"))
+        spec = el.ShardingSpec(grid, strategy="ring", tensor_axis="tensor", batch_axis=None)
+    q, k_new, v_new, k, v, pos, q_pos = _problem(3, SLOTS * n)
+    sinks = np.random.default_rng(4).standard_normal(KVH * G).astype(np.float32)
+    rep = lambda x: jnp.broadcast_to(jnp.asarray(x)[:, None], (x.shape[0], n, *x.shape[1:]))  # noqa: E731
+    kw = dict(spec=spec, impl=XlaBlockImpl(), chunk=96, softcap=1.5, sinks=jnp.asarray(sinks))
+    out = jax.jit(lambda *a: decode_attention(*a, **kw))(
+        rep(q), (rep(k_new), rep(v_new)), LayerCache((k, v), jnp.int32(0)), pos, rep(q_pos)
+    )
+    want = _naive_variants(q, k_new, v_new, k[0], v[0], pos, q_pos, 96, 1.5, sinks)
+    for i in range(n):
+        assert_close(np.asarray(out)[:, i], want, what=f"mesh {mesh}, copy {i}")

@@ -54,6 +54,16 @@ def step_table(plan: Any) -> str:
         f"attention's chunked form, no recomputation); MFU = model FLOPs / (time x "
         f"{pr['devices']} devices x FLOP/s)"
     )
+    shown = plan.chosen.strategy if plan.chosen is not None else None
+    for kind in pr.get("layers", []):
+        runs = kind["runs"].get(shown) or next(iter(kind["runs"].values()), None)
+        if runs is None:
+            continue
+        what = "global" if kind["window"] is None else f"local (window/chunk {kind['window']})"
+        lines.append(
+            f"{kind['layers']} {what} layers: {runs['runs']}, {gib(runs['comm_train_bytes'])} "
+            "per device per layer (forward + backward)"
+        )
     budget = pr["memory_budget_bytes"]
     where = f"budget {gib(budget)}" if budget is not None else "no budget"
     if plan.chosen is None:

@@ -398,8 +398,31 @@ def plan_train_step(
         memory_budget_bytes=budget, flops_per_s=flops_per_s, bytes_per_s=bytes_per_s,
         loss_chunk=loss_chunk, host_offload=list(host_offload),
         chip=None if chip is None else chip.name, devices=devices, model_flops=step_flops,
+        layers=_layer_kinds(per_stack, windows, linear, by_window, strategies),
     )  # fmt: skip
     return StepPlan(problem, tuple(rows), chosen, reason)
+
+
+def _layer_kinds(per_stack, windows, linear, by_window, strategies) -> list[dict]:
+    """What each kind of softmax layer runs under each planned strategy, and the bytes one
+    layer moves per device (forward + backward): a local layer (window or chunk) on the
+    contiguous or zig-zag layout runs a neighbour exchange where ring or all_gather would
+    send whole shards (`eqx_longctx.attention`'s halo)."""
+    kinds: dict = {}
+    for s in per_stack:
+        if linear[s.path] is not None:
+            continue
+        window = windows[s.path]
+        entry = kinds.setdefault(window, {"window": window, "layers": 0, "runs": {}})
+        entry["layers"] += s.n_layers
+        for strategy in strategies:
+            c = by_window[window].costs[strategy]
+            halo = c.reason.startswith("local layer")
+            entry["runs"][strategy] = {
+                "runs": "neighbour exchange" if halo else strategy,
+                "comm_train_bytes": int(sum(c.comm_train.values())),
+            }
+    return list(kinds.values())
 
 
 def as_family(family: Any, where: str) -> ModelFamily:

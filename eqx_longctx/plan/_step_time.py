@@ -48,18 +48,30 @@ class StepTime(NamedTuple):
 def stack_windows(stacks: dict[str, Any]) -> dict[str, int | None]:
     """**Returns:** the attention window of each `LayerStack` of `stacks` (path -> stack, as
     `_activations.stacks` lists a model's; `None` = full causal attention), read from the
-    attention modules of its layers (their `window` field)."""
+    attention modules of its layers (their `window` field). A chunked softmax layer (its
+    `chunk` beside a `softcap` field, as `SelfAttention` has) is priced as a window of its
+    chunk: the same neighbour exchange, and an upper bound on its work (a chunk's query sees
+    half its chunk on average, a window's query all of it)."""
     out = {}
     for path, stack in stacks.items():
         has = lambda x: isinstance(x, eqx.Module) and hasattr(x, "window")  # noqa: E731
-        found = {m.window for m in jax.tree.leaves(stack, is_leaf=has) if has(m)}
+        found = {_reach(m) for m in jax.tree.leaves(stack, is_leaf=has) if has(m)}
         if len(found) > 1:
             raise ValueError(
-                f"the layer stack {path!r} has attention layers with windows {sorted(found)}; "
+                f"the layer stack {path!r} has attention layers with windows "
+                f"{sorted(found, key=str)}; "
                 "a LayerStack's layers are identical, so one window per stack is expected."
             )
         out[path] = found.pop() if found else None
     return out
+
+
+def _reach(module) -> int | None:
+    """The window bounding what `module`'s queries see: its `window`, or its `chunk` for a
+    softmax layer, whichever is tighter (`None`: unbounded)."""
+    chunk = getattr(module, "chunk", None) if hasattr(module, "softcap") else None
+    bounds = [w for w in (module.window, chunk) if w is not None]
+    return min(bounds) if bounds else None
 
 
 def stack_linear(stacks: dict[str, Any]) -> dict[str, dict | None]:

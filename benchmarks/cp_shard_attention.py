@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     def ours(q, k, v):  # as the all-gather strategy calls it: one shard's queries, N shards' keys
         return zigzag_attention(
             impl, q, k, v, qp, kp, None, None, options, q_shards=1, kv_shards=args.devices
-        )
+        )[0]
 
     def one_call(q, k, v):
         return block_attention(impl, q, k, v, qp, kp, None, None, options)[0]

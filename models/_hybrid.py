@@ -8,12 +8,16 @@ two bodies. Every stack is uniform, which is what training, the KV cache (one
 """
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
 from eqx_longctx.nn import LayerStack
+
+from . import _decoder
 
 
 def runs(kinds: Sequence[str]) -> tuple[tuple[str, int, int], ...]:
@@ -52,3 +56,27 @@ def hybrid_stacks(
         LayerStack(make[kind], n, key=jax.random.fold_in(key, first), remat=remat, spec=spec)
         for kind, first, n in runs(kinds)
     )
+
+
+def kind_layers(
+    c: Any,
+    kinds: Sequence[str],
+    make_block: Callable[..., eqx.Module],
+    *,
+    key: PRNGKeyArray,
+    spec,
+) -> tuple[jax.Array, jax.Array | None, tuple[LayerStack, ...]]:
+    """What a hybrid decoder's `__init__` builds alike: `(embed, lm_head, layers)`.
+
+    `key` is split into the embedding's, the layers' and the LM head's keys, in that
+    order; the embedding and head come from `_decoder.embed_and_head` in
+    `c.param_dtype`, and the layers from `hybrid_stacks(kinds, ...)`, each of kind `kind`
+    built by `make_block(c, kind, key=k, spec=spec)`.
+    """
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    embed, lm_head = _decoder.embed_and_head(c, k_embed, k_head, jnp.dtype(c.param_dtype))
+    make = {
+        kind: (lambda k, kind=kind: make_block(c, kind, key=k, spec=spec)) for kind in set(kinds)
+    }
+    layers = hybrid_stacks(kinds, make, key=k_layers, remat=c.remat, spec=spec)
+    return embed, lm_head, layers

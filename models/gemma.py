@@ -55,7 +55,7 @@ from eqx_longctx.nn import (
     SwiGLU,
 )
 
-from . import _decoder, _gemma_hf, _hf_io, _hybrid
+from . import _gemma_hf, _hf_io, _hybrid
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -257,13 +257,9 @@ class Gemma(AbstractDecoder):
         check_model_args("Gemma", config, GemmaConfig, key, spec)
         c, spec = cast(GemmaConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
-        k_embed, k_layers, k_head = jax.random.split(cast(PRNGKeyArray, key), 3)
-        self.embed, self.lm_head = _decoder.embed_and_head(c, k_embed, k_head, dtype)
-        make = {
-            kind: (lambda k, kind=kind: make_block(c, kind, key=k, spec=spec))
-            for kind in set(c.kinds)
-        }
-        self.layers = _hybrid.hybrid_stacks(c.kinds, make, key=k_layers, remat=c.remat, spec=spec)
+        self.embed, self.lm_head, self.layers = _hybrid.kind_layers(
+            c, c.kinds, make_block, key=cast(PRNGKeyArray, key), spec=spec
+        )
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype, zero_centred=True)
         self.config = c
         self.spec = spec

@@ -60,7 +60,7 @@ from eqx_longctx.nn import (
     check_routing,
 )
 
-from . import _decoder, _gpt_oss_hf, _hf_io, _hybrid
+from . import _gpt_oss_hf, _hf_io, _hybrid
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -257,14 +257,10 @@ class GptOss(AbstractDecoder):
         check_model_args("GptOss", config, GptOssConfig, key, spec)
         c, spec = cast(GptOssConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
-        k_embed, k_layers, k_head = jax.random.split(cast(PRNGKeyArray, key), 3)
-        self.embed, self.lm_head = _decoder.embed_and_head(c, k_embed, k_head, dtype)
         kinds = cast(tuple[str, ...], c.layer_types)
-        make = {
-            kind: (lambda k, kind=kind: make_block(c, kind, key=k, spec=spec))
-            for kind in set(kinds)
-        }
-        self.layers = _hybrid.hybrid_stacks(kinds, make, key=k_layers, remat=c.remat, spec=spec)
+        self.embed, self.lm_head, self.layers = _hybrid.kind_layers(
+            c, kinds, make_block, key=cast(PRNGKeyArray, key), spec=spec
+        )
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
         self.config = c
         self.spec = spec

@@ -59,7 +59,7 @@ from eqx_longctx.nn import (
     check_routing,
 )
 
-from . import _decoder, _hf_io, _hybrid, _kimi_linear_hf
+from . import _hf_io, _hybrid, _kimi_linear_hf
 
 # transformers builds the q/kv latent norms of the MLA layers with their default epsilon,
 # whatever `rms_norm_eps` says.
@@ -343,15 +343,8 @@ class KimiLinear(AbstractDecoder):
         check_model_args("KimiLinear", config, KimiLinearConfig, key, spec)
         c, spec = cast(KimiLinearConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
-        k_embed, k_layers, k_head = jax.random.split(cast(PRNGKeyArray, key), 3)
-        self.embed, self.lm_head = _decoder.embed_and_head(c, k_embed, k_head, dtype)
-
-        def builder(kind: str):
-            return lambda k: make_block(c, kind, key=k, spec=spec)
-
-        makers = {kind: builder(kind) for kind in set(c.layer_kinds)}
-        self.stacks = _hybrid.hybrid_stacks(
-            c.layer_kinds, makers, key=k_layers, remat=c.remat, spec=spec
+        self.embed, self.lm_head, self.stacks = _hybrid.kind_layers(
+            c, c.layer_kinds, make_block, key=cast(PRNGKeyArray, key), spec=spec
         )
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
         self.config = c

@@ -55,7 +55,7 @@ from eqx_longctx.nn import (
     check_routing,
 )
 
-from . import _decoder, _hf_io, _hybrid, _llama4_hf
+from . import _hf_io, _hybrid, _llama4_hf
 
 LAYER_TYPES = ("chunked_attention", "full_attention")
 
@@ -289,13 +289,9 @@ class Llama4(AbstractDecoder):
         check_model_args("Llama4", config, Llama4Config, key, spec)
         c, spec = cast(Llama4Config, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
-        k_embed, k_layers, k_head = jax.random.split(cast(PRNGKeyArray, key), 3)
-        self.embed, self.lm_head = _decoder.embed_and_head(c, k_embed, k_head, dtype)
-        make = {
-            kind: (lambda k, kind=kind: make_block(c, kind, key=k, spec=spec))
-            for kind in set(c.kinds)
-        }
-        self.layers = _hybrid.hybrid_stacks(c.kinds, make, key=k_layers, remat=c.remat, spec=spec)
+        self.embed, self.lm_head, self.layers = _hybrid.kind_layers(
+            c, c.kinds, make_block, key=cast(PRNGKeyArray, key), spec=spec
+        )
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype)
         self.config = c
         self.spec = spec

@@ -62,7 +62,7 @@ from eqx_longctx.nn import (
     check_routing,
 )
 
-from . import _decoder, _hf_io, _hybrid, _qwen3_next_hf
+from . import _hf_io, _hybrid, _qwen3_next_hf
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 CHECKPOINT_FORMATS = ("qwen3_next", "qwen3_5")
@@ -322,13 +322,9 @@ class Qwen3Next(AbstractDecoder):
         check_model_args("Qwen3Next", config, Qwen3NextConfig, key, spec)
         c, spec = cast(Qwen3NextConfig, config), cast(ShardingSpec | None, spec)
         dtype = jnp.dtype(c.param_dtype)
-        k_embed, k_layers, k_head = jax.random.split(cast(PRNGKeyArray, key), 3)
-        self.embed, self.lm_head = _decoder.embed_and_head(c, k_embed, k_head, dtype)
-        make = {
-            kind: (lambda k, kind=kind: make_block(c, kind, key=k, spec=spec))
-            for kind in set(c.kinds)
-        }
-        self.layers = _hybrid.hybrid_stacks(c.kinds, make, key=k_layers, remat=c.remat, spec=spec)
+        self.embed, self.lm_head, self.layers = _hybrid.kind_layers(
+            c, c.kinds, make_block, key=cast(PRNGKeyArray, key), spec=spec
+        )
         self.norm = RMSNorm(c.dim, eps=c.norm_eps, dtype=dtype, zero_centred=True)
         self.config = c
         self.spec = spec

@@ -62,6 +62,18 @@ def hf_logits(model, tokens) -> np.ndarray:
         return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
 
 
+def hf_generate(model, prompt, new: int) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' greedy `(tokens [new], logits [new, vocab])` of `model` after one
+    unpadded `prompt`."""
+    torch, _ = hf_modules()
+    with torch.no_grad():
+        out = model.generate(
+            torch.as_tensor(prompt[None], dtype=torch.long), do_sample=False,
+            max_new_tokens=new, return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+    return out.sequences[0, len(prompt) :].numpy(), torch.stack(out.logits, 1)[0].numpy()
+
+
 @eqx.filter_jit
 def forward(model, tokens, positions=None, segment_ids=None):
     return model(tokens, positions, segment_ids)

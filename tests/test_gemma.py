@@ -22,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import need_devices, rel_err
-from hf_helpers import copy_of, edit_config, forward, hf_logits, hf_modules
+from hf_helpers import copy_of, edit_config, forward, hf_generate, hf_logits, hf_modules
 
 torch, transformers = hf_modules()
 import hf_helpers  # noqa: E402
@@ -132,16 +132,6 @@ def test_sharded_logits_match_transformers(checkpoints, tokens, family, strategy
 # ---------------------------------------------------------------- generation
 
 
-def hf_generate(model, prompt) -> tuple[np.ndarray, np.ndarray]:
-    """transformers' greedy `(tokens [NEW], logits [NEW, vocab])` after one unpadded prompt."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.as_tensor(prompt[None], dtype=torch.long), do_sample=False,
-            max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True,
-        )  # fmt: skip
-    return out.sequences[0, len(prompt) :].numpy(), torch.stack(out.logits, 1)[0].numpy()
-
-
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory, tokens):
     """`generated(family)`: `(checkpoint, [(tokens, logits)] of transformers' greedy
@@ -155,7 +145,7 @@ def generated(tmp_path_factory, tokens):
         hf.generation_config.pad_token_id = None
         path = tmp_path_factory.mktemp(f"generate-{family}")
         hf.save_pretrained(path)
-        return path, [hf_generate(hf, tokens[r, :n]) for r, n in enumerate(LENGTHS)]
+        return path, [hf_generate(hf, tokens[r, :n], NEW) for r, n in enumerate(LENGTHS)]
 
     return run
 

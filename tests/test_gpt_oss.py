@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import need_devices, rel_err
-from hf_helpers import copy_of, edit_config, forward, hf_modules, load_tensors
+from hf_helpers import copy_of, edit_config, forward, hf_generate, hf_modules, load_tensors
 
 torch, transformers = hf_modules()
 from test_generate_hf import compared_steps  # noqa: E402
@@ -58,16 +58,6 @@ def build_hf():
     return model
 
 
-def hf_generate(model, prompt):
-    """transformers' greedy `(tokens [NEW], logits [NEW, vocab])` after one unpadded prompt."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.as_tensor(prompt[None], dtype=torch.long), do_sample=False,
-            max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True,
-        )  # fmt: skip
-    return out.sequences[0, len(prompt) :].numpy(), torch.stack(out.logits, 1)[0].numpy()
-
-
 @pytest.fixture(scope="module")
 def tokens():
     return np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
@@ -81,7 +71,7 @@ def checkpoint(tmp_path_factory, tokens):
     model.save_pretrained(path)
     with torch.no_grad():
         logits = model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
-    runs = [hf_generate(model, tokens[r, :n]) for r, n in enumerate(LENGTHS)]
+    runs = [hf_generate(model, tokens[r, :n], NEW) for r, n in enumerate(LENGTHS)]
     return path, model, logits, runs
 
 

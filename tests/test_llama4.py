@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import need_devices, rel_err
-from hf_helpers import edit_config, forward, hf_logits, hf_modules, load_tensors
+from hf_helpers import edit_config, forward, hf_generate, hf_logits, hf_modules, load_tensors
 
 torch, transformers = hf_modules()
 # One thread: this tiny model's ops are microseconds, which torch's threads contending for a
@@ -52,16 +52,6 @@ def make_spec(name: str) -> el.ShardingSpec:
     return el.ShardingSpec(jax.make_mesh((2, 4), ("data", "context")), *SPECS[name])
 
 
-def hf_generate(model, prompt):
-    """transformers' greedy `(tokens [NEW], logits [NEW, vocab])` after one unpadded prompt."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.as_tensor(prompt[None], dtype=torch.long), do_sample=False,
-            max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True,
-        )  # fmt: skip
-    return out.sequences[0, len(prompt) :].numpy(), torch.stack(out.logits, 1)[0].numpy()
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """`(checkpoint directory, tokens, logits, prompts, [(tokens, logits)] per prompt)`."""
@@ -75,7 +65,7 @@ def reference(tmp_path_factory):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, (2, SEQ)).astype(np.int32)
     prompts = rng.integers(0, VOCAB, (2, PROMPT)).astype(np.int32)
-    generated = [hf_generate(model, prompts[r, :n]) for r, n in enumerate(LENGTHS)]
+    generated = [hf_generate(model, prompts[r, :n], NEW) for r, n in enumerate(LENGTHS)]
     return path, tokens, hf_logits(model, tokens), prompts, generated
 
 

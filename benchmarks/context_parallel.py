@@ -1,6 +1,6 @@
 """Context-parallel attention strategies on 8 fake CPU devices, side by side.
 
-Sections (all by default, pick with `--sections`):
+Sections (all but `h` and `v` by default, pick with `--sections`):
 
 - `a`: per-device memory (compiled memory analysis: arguments + outputs + temporaries) of
   each strategy at seq 8K..128K on 8 devices, beside the cost model's prediction; then seq
@@ -19,6 +19,10 @@ Sections (all by default, pick with `--sections`):
   attention (zig-zag, its best layout), forward and forward + backward, with the window on
   the contiguous layout (the ring cut to the hops the window reaches) and on zig-zag; and
   what the cost model predicts for each. Target: at most 0.25x the time of full causal.
+- `h`, `v` (`_variants_bench.py`, issue 47; ~6 min, so only when named): Gemma 3's window
+  layers by neighbour exchange against today's windowed ring (collective bytes at 32K-128K,
+  forward + backward time at 32K), and the cost of sinks and soft-cap over plain attention
+  on one device and under the ring.
 - `d`: wall time of each strategy on 8 fake devices against single-device
   `eqx_longctx.attention` (`spec=None`), forward and forward + backward; and the
   `ringattention` package when it is installed.
@@ -30,6 +34,7 @@ share this machine's cores, so (d) measures overheads, not speed-up.
     python benchmarks/context_parallel.py --sections a b --seqs 8192 32768
     python benchmarks/context_parallel.py --sections d --time-seq 4096 --repeats 3
     python benchmarks/context_parallel.py --sections w --window-seq 32768 --window 2048
+    python benchmarks/context_parallel.py --sections h v --halo-heads 8 16 --halo-time-heads 8 16
     python benchmarks/context_parallel.py --plot docs/img/benchmarks   # also one PNG a topic
 """
 
@@ -40,6 +45,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import _variants_bench  # noqa: E402
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from _ringattention import ring_attention_package  # noqa: E402
@@ -413,6 +419,19 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--window-seq", type=int, default=32768)
     p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--halo-byte-seqs", type=int, nargs="+", default=[32768, 65536, 131072])
+    p.add_argument("--halo-seq", type=int, default=32768, help="the timed length in (h)")
+    p.add_argument("--halo-window", type=int, default=1024)
+    p.add_argument("--halo-heads", type=int, nargs="+", default=[8], help="K/V heads: half")
+    p.add_argument("--halo-time-heads", type=int, nargs="+", default=[8])
+    p.add_argument("--halo-head-dim", type=int, default=256)
+    p.add_argument("--halo-repeats", type=int, default=3)
+    p.add_argument("--halo-layouts", nargs="+", default=["none", "zigzag"])
+    p.add_argument("--variants-seq", type=int, default=8192)
+    p.add_argument("--variants-heads", type=int, default=8)
+    p.add_argument("--variants-head-dim", type=int, default=64)
+    p.add_argument("--variants-repeats", type=int, default=5)
+    p.add_argument("--variants-on", nargs="+", choices=["one", "ring"], default=["one", "ring"])
     p.add_argument("--plot", metavar="DIR", help="also write one PNG per topic into DIR")
     args = p.parse_args(argv)
 
@@ -440,6 +459,16 @@ def main(argv=None) -> None:
         results["window"] = window_section(
             args.window_seq, args.window, args.time_heads, args.time_head_dim, args.repeats
         )
+    if "h" in args.sections:
+        results["halo"] = _variants_bench.halo_section(
+            args.halo_byte_seqs, args.halo_seq, args.halo_window, args.halo_heads,
+            args.halo_time_heads, args.halo_head_dim, args.halo_repeats, tuple(args.halo_layouts),
+        )  # fmt: skip
+    if "v" in args.sections:
+        results["variants"] = _variants_bench.variants_section(
+            args.variants_seq, args.variants_heads, args.variants_head_dim, args.variants_repeats,
+            tuple(args.variants_on),
+        )  # fmt: skip
     if "d" in args.sections:
         results["time"] = time_section(
             args.time_seq, args.time_heads, args.time_kv_heads, args.time_head_dim, args.repeats
@@ -449,6 +478,7 @@ def main(argv=None) -> None:
         import _plots
 
         _plots.context_parallel(results, args.plot)
+        _variants_bench.plot(results, args.plot)
 
 
 if __name__ == "__main__":

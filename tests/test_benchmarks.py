@@ -117,3 +117,27 @@ def test_linear_attention_hybrid_plot(tmp_path: Path) -> None:
     ]
     (path,) = _plots.linear_attention({"hybrid": rows}, tmp_path)
     _check_png(path)
+
+
+def test_context_parallel_variants_sections(tmp_path: Path) -> None:
+    # Issue 47's sections of context_parallel.py (`_variants_bench.py`), one layout and one
+    # placement each (the zig-zag halo, sinks under the ring) so the run stays ~10 s.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    args = (
+        "--sections h v --halo-byte-seqs 512 --halo-seq 512 --halo-window 32 --halo-heads 2 "
+        "--halo-time-heads 2 --halo-head-dim 8 --halo-repeats 1 --halo-layouts zigzag "
+        "--variants-seq 128 --variants-heads 2 --variants-head-dim 8 --variants-repeats 1 "
+        "--variants-on ring"
+    ).split()
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/context_parallel.py", *args, "--plot", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert ["512", "2/1", "zigzag", "f+b"] in [r[:4] for r in rows], proc.stdout
+    assert ["2/1", "zigzag"] in [r[:2] for r in rows], proc.stdout  # the timed row
+    variants = [" ".join(r[4:-2]) for r in rows if r[:4] == ["ring,", "zigzag,", "8", "dev."]]
+    assert variants == ["plain", "sinks", "softcap", "sinks + softcap"], proc.stdout
+    assert [p.name for p in tmp_path.glob("*.png")] == ["context_parallel_variants.png"]
+    _check_png(tmp_path / "context_parallel_variants.png")

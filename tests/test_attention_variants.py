@@ -232,7 +232,8 @@ def test_halo_plan_by_layout(layout, pieces):
         assert plan is None  # striped keeps its ring (with skipped hops)
         return
     assert plan is not None and plan.pieces == pieces
-    assert plan.halo_len == 99 and plan.tokens_received() == 99 * pieces
+    # 99 keys travel per piece; the buffer is whole 128-slot blocks (no padded key blocks)
+    assert plan.halo_len == 128 and plan.tokens_received() == 99 * pieces
     # no window and no chunk: nothing bounds the reach
     assert halo_plan(layout_order(spec, 1024), 4, BlockOptions.make(True, None, None, D)) is None
 

@@ -306,3 +306,24 @@ def test_the_step_planner_shows_what_each_layer_kind_runs():
     assert full["runs"]["ring"]["runs"] == "ring"
     assert local["runs"]["ring"]["comm_train_bytes"] * 4 < full["runs"]["ring"]["comm_train_bytes"]
     assert "local (window/chunk 1024) layers: neighbour exchange" in plan.explain()
+
+
+def test_explain_prices_a_local_layer_as_its_exchange():
+    """`explain`'s ring and all_gather rows of a windowed (or chunked) call on zig-zag price
+    the neighbour exchange that runs: the halo's bytes, a note that says so."""
+    from eqx_longctx import explain
+    from eqx_longctx.attention import plan_attention
+
+    spec = ShardingSpec(make_mesh((8,), ("context",)), "ring", "zigzag")
+    shape = dict(batch=1, seq=32768, q_heads=8, kv_heads=4, head_dim=256)
+    plan = plan_attention(spec, **shape, window=1024)
+    ring = plan.costs["ring"]
+    assert ring.reason.startswith("local layer: a neighbour exchange")
+    # fwd: two pieces' halos of 1023 tokens' K and V (float32) and their positions
+    assert sum(ring.comm_forward.values()) == 2 * 1023 * (4 * 512 * 4 + 4)
+    assert "neighbour exchange" in explain(spec, **shape, window=1024)
+    # 1024-token chunks: every zig-zag piece (2048 tokens) starts a chunk, nothing moves
+    chunked = plan_attention(spec, **shape, chunk=1024).costs["ring"]
+    assert chunked.reason.startswith("local layer") and sum(chunked.comm_train.values()) == 0
+    full = plan_attention(spec, **shape).costs["ring"]
+    assert sum(full.comm_forward.values()) > 10 * sum(ring.comm_forward.values())

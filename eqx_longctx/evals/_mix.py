@@ -1,0 +1,98 @@
+"""Training rows of synthetic retrieval documents, to mix into a text corpus: what the
+`passkey` recipe trains on besides the standard library."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._tasks import check_task, make_sample, min_length
+
+FULL_ROW_SHARE = 0.3
+"""The share of retrieval rows that hold one document as long as the row (the others hold
+several shorter ones), so that every depth of the longest context is trained."""
+
+
+def _row_pieces(rng: np.random.Generator, seq_len: int, shortest: int) -> list[int]:
+    """Token counts of the documents of one row (each with its BOS and EOS), summing to
+    `seq_len`, each at least `shortest`: one whole row, or log-uniform pieces."""
+    if rng.random() < FULL_ROW_SHARE or seq_len < 2 * shortest:
+        return [seq_len]
+    pieces, left = [], seq_len
+    while left > 0:
+        size = int(np.exp(rng.uniform(np.log(shortest), np.log(seq_len))))
+        if left - size < shortest:
+            size = left
+        pieces.append(size)
+        left -= size
+    return pieces
+
+
+def retrieval_dataset(
+    tasks: Sequence[str], tokenizer: Any, seq_len: int, rows: int, *, seed: int = 0
+) -> Any:
+    """`rows` packed rows of retrieval documents (`make_sample`'s prompt and answer, at a
+    uniform random depth, task by task in turn at random), each row filled exactly: a
+    document of `seq_len - 2` tokens, or several shorter ones, each opened by BOS and
+    closed by EOS, with their own positions and segment ids.
+
+    **Arguments:**
+
+    - `tasks`: generation tasks (`eqx_longctx.evals.TASKS`).
+    - `tokenizer`: the run's tokenizer (`bos_id`, `eos_id`, `pad_id`, `encode`, `decode`).
+    - `seq_len`: tokens per row.
+    - `rows`: how many rows.
+    - `seed`: the documents' seed.
+
+    **Returns:** an `eqx_longctx.data.PackedDataset`.
+
+    **Raises:** `ValueError` for an unknown task, or a `seq_len` too short for the
+    longest task's shortest document.
+    """
+    from ..data import PackedDataset
+
+    tasks = [check_task(t) for t in tasks]
+    shortest = max(min_length(t, tokenizer) for t in tasks) + 2
+    if seq_len < shortest:
+        raise ValueError(
+            f"--seq-len must be at least {shortest} tokens for retrieval documents of "
+            f"{', '.join(tasks)}; got {seq_len}. Raise --seq-len or drop --synthetic."
+        )
+    rng = np.random.default_rng([seed, 48])
+    tokens = np.full((rows, seq_len), tokenizer.pad_id, np.int32)
+    positions = np.zeros((rows, seq_len), np.int32)
+    segments = np.zeros((rows, seq_len), np.int32)
+    documents = 0
+    for r in range(rows):
+        at = 0
+        for seg, size in enumerate(_row_pieces(rng, seq_len, shortest), start=1):
+            task = tasks[int(rng.integers(len(tasks)))]
+            s = make_sample(task, tokenizer, length=size - 2, depth=float(rng.random()), rng=rng)
+            ids = [tokenizer.bos_id, *s.prompt_ids, *s.answer_ids, tokenizer.eos_id]
+            tokens[r, at : at + size] = ids
+            positions[r, at : at + size] = np.arange(size)
+            segments[r, at : at + size] = seg
+            at += size
+            documents += 1
+    return PackedDataset(tokens, positions, segments, pad_id=tokenizer.pad_id,
+                         num_documents=documents, seed=seed)  # fmt: skip
+
+
+def mix_datasets(text: Any, retrieval: Any) -> Any:
+    """The rows of both packed datasets in one (the training batches shuffle them by the
+    text dataset's seed)."""
+    from ..data import PackedDataset
+
+    return PackedDataset(
+        np.concatenate([text.tokens, retrieval.tokens]),
+        np.concatenate([text.positions, retrieval.positions]),
+        np.concatenate([text.segment_ids, retrieval.segment_ids]),
+        pad_id=text.pad_id,
+        num_documents=text.num_documents + retrieval.num_documents,
+        seed=text.seed,
+    )
+
+
+def retrieval_rows_for(text_rows: int, share: float) -> int:
+    """How many retrieval rows make `share` of all rows beside `text_rows` of text."""
+    return round(share / (1.0 - share) * text_rows)

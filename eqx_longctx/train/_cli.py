@@ -28,6 +28,7 @@ from ..run import (
     preempted_line,
 )
 from ._config import TrainConfig
+from ._recipes import RECIPES, recipe_help
 
 PROG = "eqx-longctx-train"
 
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 completed (or nothing left to resume), 1 stopped at a "
         "non-finite loss, 2 invalid flags or nothing to resume from, 3 another process of "
         f"the run was lost, {EXIT_PREEMPTED} preempted by SIGTERM (every process saved a "
-        "checkpoint at the same step: rerun with --resume), 130 Ctrl-C",
+        "checkpoint at the same step: rerun with --resume), 130 Ctrl-C. " + recipe_help(),
         formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
@@ -150,6 +151,26 @@ def build_parser() -> argparse.ArgumentParser:
         strategy=d.strategy,
         load_balance=d.load_balance,
     )
+    p.add_argument(
+        "--synthetic",
+        default=None,
+        metavar="TASK[,TASK...]",
+        help="mix generated retrieval documents of these eval tasks into the training rows, "
+        "e.g. passkey,niah_multikey (see python -m eqx_longctx.eval --help)",
+    )
+    p.add_argument(
+        "--synthetic-share",
+        type=float,
+        default=d.synthetic_share,
+        help="the share of training rows that hold --synthetic documents",
+    )
+    p.add_argument(
+        "--recipe",
+        default=None,
+        choices=sorted(RECIPES),
+        help="take the flag defaults from a named recipe (your own flags still win); see the "
+        "list below and docs/recipes.md",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default=d.on_nonfinite)
     p.add_argument(
@@ -195,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_flags(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The training flags of `argv`, a `--recipe`'s values as the defaults of the flags
+    it sets (the flags given still win; its `--override`s come before the given ones).
+
+    **Raises:** `UsageError` for flags argparse cannot parse.
+    """
+    p = build_parser()
+    known, _ = p.parse_known_args(argv)
+    if known.recipe is not None:
+        p.set_defaults(**RECIPES[known.recipe].flags)
+    return p.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, join the other processes of a multi-process run, train, print a summary.
 
@@ -225,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     at once.
     """
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_flags(argv)
     except UsageError as e:
         print(error_line(f"{e} (see --help)"), file=sys.stderr)
         return 2
@@ -313,6 +347,8 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             on_nonfinite=args.on_nonfinite,
             remat=args.remat,
             host_offload=args.host_offload,
+            synthetic=args.synthetic,
+            synthetic_share=args.synthetic_share,
             progress=not args.no_progress and primary,
         )
         if runtime is not None:  # a default run dir is stamped with the time: take process 0's
@@ -358,6 +394,11 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
     if primary:
         print(result.summary(), flush=True)
     if result.status == "completed":
+        if args.recipe is not None and RECIPES[args.recipe].eval_task is not None:
+            from ._recipe_eval import recipe_eval
+
+            if runtime is None:  # one process; eval a multi-process run with eqx_longctx.eval
+                recipe_eval(RECIPES[args.recipe], trainer)
         return 0
     failure["message"] = f"the run stopped ({result.status}) at step {result.step + 1}"
     return 1

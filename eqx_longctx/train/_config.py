@@ -76,6 +76,10 @@ class TrainConfig:
       `eqx_longctx.train.HOST_OFFLOADS` (`"opt_state"`: AdamW's moments; `"params"`: the
       parameters), streamed to the device inside each step (`make_train_step`); `None`:
       everything on the device.
+    - `synthetic`: comma-separated retrieval tasks (`eqx_longctx.evals.TASKS`, e.g.
+      `"passkey,niah_multikey"`) whose generated documents are mixed into the training rows
+      (`None`: text only); the validation split stays text.
+    - `synthetic_share`: the share of training rows that hold them, in `[0, 1)`.
     - `progress`: show a tqdm progress bar.
     """
 
@@ -113,6 +117,8 @@ class TrainConfig:
     seed: int = 0
     on_nonfinite: str = "stop"
     remat: str | None = None
+    synthetic: str | None = None
+    synthetic_share: float = 0.5
     progress: bool = True
 
     def __post_init__(self):
@@ -158,7 +164,7 @@ _INTS = {
 }
 _OPTIONAL = (
     "max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "fsdp_axes",
-    "remat", "loss_chunk", "host_offload", "init_hf",
+    "remat", "loss_chunk", "host_offload", "init_hf", "synthetic",
 )  # fmt: skip
 _EXAMPLES = {"final_eval_batches": 16, "loss_chunk": 1024}  # for fields whose default is None
 # Float fields: (rule, test, example); None: the range is check_optimizer_settings's.
@@ -167,8 +173,12 @@ _FLOATS = {
     "weight_decay": (None, None, "0.1"),
     "clip_norm": (None, None, "1.0"),
     "val_fraction": ("finite and strictly between 0 and 1", lambda x: 0 < x < 1, "0.05"),
+    "synthetic_share": ("finite, at least 0 and below 1", lambda x: 0 <= x < 1, "0.5"),
 }
-_STRS = ("model", "preset", "data", "run_dir", "mesh", "fsdp_axes", "host_offload", "init_hf")
+_STRS = (
+    "model", "preset", "data", "run_dir", "mesh", "fsdp_axes", "host_offload", "init_hf",
+    "synthetic",
+)  # fmt: skip
 _BOOLS = ("resume", "overwrite", "progress")
 _SEED_LIMIT = 2**32
 
@@ -257,7 +267,7 @@ def check_train_config(config: "TrainConfig") -> None:
                 f"{flag} must be a {kind.__name__}; got {type(value).__name__} {value!r}. "
                 f"Pass {fix}."
             )
-        if name in ("data", "run_dir", "mesh", "fsdp_axes", "init_hf") and value == "":
+        if name in ("data", "run_dir", "mesh", "fsdp_axes", "init_hf", "synthetic") and value == "":
             raise ValueError(
                 f"{flag} must not be empty; got {flag} ''. Leave the flag out for its "
                 "default, or pass a value."
@@ -311,6 +321,15 @@ def check_train_config(config: "TrainConfig") -> None:
             f"micro-batches; got --batch-size {config.batch_size} and --grad-accum {k}. Pass "
             f"a --batch-size that is a multiple of {k} (e.g. {-(-config.batch_size // k) * k})."
         )
+    if config.synthetic is not None:
+        from eqx_longctx.evals._tasks import TASKS
+
+        unknown = [t for t in config.synthetic.split(",") if t not in TASKS]
+        if unknown:
+            raise ValueError(
+                f"--synthetic takes comma-separated retrieval tasks among {', '.join(TASKS)}; "
+                f"got unknown {unknown}. Pass e.g. --synthetic passkey,niah_multikey."
+            )
     if config.resume and config.overwrite:
         raise ValueError(
             "--resume continues the checkpoints in --run-dir while --overwrite deletes them; "

@@ -167,6 +167,16 @@ class Trainer:
                 if self.hf_start is None:
                     raise
                 raise ValueError(f"--data {config.data or '(the standard library)'}: {e}") from e
+        if config.synthetic is not None and config.synthetic_share > 0:
+            from ..evals._mix import mix_datasets, retrieval_dataset, retrieval_rows_for
+
+            text_train, val = datasets
+            rows = retrieval_rows_for(text_train.num_rows, config.synthetic_share)
+            retrieval = retrieval_dataset(
+                config.synthetic.split(","), self.tokenizer, config.seq_len, rows,
+                seed=config.seed,
+            )  # fmt: skip
+            datasets = (mix_datasets(text_train, retrieval), val)
         self.train_data, self.val_data = datasets
         lengths = {d.tokens.shape[1] for d in datasets}
         if lengths != {config.seq_len}:

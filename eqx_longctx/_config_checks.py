@@ -149,9 +149,14 @@ def check_decoder_config(config: Any, *, scaling_cls: type) -> None:
         bools=("tie_embeddings",),
     )
     scaling = config.rope_scaling
-    fix = f"Build one with {scaling_cls.__name__}(...)"
-    if isinstance(scaling, dict):
-        fix += f", e.g. {scaling_cls.__name__}(**rope_scaling) for a dict of its fields"
+    name = scaling_cls.__name__
+    if name == "AbstractRopeScaling":  # any scaling: name the concrete ones
+        name = "Llama3RopeScaling, YarnRopeScaling or LinearRopeScaling"
+        fix = f"Build one with {name} (eqx_longctx.nn)"
+    else:
+        fix = f"Build one with {name}(...)"
+        if isinstance(scaling, dict):
+            fix += f", e.g. {name}(**rope_scaling) for a dict of its fields"
     check_instance(scaling, f"{cls}.rope_scaling", scaling_cls, fix + ".", none_ok=True)
     check_choice(config.remat, f"{cls}.remat", REMAT_POLICIES)
     for name in ("param_dtype", "compute_dtype"):

@@ -157,6 +157,12 @@ def config_to_hf(c: Any) -> dict:
         else _hf_windows.llama_or_mistral(c.sliding_window, c.layer_types)
     )
     scaling = c.rope_scaling
+    if scaling is not None and not isinstance(scaling, Llama3RopeScaling):
+        raise ValueError(
+            f"to_hf writes a Llama's RoPE scaling as rope_type 'llama3' only; got "
+            f"{type(scaling).__name__}. Save the model with rope_scaling=None or a "
+            "Llama3RopeScaling (eval-time scalings need not be saved)."
+        )
     hf = {
         **_hf_config.decoder_to_hf(c, model_type, _ARCHITECTURES),
         "num_key_value_heads": c.n_kv_heads,

@@ -36,6 +36,7 @@ from eqx_longctx.family import (
 )
 from eqx_longctx.nn import (
     AbstractDecoder,
+    AbstractRopeScaling,
     DecoderBlock,
     LayerStack,
     RMSNorm,
@@ -66,7 +67,9 @@ class LlamaConfig:
     - `n_kv_heads`: key/value heads (default `n_heads`: MHA; fewer is GQA, 1 is MQA).
     - `head_dim`: width of each head (default `dim // n_heads`, filled in at construction).
     - `norm_eps`: RMSNorm epsilon.
-    - `rope_theta`, `rope_scaling`: RoPE base and optional Llama 3.1 frequency scaling.
+    - `rope_theta`, `rope_scaling`: RoPE base and optional frequency scaling (Llama 3.1's
+      `Llama3RopeScaling` in the presets and checkpoints; any `AbstractRopeScaling`, e.g.
+      YaRN or linear, to stretch a trained model at eval time).
     - `max_seq_len`: longest sequence the model accepts.
     - `tie_embeddings`: reuse the token embedding as the LM head.
     - `attention_bias`: biases on the q/k/v projections (Qwen2-style).
@@ -86,8 +89,9 @@ class LlamaConfig:
     **Raises:** each message names the field.
 
     - `TypeError` for a size that is not an int, `norm_eps`, `rope_theta` or `init_std`
-      not a number, a flag that is not a bool, a `rope_scaling` that is not a
-      `Llama3RopeScaling` (or `None`), or `layer_types` that is not a tuple or list.
+      not a number, a flag that is not a bool, a `rope_scaling` that is not an
+      `eqx_longctx.nn.AbstractRopeScaling` (or `None`), or `layer_types` that is not a
+      tuple or list.
     - `ValueError` for a size that is not positive, `norm_eps`, `rope_theta` or `init_std`
       not finite and positive, a `remat` or dtype not among the choices, `n_heads` not a
       multiple of `n_kv_heads`, `dim` not divisible by `n_heads` when `head_dim` is
@@ -105,7 +109,7 @@ class LlamaConfig:
     head_dim: int | None = None
     norm_eps: float = 1e-5
     rope_theta: float | int = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: AbstractRopeScaling | None = None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     attention_bias: bool = False
@@ -118,7 +122,7 @@ class LlamaConfig:
     layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self):
-        check_decoder_config(self, scaling_cls=Llama3RopeScaling)
+        check_decoder_config(self, scaling_cls=AbstractRopeScaling)
         check_fields(
             self,
             optional_ints=("n_kv_heads", "head_dim"),

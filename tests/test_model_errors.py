@@ -92,10 +92,8 @@ CONFIG_ERRORS = [
     ("llama", dict(compute_dtype=jnp.int8), ValueError,
      r"LlamaConfig\.compute_dtype must be one of"),
     ("llama", dict(rope_scaling={"factor": 8.0}), TypeError,
-     r"rope_scaling must be a Llama3RopeScaling or None; got \{'factor': 8\.0\} \(dict\)"
-     r".*Llama3RopeScaling\(\*\*rope_scaling\)"),
-    ("llama", dict(rope_scaling=YarnRopeScaling(40.0, 4096)), TypeError,
-     r"LlamaConfig\.rope_scaling must be a Llama3RopeScaling or None; got YarnRopeScaling"),
+     r"rope_scaling must be a AbstractRopeScaling or None; got \{'factor': 8\.0\} \(dict\)"
+     r".*Llama3RopeScaling, YarnRopeScaling or LinearRopeScaling"),
     ("deepseek", dict(top_k=2.0), TypeError, r"DeepSeekConfig\.top_k must be an int; got 2\.0"),
     ("deepseek", dict(kv_lora_rank=np.float32(16)), TypeError,
      r"DeepSeekConfig\.kv_lora_rank must be an int"),

@@ -77,17 +77,21 @@ def with_overrides(model: Any, overrides: Sequence[tuple[str, str]]) -> Any:
     abstract = eqx.filter_eval_shape(
         lambda: family.model(new_config, key=jax.random.key(0), spec=spec)
     )
-    old_arrays, _ = eqx.partition(model, eqx.is_array)
-    new_arrays, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    old_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), old_arrays)
-    new_shapes = jax.tree.map(lambda x: (x.shape, x.dtype), new_arrays)
-    if jax.tree.structure(old_arrays) != jax.tree.structure(new_arrays) or old_shapes != new_shapes:
+    old = jax.tree_util.tree_leaves_with_path(model)
+    new, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    same = len(old) == len(new) and all(
+        po == pn and (not eqx.is_array(x) or (x.shape, x.dtype) == (y.shape, y.dtype))
+        for (po, x), (pn, y) in zip(old, new, strict=True)
+    )
+    if not same:
         raise ValueError(
             f"--override {sorted(changes)} would change the model's weights; only fields that "
             "keep every weight's shape may change at eval time (rope_theta, rope_scaling, "
             "max_seq_len, ...)."
         )
-    return eqx.combine(old_arrays, static)
+    # The weights are the model's; everything else (static fields) is the new config's.
+    leaves = [x if eqx.is_array(x) else y for (_, x), (_, y) in zip(old, new, strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
 
 
 def _family_of(config: Any) -> Any:

@@ -17,6 +17,7 @@ PACKAGES = (
     "eqx_longctx.nn",
     "eqx_longctx.data",
     "eqx_longctx.train",
+    "eqx_longctx.evals",
     "eqx_longctx.kernels",
     "models",
     "models.llama",

@@ -29,6 +29,7 @@ from ._tasks import TASKS
 
 PROG = "eqx-longctx-eval"
 ALL_TASKS = (*TASKS, "position_loss")
+"""What `--task` takes: the generation tasks (`TASKS`) and the `position_loss` curve."""
 EXIT_MISMATCH = 1
 
 

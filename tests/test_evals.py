@@ -1,0 +1,261 @@
+"""The eval runner and its command line: a model trained by a very small `passkey` recipe
+retrieves far above chance while the untrained one does not, `--check-strategies` passes
+on it and fails on a planted ring or sinks bug, the files are written, and bad input is
+one line with exit status 2."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from eqx_longctx.data import ByteTokenizer
+from eqx_longctx.evals import (
+    EvalModel,
+    check_strategies,
+    evaluate_and_write,
+    position_loss,
+    run_samples,
+    task_samples,
+)
+from eqx_longctx.evals import eval_main as main
+from eqx_longctx.run import Placement
+
+SEQ = 256
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> pathlib.Path:
+    """A very small run of the passkey recipe (its eval at the end included)."""
+    from eqx_longctx.train._cli import main as train_main
+
+    run = tmp_path_factory.mktemp("passkey") / "run"
+    flags = [
+        "--recipe", "passkey", "--seq-len", str(SEQ), "--steps", "150", "--batch-size", "8",
+        "--override", "n_layers=2", "--override", "dim=128", "--override", "hidden_dim=344",
+        "--max-bytes", "200000", "--devices", "4", "--mesh", "data=2,context=2",
+        "--eval-every", "1000", "--checkpoint-every", "1000", "--run-dir", str(run),
+        "--no-progress",
+    ]  # fmt: skip
+    assert train_main(flags) == 0
+    return run
+
+
+def test_recipe_model_retrieves_and_the_untrained_one_does_not(trained):
+    result = json.loads((trained / "eval" / "results.json").read_text())
+    table = result["tasks"]["passkey"]
+    assert table["lengths"] == [SEQ]
+    assert sum(map(sum, table["samples"])) == 50
+    # Chance for a 5-digit key is 1e-5; a model that copies digits from the wrong place
+    # stays near zero too.
+    assert table["overall"] >= 0.5, table
+    for line in (trained / "eval" / "samples.jsonl").read_text().splitlines()[:5]:
+        record = json.loads(line)
+        assert set(record) == {"task", "length", "depth", "prompt", "answer", "output", "correct"}
+        assert record["prompt"].count(record["answer"]) == 1
+
+    from models import LLAMA
+
+    config = LLAMA.presets["tiny"]
+    import dataclasses
+
+    config = dataclasses.replace(config, vocab_size=259, n_layers=2, dim=128, hidden_dim=344)
+    fresh = LLAMA.model(config, key=jax.random.key(0))
+    em = EvalModel(fresh, TOK, (TOK.bos_id,), frozenset({TOK.eos_id}))
+    samples = task_samples(em, ["passkey"], [SEQ], [0.0, 0.5, 1.0], 4, seed=1)
+    records = run_samples(em, samples)
+    assert sum(r["correct"] for r in records) == 0
+
+
+def _eval(trained, tmp_path, *extra) -> int:
+    return main(
+        ["--run-dir", str(trained), "--task", "passkey", "--lengths", str(SEQ), "--depths",
+         "0,1", "--samples", "2", "--no-progress", "--out", str(tmp_path / "out"), *extra]
+    )  # fmt: skip
+
+
+def test_check_strategies_passes_on_the_trained_model(trained, tmp_path, capsys):
+    code = _eval(trained, tmp_path, "--devices", "4", "--check-strategies")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    runs = result["check_strategies"]["runs"]
+    ran = {(r["strategy"], r["load_balance"]) for r in runs if r["status"] == "identical"}
+    assert ("one device", "-") in ran
+    assert {("ring", "zigzag"), ("all_gather", "striped"), ("ulysses", "none")} <= ran, runs
+    for name in ("heatmap-passkey.png", "samples.jsonl", "results.json"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+def test_check_strategies_catches_a_ring_that_drops_a_hop(trained, monkeypatch):
+    from eqx_longctx.attention import _ring
+    from eqx_longctx.evals._cli import build_parser
+    from eqx_longctx.evals._load import load_eval_model
+
+    args = build_parser().parse_args(["--run-dir", str(trained), "--devices", "4"])
+
+    def load(**placement):
+        if placement.get("load_balance", "zigzag") != "zigzag" or placement["strategy"] not in (
+            "ring",
+            "all_gather",
+        ):
+            raise ValueError("not in this test")
+        return load_eval_model(args, **placement)
+
+    em = load(strategy="ring")
+    samples = task_samples(em, ["passkey"], [SEQ], [0.0, 0.5], 2, seed=5)
+    baseline = run_samples(em, samples)
+    hops = _ring._hops
+    monkeypatch.setattr(_ring, "_hops", lambda config: hops(config) - 1)
+    jax.clear_caches()
+    try:
+        result = check_strategies(em, samples, baseline, load)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    status = {(r["strategy"], r["load_balance"]): r["status"] for r in result["runs"]}
+    assert not result["identical"], result
+    assert status[("ring", "zigzag")] == "differs", status
+    assert status[("all_gather", "zigzag")] == status[("one device", "-")] == "identical"
+
+
+def _sinks_model(spec):
+    import dataclasses
+
+    from models import GPT_OSS
+
+    config = dataclasses.replace(
+        GPT_OSS.presets["tiny"], n_layers=2, n_experts=2, top_k=1, max_seq_len=512
+    )
+    model = GPT_OSS.model(config, key=jax.random.key(3), spec=spec)
+
+    # Sinks as large as the keys' log-sum-exp, so that ignoring them changes the outputs.
+    def bump(path, x):
+        return x + 6.0 if "sinks" in jax.tree_util.keystr(path) else x
+
+    return jax.tree_util.tree_map_with_path(bump, model)
+
+
+def test_check_strategies_catches_sinks_ignored_under_one_strategy(monkeypatch):
+    attention = sys.modules["eqx_longctx.attention"]
+
+    def load(strategy="ring", load_balance="zigzag", devices=4, mesh="context"):
+        if strategy != "ring" or load_balance != "zigzag":
+            raise ValueError("not in this test")
+        p = Placement(devices, None if devices == 1 else {"context": 4}, strategy, load_balance)
+        return EvalModel(_sinks_model(p.spec), TOK, (TOK.bos_id,), frozenset({TOK.eos_id}))
+
+    em = load()
+    samples = task_samples(em, ["passkey"], [160], [0.5], 2, seed=0)
+    baseline = run_samples(em, samples)
+    assert check_strategies(em, samples, baseline, load)["identical"]
+
+    ring = attention.ring_latent_attention
+
+    def sinks_ignored(*args, **kwargs):
+        out, lse = ring(*args, **kwargs)
+        return out, lse + 1e4  # sigmoid(lse - sink) = 1: the sinks do nothing
+
+    monkeypatch.setattr(attention, "ring_latent_attention", sinks_ignored)
+    jax.clear_caches()
+    try:
+        result = check_strategies(em, samples, baseline, load)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    status = {(r["strategy"], r["load_balance"]): r["status"] for r in result["runs"]}
+    assert not result["identical"], result
+    assert status[("ring", "zigzag")] == "differs" and status[("one device", "-")] == "identical"
+
+
+def test_position_loss_falls_with_context(trained):
+    from eqx_longctx.evals._cli import build_parser
+    from eqx_longctx.evals._load import load_eval_model
+
+    args = build_parser().parse_args(["--run-dir", str(trained), "--devices", "4"])
+    em = load_eval_model(args)
+    docs = ["".join(f"line {i % 7}: the same words again and again\n" for i in range(40))] * 3
+    curves = position_loss(em, docs, [SEQ], rows=2, buckets=4)[SEQ]
+    assert curves["tokens"] == [63, 64, 64, 63] * 1 or sum(curves["tokens"]) == 2 * (SEQ - 1)
+    assert curves["loss"][-1] < curves["loss"][0]
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--task", "passkey,haystack"], "unknown ['haystack']"),
+        (["--depths", "0,1.5"], "fractions in [0, 1]"),
+        (["--samples", "0"], "--samples must be a whole number >= 1"),
+        (["--lengths", "1"], "token counts >= 2"),
+    ],
+)
+def test_bad_flags_are_one_line(flags, words, capsys, tmp_path):
+    assert main([*flags, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
+
+
+def test_out_that_is_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert main(["--out", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out must be a directory" in err
+
+
+def test_length_above_max_seq_len_is_refused(trained, tmp_path, capsys):
+    code = main(["--run-dir", str(trained), "--lengths", "4096", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "max_seq_len=2048" in err, err
+
+
+def test_writes_files_through_the_library(tmp_path):
+    import dataclasses
+
+    from models import LLAMA
+
+    config = dataclasses.replace(LLAMA.presets["tiny"], vocab_size=259, n_layers=1, dim=64,
+                                 n_heads=4, n_kv_heads=2, hidden_dim=128)  # fmt: skip
+    em = EvalModel(LLAMA.model(config, key=jax.random.key(0)), TOK, (TOK.bos_id,),
+                   frozenset({TOK.eos_id}))  # fmt: skip
+    result = evaluate_and_write(
+        em, tmp_path, tasks=["niah_single", "mqar"], lengths=[400, 600], depths=[0.0, 1.0],
+        samples=1, seed=0, progress=False, say=lambda _: None,
+    )  # fmt: skip
+    for task in ("niah_single", "mqar"):
+        assert result["tasks"][task]["lengths"] == [400, 600]
+        assert (tmp_path / f"heatmap-{task}.png").stat().st_size > 1000
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 2 * 2
+
+
+def test_overrides_stretch_a_model_and_keep_its_weights():
+    import dataclasses
+
+    from eqx_longctx.evals import with_overrides
+    from eqx_longctx.nn import LinearRopeScaling, YarnRopeScaling
+    from models import LLAMA
+
+    config = dataclasses.replace(LLAMA.presets["tiny"], vocab_size=259, n_layers=1, dim=64,
+                                 n_heads=4, n_kv_heads=2, hidden_dim=128)  # fmt: skip
+    model = LLAMA.model(config, key=jax.random.key(0))
+    yarn = '{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 2048}'
+    long = with_overrides(model, [("max_seq_len", "8192"), ("rope_scaling", yarn)])
+    assert long.config.max_seq_len == 8192
+    assert long.config.rope_scaling == YarnRopeScaling(4.0, 2048)
+    assert all(a is b for a, b in zip(jax.tree.leaves(long), jax.tree.leaves(model), strict=True))
+    tokens = np.arange(4096, dtype=np.int32)[None] % 256
+    assert long(tokens).shape == (1, 4096, 259)
+    short = model(tokens[:, :512])
+    # Scaling changes the rotation, so the logits too; max_seq_len alone changes nothing.
+    assert np.abs(np.asarray(long(tokens[:, :512]) - short)).max() > 1e-3
+    same = with_overrides(model, [("max_seq_len", "8192")])
+    np.testing.assert_array_equal(np.asarray(same(tokens[:, :512])), np.asarray(short))
+    linear = with_overrides(model, [("rope_scaling", '{"rope_type": "linear", "factor": 2}')])
+    assert linear.config.rope_scaling == LinearRopeScaling(2.0)
+    with pytest.raises(ValueError, match="would change the model's weights"):
+        with_overrides(model, [("n_layers", "2")])
+    with pytest.raises(ValueError, match="rope_type one of"):
+        with_overrides(model, [("rope_scaling", '{"rope_type": "ntk", "factor": 2}')])

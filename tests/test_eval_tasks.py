@@ -28,7 +28,7 @@ _NIAH = r" One of the special magic numbers for [a-z]+ is: \d+\."
 _NIAH_INTRO = "Special magic numbers are hidden in the text below. Memorize them."
 FORMATS = {  # task: (intro, a regex matching each needle)
     "passkey": (
-        "A pass key is hidden in the text below. Find it and remember it.",
+        "There is a pass key hidden in the text below. Find it and remember it.",
         r" The pass key is \d+\. Remember it\.",
     ),
     "niah_single": (_NIAH_INTRO, _NIAH),

@@ -151,7 +151,7 @@ def _magic(word: str, number: str) -> list[Piece]:
 def _passkey(rng: np.random.Generator) -> Draw:
     (key,) = _numbers(rng, 1, 5)
     return Draw(
-        intro=["A pass key is hidden in the text below. Find it and remember it."],
+        intro=["There is a pass key hidden in the text below. Find it and remember it."],
         needles=[[" The pass key is", _num(key), ". Remember it."]],
         question=["\nWhat is the pass key? The pass key is"],
         answer=[_num(key)],

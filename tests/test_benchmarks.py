@@ -86,6 +86,21 @@ def test_cp_shard_attention_prints_its_table() -> None:
     assert "causal pairs kept: " in proc.stdout, proc.stdout
 
 
+def test_evals_prints_its_table() -> None:
+    # No figure: the eval's prefill under each strategy against one device, here 1K tokens
+    # through a one-layer tiny Llama (~15 s). The script exits non-zero when a strategy's
+    # last-token logits differ from one device's.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/evals.py", "--quick"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[2].strip() for line in proc.stdout.splitlines()
+            if line.startswith("| 1K |")]  # fmt: skip
+    assert rows == ["one device", "all_gather", "ulysses", "ring", "usp"], proc.stdout
+
+
 def test_kernel_plot(tmp_path: Path) -> None:
     # The kernel timings exist only on a TPU; the figure is drawn from a table of that shape.
     rows = [

@@ -53,7 +53,7 @@ def trained(tmp_path_factory) -> pathlib.Path:
 def test_recipe_run_ends_with_its_eval_and_the_untrained_model_finds_nothing(trained):
     result = json.loads((trained / "eval" / "results.json").read_text())
     table = result["tasks"]["passkey"]
-    assert table["lengths"] == [SEQ] and table["depths"] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert table["lengths"] == [SEQ - 1] and table["depths"] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert table["samples"] == [[10]] * 5
     assert 0.0 <= table["overall"] <= 1.0
     assert (trained / "eval" / "heatmap-passkey.png").stat().st_size > 1000

@@ -5,13 +5,13 @@ import pathlib
 from typing import Any
 
 
-def _pyplot():
-    import matplotlib
+def _figure(size: tuple[float, float]):
+    """A figure not tied to pyplot (no backend is switched, so a notebook's inline plots
+    keep working)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=size)
+    return fig, fig.subplots()
 
 
 def _tokens(n: int) -> str:
@@ -30,12 +30,9 @@ def plot_heatmap(table: dict[str, Any], path: str | pathlib.Path, title: str = "
     """
     import numpy as np
 
-    plt = _pyplot()
     lengths, depths = table["lengths"], table["depths"]
     acc = np.array([[np.nan if a is None else a for a in row] for row in table["accuracy"]], float)
-    fig, ax = plt.subplots(
-        figsize=(max(4.5, 2.2 + 0.9 * len(lengths)), max(3.0, 1.4 + 0.45 * len(depths)))
-    )
+    fig, ax = _figure((max(4.5, 2.2 + 0.9 * len(lengths)), max(3.0, 1.4 + 0.45 * len(depths))))
     image = ax.imshow(acc, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(lengths)), [_tokens(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
@@ -49,7 +46,6 @@ def plot_heatmap(table: dict[str, Any], path: str | pathlib.Path, title: str = "
     ax.set_title(title or "retrieval accuracy", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_position_loss(
@@ -65,8 +61,7 @@ def plot_position_loss(
     - `path`: the PNG to write.
     - `title`: the figure's title.
     """
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = _figure((6, 3.6))
     for length, c in sorted(curves.items()):
         middle = [(a + b) / 2 for a, b in zip(c["bucket_start"], c["bucket_end"], strict=True)]
         ax.plot(middle, c["loss"], marker="o", markersize=3, label=f"{_tokens(length)} tokens")
@@ -78,4 +73,3 @@ def plot_position_loss(
     ax.set_title(title or "loss by position", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

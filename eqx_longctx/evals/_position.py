@@ -84,7 +84,7 @@ def position_loss(
     **Returns:** `{length: {"bucket_start": [...], "bucket_end": [...], "loss": [...],
     "tokens": [...], "rows": n}}`, losses in nats per token.
 
-    **Raises:** `ValueError` as [`held_out_rows`][].
+    **Raises:** `ValueError` as `held_out_rows` (no held-out document is that long).
     """
     from ..data import Batch, place_batch
 

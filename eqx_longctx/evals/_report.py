@@ -98,7 +98,8 @@ def evaluate_and_write(
     **Returns:** what `results.json` holds: `{"model", "placement", "seed", "samples",
     "tasks": {task: accuracy table}, "position_loss"?, "check_strategies"?}`.
 
-    **Raises:** `ValueError` as [`check_lengths`][] and `position_loss`.
+    **Raises:** `ValueError` for a length above the model's `max_seq_len` or below a
+    task's `min_length`, and as `position_loss`.
     """
     from ._position import position_loss
 

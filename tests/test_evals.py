@@ -279,3 +279,25 @@ def test_overrides_stretch_a_model_and_keep_its_weights():
         with_overrides(model, [("n_layers", "2")])
     with pytest.raises(ValueError, match="rope_type one of"):
         with_overrides(model, [("rope_scaling", '{"rope_type": "ntk", "factor": 2}')])
+
+
+@pytest.mark.parametrize("name", ["passkey", "passkey-hybrid", "passkey-gemma3"])
+def test_recipes_set_their_flags_and_fit_their_mesh(name):
+    """Each recipe's defaults reach the parsed flags (a flag given still wins), and its
+    model, rows and mesh pass the trainer's placement check on the main job's 8 devices."""
+    from eqx_longctx import model_family
+    from eqx_longctx.run import placement_from_flags, preset_model_config
+    from eqx_longctx.train._cli import parse_flags
+    from eqx_longctx.train._recipes import RECIPES
+
+    recipe = RECIPES[name]
+    args = parse_flags(["--recipe", name, "--steps", "7"])
+    assert args.steps == 7 and args.seq_len == recipe.flags["seq_len"] == 2048
+    assert args.synthetic == "passkey,niah_multikey" and args.model == recipe.flags.get(
+        "model", "llama"
+    )
+    config = preset_model_config(
+        args.model, args.preset, dict(args.override), vocab_size=259, seq_len=args.seq_len
+    )
+    placement = placement_from_flags(args.devices, args.mesh, args.strategy, args.load_balance)
+    placement.check_run(args.batch_size, args.seq_len, config, family=model_family(args.model))

@@ -51,9 +51,9 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe(
             "passkey",
-            "the tiny Llama taught to retrieve: stdlib text mixed with passkey and multi-key "
+            "the tiny Llama trained for retrieval: stdlib text mixed with passkey and multi-key "
             "needle documents at every depth, 2048-token rows, ring attention over zig-zag on "
-            "8 devices; ends with the passkey eval at 2048 tokens",
+            "8 devices; ends with the passkey eval at 2047 tokens",
             _RETRIEVAL,
             eval_task="passkey",
         ),
@@ -68,7 +68,7 @@ RECIPES: dict[str, Recipe] = {
             "passkey-gemma3",
             "the passkey recipe on the tiny Gemma 3 (sliding-window local layers beside "
             "global ones, local layers by neighbour exchange)",
-            {**_RETRIEVAL, "model": "gemma3_text"},
+            {**_RETRIEVAL, "model": "gemma3_text", "preset": "gemma3-tiny"},
             eval_task="passkey",
         ),
     )

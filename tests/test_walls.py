@@ -27,14 +27,16 @@ FLOORS = (
     ("attention", "linear"),
     ("nn", "data"),
     ("run",),
-    ("train", "inference"),
-    ("plan", "evals", "selftest"),
+    ("inference",),
+    ("evals",),
+    ("train",),
+    ("plan", "selftest"),
     ("models",),
 )
 LEVEL = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 # The package's face (`__init__`, which re-exports every room and loads the heavy ones
 # lazily) and its `python -m` doors (`generate.py`, `export.py`) stand above the house.
-FACES = {PACKAGE, f"{PACKAGE}.generate", f"{PACKAGE}.export"}
+FACES = {PACKAGE, f"{PACKAGE}.generate", f"{PACKAGE}.export", f"{PACKAGE}.eval"}
 
 
 def modules() -> dict[str, pathlib.Path]:

@@ -13,6 +13,9 @@ from ._cli import ALL_TASKS as ALL_TASKS
 from ._cli import main as eval_main
 from ._load import rope_scaling_of as rope_scaling_of
 from ._load import with_overrides as with_overrides
+from ._mix import mix_datasets as mix_datasets
+from ._mix import retrieval_dataset as retrieval_dataset
+from ._mix import retrieval_rows_for as retrieval_rows_for
 from ._plots import plot_heatmap as plot_heatmap
 from ._plots import plot_position_loss as plot_position_loss
 from ._position import position_loss as position_loss
@@ -43,10 +46,13 @@ __all__ = [
     "generate_answers",
     "make_sample",
     "make_samples",
+    "mix_datasets",
     "min_length",
     "plot_heatmap",
     "plot_position_loss",
     "position_loss",
+    "retrieval_dataset",
+    "retrieval_rows_for",
     "rope_scaling_of",
     "run_samples",
     "score",

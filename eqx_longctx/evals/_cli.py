@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _check_out(args)
-        from ..inference._cli import placement_flags
+        from ..inference import cli_placement_flags as placement_flags
 
         placement_flags(args)
     except (UsageError, ValueError, TypeError) as e:
@@ -247,7 +247,7 @@ def _held_out(args: argparse.Namespace) -> list[str]:
     """position_loss's documents: `--data`'s held-out split, else the run's, else the
     standard library's."""
     from ..data import load_corpus, split_documents
-    from ..run._runs import read_flags
+    from ..run import read_flags
 
     data, max_bytes, seed, fraction = args.data, None, 0, 0.05
     if args.data is None and args.hf is None:

@@ -111,7 +111,8 @@ def load_eval_model(args: argparse.Namespace, **placement: Any) -> EvalModel:
     **Raises:** `ValueError` as `eqx-longctx-generate` does for the same flags, and for an
     `--hf` checkpoint without a `tokenizer.json`.
     """
-    from ..inference._cli import _load_hf, _load_run
+    from ..inference import cli_load_hf as _load_hf
+    from ..inference import cli_load_run as _load_run
 
     flags = argparse.Namespace(**{**vars(args), **placement})
     if flags.hf is not None:

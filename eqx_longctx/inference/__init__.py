@@ -7,7 +7,13 @@ from ._cache import StackCache as StackCache
 from ._cache_layout import CacheLayout as CacheLayout
 from ._cache_layout import StackLayout as StackLayout
 from ._cache_layout import cache_layout as cache_layout
+
+# The generate command's model loaders and flag check, shared with `python -m
+# eqx_longctx.eval` (command-line plumbing, not API: not in `__all__`).
+from ._cli import _load_hf as cli_load_hf  # noqa: F401
+from ._cli import _load_run as cli_load_run  # noqa: F401
 from ._cli import main as generate_main
+from ._cli import placement_flags as cli_placement_flags  # noqa: F401
 from ._generate import generate as generate
 from ._lower import lower_decode as lower_decode
 from ._lower import lower_prefill as lower_prefill

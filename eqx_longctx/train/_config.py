@@ -322,7 +322,7 @@ def check_train_config(config: "TrainConfig") -> None:
             f"a --batch-size that is a multiple of {k} (e.g. {-(-config.batch_size // k) * k})."
         )
     if config.synthetic is not None:
-        from eqx_longctx.evals._tasks import TASKS
+        from eqx_longctx.evals import TASKS
 
         unknown = [t for t in config.synthetic.split(",") if t not in TASKS]
         if unknown:

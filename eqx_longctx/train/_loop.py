@@ -168,7 +168,7 @@ class Trainer:
                     raise
                 raise ValueError(f"--data {config.data or '(the standard library)'}: {e}") from e
         if config.synthetic is not None and config.synthetic_share > 0:
-            from ..evals._mix import mix_datasets, retrieval_dataset, retrieval_rows_for
+            from ..evals import mix_datasets, retrieval_dataset, retrieval_rows_for
 
             text_train, val = datasets
             rows = retrieval_rows_for(text_train.num_rows, config.synthetic_share)

@@ -55,6 +55,8 @@ RUN_FLAGS = (
     "max_bytes",
     "val_fraction",
     "seed",
+    "synthetic",
+    "synthetic_share",
 )
 RESHARDABLE_FLAGS = (
     "devices", "mesh", "fsdp_axes", "strategy", "load_balance", "remat", "grad_accum",

@@ -97,6 +97,19 @@ def test_check_strategies_passes_on_the_trained_model(trained, tmp_path, capsys)
         assert (tmp_path / "out" / name).stat().st_size > 0
 
 
+def _check_with_ring(monkeypatch, broken, em, samples, baseline, load):
+    """`check_strategies` with the ring replaced by `broken` (compiled programs dropped
+    before and after); **returns** `(result, {(strategy, layout): status})`."""
+    monkeypatch.setattr(sys.modules["eqx_longctx.attention"], "ring_latent_attention", broken)
+    jax.clear_caches()
+    try:
+        result = check_strategies(em, samples, baseline, load)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    return result, {(r["strategy"], r["load_balance"]): r["status"] for r in result["runs"]}
+
+
 def _random_llama(spec):
     from models import LLAMA
 
@@ -124,14 +137,7 @@ def test_check_strategies_catches_a_ring_cut_short(monkeypatch):
     def local_shard_only(*args, **kwargs):
         return ring(*args, **{**kwargs, "hops": 1})  # no hop: each device sees its own keys
 
-    monkeypatch.setattr(attention, "ring_latent_attention", local_shard_only)
-    jax.clear_caches()
-    try:
-        result = check_strategies(em, samples, baseline, load)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    status = {(r["strategy"], r["load_balance"]): r["status"] for r in result["runs"]}
+    result, status = _check_with_ring(monkeypatch, local_shard_only, em, samples, baseline, load)
     assert not result["identical"], result
     assert status[("ring", "zigzag")] == "differs", status
     assert status[("all_gather", "zigzag")] == status[("one device", "-")] == "identical"
@@ -173,14 +179,7 @@ def test_check_strategies_catches_sinks_ignored_under_one_strategy(monkeypatch):
         out, lse = ring(*args, **kwargs)
         return out, lse + 1e4  # sigmoid(lse - sink) = 1: the sinks do nothing
 
-    monkeypatch.setattr(attention, "ring_latent_attention", sinks_ignored)
-    jax.clear_caches()
-    try:
-        result = check_strategies(em, samples, baseline, load)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    status = {(r["strategy"], r["load_balance"]): r["status"] for r in result["runs"]}
+    result, status = _check_with_ring(monkeypatch, sinks_ignored, em, samples, baseline, load)
     assert not result["identical"], result
     assert status[("ring", "zigzag")] == "differs" and status[("one device", "-")] == "identical"
 

@@ -15,7 +15,7 @@ from ._block_contract import AbstractBlockImpl, PlatformChoice
 
 STRATEGIES = ("all_gather", "ulysses", "ring", "usp", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped")
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "pallas_gpu")
 _DEFAULT_BATCH_AXIS = "data"
 
 
@@ -61,8 +61,9 @@ class ShardingSpec(eqx.Module):
     - `expert_axis`: mesh axis the routed experts of MoE layers are split over (tokens are
       dispatched to their experts' devices by all-to-all), or `None`.
     - `impl`: the block-attention implementation every layer under this spec runs:
-      `"auto"` (Pallas kernels on TPU, XLA elsewhere), `"xla"`, `"pallas"`, or an
-      `AbstractBlockImpl` instance of your own.
+      `"auto"` (the Pallas TPU kernels on TPU, the Pallas GPU kernels on a CUDA or ROCm
+      GPU, XLA elsewhere), `"xla"`, `"pallas"` (TPU kernels), `"pallas_gpu"` (GPU
+      kernels), or an `AbstractBlockImpl` instance of your own.
     - `rules`: overrides of the logical-axis rules table, `{logical_axis: mesh axes}` (see
       `eqx_longctx.ShardingRules`), e.g. `{"vocab": None}` to keep the vocabulary whole.
 
@@ -157,7 +158,7 @@ class ShardingSpec(eqx.Module):
         if isinstance(self.impl, str) and self.impl not in IMPLS:
             raise ValueError(
                 f"ShardingSpec: unknown impl {self.impl!r}; choose one of {IMPLS} ('auto' runs "
-                "the Pallas kernels on TPU and the XLA path elsewhere)."
+                "the Pallas kernels on TPU and GPU and the XLA path elsewhere)."
             )
         if self.load_balance not in LOAD_BALANCES:
             raise ValueError(

@@ -3,7 +3,7 @@ over a heads-major cache read a chunk at a time (several chunks, the last one mo
 over slots already read, empty slots, slots in any order), on one device and with the slots
 split over 4 devices, through each way an implementation can read the cache (the XLA
 direct product, the XLA block loop through the contract's default `attend_heads_major`,
-and the Pallas kernel in TPU interpret mode)."""
+the Pallas TPU kernel in TPU interpret mode, and the Pallas GPU kernel interpreted)."""
 
 import sys
 
@@ -59,12 +59,13 @@ def _problem(seed: int, slots: int, kvh: int = KVH, dk: int = D, dv: int = D):
 def _impls():
     from jax.experimental.pallas import tpu as pltpu
 
-    from eqx_longctx.kernels import PallasBlockImpl
+    from eqx_longctx.kernels import PallasBlockImpl, PallasGpuBlockImpl
 
     return {
         "xla direct": XlaBlockImpl(),
         "xla blocks": XlaBlockImpl(Tiling(block=64, tile_bytes=1024)),
         "pallas interpret": PallasBlockImpl(128, 128, pltpu.InterpretParams()),
+        "pallas_gpu interpret": PallasGpuBlockImpl(64, 64, True),
     }
 
 
@@ -73,7 +74,9 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(_decode, "CHUNK_BYTES", 128 * B * KVH * D * 4)  # 128 slots
 
 
-@pytest.mark.parametrize("name", ["xla direct", "xla blocks", "pallas interpret"])
+@pytest.mark.parametrize(
+    "name", ["xla direct", "xla blocks", "pallas interpret", "pallas_gpu interpret"]
+)
 @pytest.mark.parametrize("window", [None, 90])
 def test_one_device_equals_naive_attention(small_chunks, name, window):
     if name == "pallas interpret" and window is not None:
@@ -94,12 +97,13 @@ def test_one_device_equals_naive_attention(small_chunks, name, window):
     assert_close(out, want, what=f"{name}, window {window}")
 
 
-def test_a_latent_cache_reads_its_values_from_the_keys(small_chunks):
+@pytest.mark.parametrize("name", ["xla direct", "pallas_gpu interpret"])
+def test_a_latent_cache_reads_its_values_from_the_keys(small_chunks, name):
     dk, dv = 12, 8  # MLA absorbed: one K/V "head" whose first dv features are the values
     q, k_new, _, k, _, pos, q_pos = _problem(1, SLOTS, kvh=1, dk=dk)
     out = decode_attention(
         jnp.asarray(q)[:, None], (jnp.asarray(k_new)[:, None],), LayerCache((k,), jnp.int32(2)),
-        pos, q_pos[:, None], spec=None, impl=XlaBlockImpl(), scale=0.3, value_dim=dv,
+        pos, q_pos[:, None], spec=None, impl=_impls()[name], scale=0.3, value_dim=dv,
     )[:, 0]  # fmt: skip
     want = _naive(q, k_new, k_new, k[2], k[2], pos, q_pos, None, 0.3, value_dim=dv)
     assert_close(out, want, what="latent")

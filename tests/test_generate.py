@@ -255,13 +255,15 @@ def test_a_long_prompt_under_ring_over_8_devices_equals_the_full_forward():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "deepseek"])
-def test_pallas_decoding_equals_the_xla_path(family):
+@pytest.mark.parametrize("family,kernels", [("llama", "tpu"), ("deepseek", "tpu"),
+                                            ("deepseek", "gpu")])  # fmt: skip
+def test_pallas_decoding_equals_the_xla_path(family, kernels):
     from jax.experimental.pallas import tpu as pltpu
 
-    from eqx_longctx.kernels import PallasBlockImpl
+    from eqx_longctx.kernels import PallasBlockImpl, PallasGpuBlockImpl
 
-    impl = PallasBlockImpl(128, 128, pltpu.InterpretParams())
+    impl = (PallasBlockImpl(128, 128, pltpu.InterpretParams()) if kernels == "tpu"
+            else PallasGpuBlockImpl(64, 64, True))  # fmt: skip
     tokens, logits = reference(family)
     new = 3
     out = np.asarray(el.generate(build(family), PROMPTS, lengths=LENGTHS, max_new_tokens=new,

@@ -164,7 +164,7 @@ def test_strategies_do_not_know_the_implementation():
 @pytest.mark.parametrize(
     "kw,exc,match",
     [
-        (dict(impl="cuda"), ValueError, r"impl must be one of \('auto', 'xla', 'pallas'\)"),
+        (dict(impl="cuda"), ValueError, r"one of \('auto', 'xla', 'pallas', 'pallas_gpu'\)"),
         (dict(impl=3), ValueError, "impl must be one of"),
     ],
 )

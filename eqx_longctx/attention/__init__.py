@@ -109,9 +109,10 @@ def attention(
     - `segment_ids`: `[batch, seq]` ints; tokens attend only within their own segment
       (packed documents stay isolated).
     - `scale`: score scale, default `1/sqrt(head_dim)`.
-    - `impl`: the block implementation: `"auto"` (the Pallas kernels on TPU, XLA elsewhere),
-      `"xla"` or `"pallas"` (on a CPU, the same kernels in Pallas interpret mode); `None`
-      takes the spec's `impl` (`"auto"` without a spec).
+    - `impl`: the block implementation: `"auto"` (the Pallas TPU kernels on TPU, the Pallas
+      GPU kernels on a GPU, XLA elsewhere), `"xla"`, `"pallas"` (TPU kernels) or
+      `"pallas_gpu"` (GPU kernels; on a CPU, either in Pallas interpret mode); `None` takes
+      the spec's `impl` (`"auto"` without a spec).
 
     **Returns:** `[batch, seq, q_heads, v_head_dim]` (layout order) in the common dtype of
     `q`, `k`, `v` (mixed float dtypes are promoted; NumPy arrays are accepted).

@@ -40,7 +40,7 @@ def check_impl(impl: Any) -> "str | BlockImpl":
         return impl
     raise ValueError(
         f"impl must be one of {IMPLS} or an AbstractBlockImpl; got impl={impl!r}. 'auto' "
-        "runs the Pallas kernels on TPU and the XLA path elsewhere."
+        "runs the Pallas kernels on TPU and GPU and the XLA path elsewhere."
     )
 
 
@@ -59,16 +59,16 @@ def resolve_block_impl(
 
     **Arguments:**
 
-    - `impl`: `"xla"`, `"pallas"`, `"auto"`, or an `AbstractBlockImpl` or
+    - `impl`: `"xla"`, `"pallas"`, `"pallas_gpu"`, `"auto"`, or an `AbstractBlockImpl` or
       `PlatformChoice` (returned as is); `None` takes the spec's `impl` (`"auto"` without a
       spec).
     - `spec`: the sharding spec, or `None`; its platform is the default `platform`.
-    - `platform`: the devices' platform (`"cpu"`, `"tpu"`, ...); default the spec's, else
-      the default device's.
+    - `platform`: the devices' platform (`"cpu"`, `"tpu"`, `"gpu"`); default the spec's,
+      else the default device's.
     - `dtype`: the queries' dtype, when known.
     - `tiling`: the XLA path's block length and score-tile bytes.
     - `pallas_blocks`: the kernels' `(block_q, block_k)`; `None` takes the TPU generation's
-      default.
+      default (the GPU kernels': 64, 64; given ones are rounded up to powers of two there).
     - `interpret`: run Pallas kernels in interpret mode (default: off TPU only).
     - `lowering`: whether the caller traces a program that may be lowered for another
       platform (attention's strategies, through the contract's custom VJPs). Then `"auto"`
@@ -77,6 +77,9 @@ def resolve_block_impl(
       carries the kernels while the host runs XLA; for a `dtype` the kernels do not run
       (float16) it is the XLA path alone. With `lowering=False` (decoding, which calls
       the contract's methods itself) `"auto"` is the host platform's implementation.
+      On a GPU, `"auto"` is the Pallas GPU kernels (`PallasGpuBlockImpl`) for float32,
+      bfloat16 and float16, and the XLA path for other dtypes; the choice is made by the
+      host, not at lowering (a CPU host keeps the TPU/XLA choice above).
 
     **Returns:** an `AbstractBlockImpl`, or a `PlatformChoice` of two.
 
@@ -92,6 +95,9 @@ def resolve_block_impl(
     if impl == "auto":
         if platform == "tpu":
             impl = "pallas"
+        elif platform == "gpu":
+            gpu_ok = dtype is None or jnp.dtype(dtype) in _gpu_kernel_dtypes()
+            impl = "pallas_gpu" if gpu_ok else "xla"
         elif lowering and (dtype is None or jnp.dtype(dtype) in _kernel_dtypes()):
             # Blocks asked of the path that runs here may be any length; the kernels' must be
             # multiples of the lane width, so the TPU side rounds them up. The TPU side is
@@ -105,6 +111,8 @@ def resolve_block_impl(
             impl = "xla"
     if impl == "xla":
         return XlaBlockImpl(tiling)
+    if impl == "pallas_gpu":
+        return _pallas_gpu(platform, interpret, pallas_blocks)
     return _pallas(platform, interpret, pallas_blocks)
 
 
@@ -112,6 +120,24 @@ def _kernel_dtypes():
     from ..kernels import KERNEL_DTYPES
 
     return KERNEL_DTYPES
+
+
+def _gpu_kernel_dtypes():
+    from ..kernels import GPU_KERNEL_DTYPES
+
+    return GPU_KERNEL_DTYPES
+
+
+def _pallas_gpu(platform: str, interpret: bool | None, blocks) -> AbstractBlockImpl:
+    from ..kernels import PallasGpuBlockImpl, next_power_of_two
+
+    default = PallasGpuBlockImpl.for_platform(platform, interpret=interpret)
+    block_q, block_k = (None if b is None else next_power_of_two(b) for b in blocks)
+    return PallasGpuBlockImpl(
+        default.block_q if block_q is None else block_q,
+        default.block_k if block_k is None else block_k,
+        default.interpret,
+    )
 
 
 def _pallas(platform: str, interpret: bool | None, blocks) -> AbstractBlockImpl:
@@ -166,8 +192,9 @@ def flash_attention(
       (both or neither).
     - `causal`, `window`, `chunk`, `softcap`, `scale`: as in `attention` (sinks join the
       result afterwards: `apply_sinks(out, lse, sinks)`).
-    - `impl`: `"auto"` (the Pallas kernels on TPU, XLA elsewhere), `"xla"` or `"pallas"`
-      (on a CPU the kernels run in Pallas interpret mode).
+    - `impl`: `"auto"` (the Pallas kernels on TPU and GPU, XLA elsewhere), `"xla"`,
+      `"pallas"` (TPU kernels) or `"pallas_gpu"` (GPU kernels); on a CPU the kernels run in
+      Pallas interpret mode.
     - `block_q`, `block_k`: block lengths (`None`: 512 on the XLA path, the TPU
       generation's default for the kernels, which need multiples of 128).
     - `tile_bytes`: bytes one block of float32 scores may take on the XLA path (heads are

@@ -85,12 +85,13 @@ ERROR_LABELS = ("VMEM-OOM", "MOSAIC", "OTHER")
 def error_label(error: BaseException) -> str:
     """The status of a check that raised, from its message: `VMEM-OOM` when a kernel ran
     out of VMEM (XLA's "Ran out of memory in memory space vmem", a scoped-VMEM limit),
-    `MOSAIC` for any other Mosaic or Pallas lowering or compile error, `OTHER` otherwise."""
+    `MOSAIC` for any other Mosaic, Triton or Pallas lowering or compile error, `OTHER`
+    otherwise."""
     text = f"{type(error).__name__}: {error}"
     low = text.lower()
     if "vmem" in low and any(w in low for w in ("out of memory", "resource_exhausted", "exceed")):
         return "VMEM-OOM"
-    if any(w in low for w in ("mosaic", "tpu_custom_call", "pallas")):
+    if any(w in low for w in ("mosaic", "tpu_custom_call", "pallas", "triton")):
         return "MOSAIC"
     return "OTHER"
 

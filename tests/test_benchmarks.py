@@ -156,3 +156,33 @@ def test_context_parallel_variants_sections(tmp_path: Path) -> None:
     assert variants == ["plain", "sinks", "softcap", "sinks + softcap"], proc.stdout
     assert [p.name for p in tmp_path.glob("*.png")] == ["context_parallel_variants.png"]
     _check_png(tmp_path / "context_parallel_variants.png")
+
+
+def test_gpu_bench_smoke_writes_its_json_and_png(tmp_path: Path) -> None:
+    # The device benchmark's every section at toy sizes on this CPU (the GPU kernels
+    # interpreted): each section ends without an error (cuDNN's column says it is absent),
+    # the JSON holds the rows `docs/benchmarks.md` reads, and the PNG is drawn. `run.sh`
+    # (the device call) parses as bash and runs this script.
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu/bench.py", "--smoke", "--out", str(tmp_path),
+         "--sections", "attention,ring,train,generate"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    data = json.loads((tmp_path / "gpu_bench.json").read_text())
+    sections = data["sections"]
+    assert not [k for k, v in sections.items() if "error" in v], sections
+    (row,) = sections["attention"]["rows"]
+    assert row["ours_ms"] > 0 and row["xla_ms"] > 0 and "cudnn_error" in row
+    assert sections["ring"]["hops_run"] == sections["ring"]["hops"] == 16
+    assert sections["train"]["rows"][0]["tokens_per_s"] > 0
+    gen = sections["generate"]["rows"][0]
+    assert gen["ours_ms_per_token"] > 0 and gen["transformers_ms_per_token"] > 0
+    _check_png(tmp_path / "gpu_bench.png")
+    run_sh = ROOT / "benchmarks" / "gpu" / "run.sh"
+    assert subprocess.run(["bash", "-n", str(run_sh)]).returncode == 0
+    assert "benchmarks/gpu/bench.py" in run_sh.read_text()

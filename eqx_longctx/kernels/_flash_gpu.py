@@ -14,10 +14,15 @@ Three kernels, each a grid of programs over (block, batch, head):
 - **dQ** `(q block, batch, q head)`: walks the key blocks; adds into the caller's float32
   accumulator in place (`input_output_aliases`), as a ring's hops need.
 
-A key block that no query of the program's block can see (judged from the blocks' position
-and segment ranges, the rule of `pairs_are_empty`) is skipped by a `lax.cond`: causal ring
-hops and zig-zag pieces cost only the pairs they see. Sequences are padded to whole blocks
-and head dims to powers of two (Triton's tiles), the padding masked by static lengths.
+Each program walks only the range of partner blocks that hold a visible pair: before the
+kernels, XLA classifies every (query block, key block) pair from the blocks' position and
+segment ranges (the rule of `pairs_are_empty`) and gives each block the first and last
+partner that is not empty (`block_ranges`). The kernels' loops run over that range with no
+branch inside, so Triton can pipeline their loads. For the causal upper triangle, windows,
+chunks, sorted documents, zig-zag shards and ring hops the range holds no empty pair; for
+an unusual layout (positions shuffled) the empty pairs inside it are computed and masked.
+Sequences are padded to whole blocks and head dims to powers of two (Triton's tiles), the
+padding masked by static lengths.
 """
 
 import functools
@@ -87,21 +92,42 @@ def _visible(cfg: GpuConfig, rows, cols, qp, kp, qs, ks):
     return mask
 
 
-def _empty(cfg: GpuConfig, qp, kp, qs, ks):
-    """Whether no query of this block sees any key of that one, from their id ranges (the
-    rule of `pairs_are_empty`, one batch row)."""
-    empty = jnp.zeros((), jnp.bool_)
+def block_ranges(cfg: GpuConfig, qp, kp, qs, ks):
+    """`(q_lo, q_hi, k_lo, k_hi)`: for each query block `[b, nq]` the first and one past
+    the last key block holding a visible pair, and for each key block `[b, nk]` the same
+    range of query blocks (`lo == hi == 0`: none). Judged from each block's position and
+    segment ranges (the rule of `pairs_are_empty`); ids are padded to whole blocks."""
+    b = qp.shape[0]
+
+    def extent(ids, block):
+        blocks = ids.reshape(b, -1, block)
+        return blocks.min(-1), blocks.max(-1)
+
+    (q0, q1), (k0, k1) = extent(qp, cfg.block_q), extent(kp, cfg.block_k)
+    q0, q1, k0, k1 = q0[:, :, None], q1[:, :, None], k0[:, None, :], k1[:, None, :]
+    empty = jnp.zeros((b, q0.shape[1], k0.shape[2]), jnp.bool_)
     if cfg.causal:
-        empty = empty | (jnp.max(qp) < jnp.min(kp))
+        empty = empty | (q1 < k0)
     if cfg.window is not None:
-        empty = empty | (jnp.min(qp) - jnp.max(kp) >= cfg.window)
+        empty = empty | (q0 - k1 >= cfg.window)
     if cfg.chunk is not None:
         c = cfg.chunk
-        empty = empty | (jnp.floor_divide(jnp.min(qp), c) > jnp.floor_divide(jnp.max(kp), c))
-        empty = empty | (jnp.floor_divide(jnp.max(qp), c) < jnp.floor_divide(jnp.min(kp), c))
+        empty = empty | (jnp.floor_divide(q0, c) > jnp.floor_divide(k1, c))
+        empty = empty | (jnp.floor_divide(q1, c) < jnp.floor_divide(k0, c))
     if qs is not None:
-        empty = empty | (jnp.max(qs) < jnp.min(ks)) | (jnp.min(qs) > jnp.max(ks))
-    return empty
+        (s0, s1), (t0, t1) = extent(qs, cfg.block_q), extent(ks, cfg.block_k)
+        empty = empty | (s1[:, :, None] < t0[:, None, :]) | (s0[:, :, None] > t1[:, None, :])
+    live = ~empty
+
+    def span(live, axis):
+        n = live.shape[axis]
+        any_ = live.any(axis)
+        lo = jnp.argmax(live, axis=axis)
+        hi = n - jnp.argmax(jnp.flip(live, axis), axis=axis)
+        return (jnp.where(any_, lo, 0).astype(jnp.int32),
+                jnp.where(any_, hi, 0).astype(jnp.int32))  # fmt: skip
+
+    return (*span(live, 2), *span(live, 1))
 
 
 def _dot(cfg: GpuConfig, a, b, *, trans_a=False, trans_b=False):
@@ -125,7 +151,8 @@ def _iota(n: int, start):
 # ---------------------------------------------------------------------------- forward
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, cfg: GpuConfig, segments: bool):
+def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, cfg: GpuConfig,
+                    segments: bool):  # fmt: skip
     qs_ref, ks_ref, o_ref, lse_ref = rest if segments else (None, None, *rest)
     bq, bk = cfg.block_q, cfg.block_k
     q = q_ref[...]
@@ -135,31 +162,26 @@ def _forward_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *rest, cfg: GpuConfig, 
     dv = v_ref.shape[-1]
 
     def visit(j, carry):
+        acc, m, total = carry
         at = pl.ds(j * bk, bk)
-        kp = kp_ref[at]
         ks = None if ks_ref is None else ks_ref[at]
-
-        def attend(carry):
-            acc, m, total = carry
-            s, _ = _scores(cfg, q, k_ref[at, :])
-            mask = _visible(cfg, rows, _iota(bk, j * bk), qp, kp, qs, ks)
-            s = jnp.where(mask, s, _NEG_INF)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            base = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-            alpha = jnp.exp(m - base)
-            p = jnp.exp(s - base[:, None])
-            v = v_ref[at, :]
-            acc = acc * alpha[:, None] + _dot(cfg, p.astype(v.dtype), v)
-            return acc, m_new, total * alpha + jnp.sum(p, axis=1)
-
-        return lax.cond(_empty(cfg, qp, kp, qs, ks), lambda c: c, attend, carry)
+        s, _ = _scores(cfg, q, k_ref[at, :])
+        mask = _visible(cfg, rows, _iota(bk, j * bk), qp, kp_ref[at], qs, ks)
+        s = jnp.where(mask, s, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        base = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - base)
+        p = jnp.exp(s - base[:, None])
+        v = v_ref[at, :]
+        acc = acc * alpha[:, None] + _dot(cfg, p.astype(v.dtype), v)
+        return acc, m_new, total * alpha + jnp.sum(p, axis=1)
 
     init = (
         jnp.zeros((bq, dv), jnp.float32),
         jnp.full((bq,), _NEG_INF, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, total = lax.fori_loop(0, k_ref.shape[0] // bk, visit, init)
+    acc, m, total = lax.fori_loop(lo_ref[...], hi_ref[...], visit, init)
     none = total == 0.0  # not `<= 0`: a NaN row stays NaN
     safe = jnp.where(none, 1.0, total)
     o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
@@ -190,9 +212,11 @@ def forward(cfg: GpuConfig, q, k, v, qp, kp, qs, ks):
     q_block = pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, i, h, 0))
     rows = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
     keys = pl.BlockSpec((None, kp.shape[1]), lambda i, b, h: (b, 0))
-    in_specs = [q_block, _kv_specs(cfg, k.shape, lambda h: h // g),
+    bound = pl.BlockSpec((None, None), lambda i, b, h: (b, i))
+    lo, hi, _, _ = block_ranges(cfg, qp, kp, qs, ks)
+    in_specs = [bound, bound, q_block, _kv_specs(cfg, k.shape, lambda h: h // g),
                 _kv_specs(cfg, v.shape, lambda h: h // g), rows, keys]  # fmt: skip
-    args = [q, k, v, qp, kp]
+    args = [lo, hi, q, k, v, qp, kp]
     if segments:
         in_specs += [rows, keys]
         args += [qs, ks]
@@ -230,8 +254,8 @@ def _score_grad(cfg, p, t, dp, delta):
     return ds if t is None else ds * (1.0 - t * t)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest,
-                cfg: GpuConfig, segments: bool):  # fmt: skip
+def _dkv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref,
+                *rest, cfg: GpuConfig, segments: bool):  # fmt: skip
     qs_ref, ks_ref, dk_ref, dv_ref = rest if segments else (None, None, *rest)
     bq, bk = cfg.block_q, cfg.block_k
     k, v = k_ref[...], v_ref[...]
@@ -240,32 +264,28 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref,
     cols = _iota(bk, pl.program_id(0) * bk)
 
     def visit(i, carry, head):
+        dk, dv = carry
         at = pl.ds(i * bq, bq)
-        qp = qp_ref[at]
         qs = None if qs_ref is None else qs_ref[at]
-
-        def grads(carry):
-            dk, dv = carry
-            q, do = q_ref[at, head, :], do_ref[at, head, :]
-            mask = _visible(cfg, _iota(bq, i * bq), cols, qp, kp, qs, ks)
-            p, t = _probabilities(cfg, q, k, lse_ref[at, head], mask)
-            dv = dv + _dot(cfg, p.astype(do.dtype), do, trans_a=True)
-            dp = _dot(cfg, do, v, trans_b=True)
-            ds = _score_grad(cfg, p, t, dp, delta_ref[at, head])
-            return dk + _dot(cfg, ds.astype(q.dtype), q, trans_a=True), dv
-
-        return lax.cond(_empty(cfg, qp, kp, qs, ks), lambda c: c, grads, carry)
+        q, do = q_ref[at, head, :], do_ref[at, head, :]
+        mask = _visible(cfg, _iota(bq, i * bq), cols, qp_ref[at], kp, qs, ks)
+        p, t = _probabilities(cfg, q, k, lse_ref[at, head], mask)
+        dv = dv + _dot(cfg, p.astype(do.dtype), do, trans_a=True)
+        dp = _dot(cfg, do, v, trans_b=True)
+        ds = _score_grad(cfg, p, t, dp, delta_ref[at, head])
+        return dk + _dot(cfg, ds.astype(q.dtype), q, trans_a=True), dv
 
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    lo, hi = lo_ref[...], hi_ref[...]
     for head in range(cfg.group):  # the query heads that read this K/V head
-        carry = lax.fori_loop(0, q_ref.shape[0] // bq, functools.partial(visit, head=head), carry)
+        carry = lax.fori_loop(lo, hi, functools.partial(visit, head=head), carry)
     dk, dv = carry
     dk_ref[...] = dk * cfg.scale
     dv_ref[...] = dv
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *rest,
-               cfg: GpuConfig, segments: bool):  # fmt: skip
+def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref,
+               *rest, cfg: GpuConfig, segments: bool):  # fmt: skip
     qs_ref, ks_ref, acc_ref, dq_ref = rest if segments else (None, None, *rest)
     bq, bk = cfg.block_q, cfg.block_k
     q, do = q_ref[...], do_ref[...]
@@ -276,19 +296,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, 
 
     def visit(j, dq):
         at = pl.ds(j * bk, bk)
-        kp = kp_ref[at]
         ks = None if ks_ref is None else ks_ref[at]
+        k, v = k_ref[at, :], v_ref[at, :]
+        mask = _visible(cfg, rows, _iota(bk, j * bk), qp, kp_ref[at], qs, ks)
+        p, t = _probabilities(cfg, q, k, lse, mask)
+        ds = _score_grad(cfg, p, t, _dot(cfg, do, v, trans_b=True), delta)
+        return dq + _dot(cfg, ds.astype(k.dtype), k)
 
-        def grads(dq):
-            k, v = k_ref[at, :], v_ref[at, :]
-            mask = _visible(cfg, rows, _iota(bk, j * bk), qp, kp, qs, ks)
-            p, t = _probabilities(cfg, q, k, lse, mask)
-            ds = _score_grad(cfg, p, t, _dot(cfg, do, v, trans_b=True), delta)
-            return dq + _dot(cfg, ds.astype(k.dtype), k)
-
-        return lax.cond(_empty(cfg, qp, kp, qs, ks), lambda c: c, grads, dq)
-
-    dq = lax.fori_loop(0, k_ref.shape[0] // bk, visit, jnp.zeros(q.shape, jnp.float32))
+    dq = lax.fori_loop(lo_ref[...], hi_ref[...], visit, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = acc_ref[...] + dq * cfg.scale
 
 
@@ -304,6 +319,7 @@ def backward(cfg: GpuConfig, q, k, v, qp, kp, qs, ks, do, lse, delta, dq_acc):
         raise NotImplementedError("the GPU backward reads K/V seq-major (decoding has none)")
     skp = k.shape[1]
     segments = qs is not None
+    q_lo, q_hi, k_lo, k_hi = block_ranges(cfg, qp, kp, qs, ks)
 
     # dK, dV: one program per (key block, batch, kv head), over the group's query heads.
     def kv_block(shape):
@@ -315,9 +331,10 @@ def backward(cfg: GpuConfig, q, k, v, qp, kp, qs, ks, do, lse, delta, dq_acc):
     stats = pl.BlockSpec((None, sqp, g), lambda j, b, kh: (b, 0, kh))
     q_ids = pl.BlockSpec((None, sqp), lambda j, b, kh: (b, 0))
     k_ids = pl.BlockSpec((None, bk), lambda j, b, kh: (b, j))
-    in_specs = [group_rows(dp), kv_block(k.shape), kv_block(v.shape), group_rows(dvp),
-                stats, stats, q_ids, k_ids]  # fmt: skip
-    args = [q, k, v, do, lse, delta, qp, kp]
+    bound = pl.BlockSpec((None, None), lambda j, b, kh: (b, j))
+    in_specs = [bound, bound, group_rows(dp), kv_block(k.shape), kv_block(v.shape),
+                group_rows(dvp), stats, stats, q_ids, k_ids]  # fmt: skip
+    args = [k_lo, k_hi, q, k, v, do, lse, delta, qp, kp]
     if segments:
         in_specs += [q_ids, k_ids]
         args += [qs, ks]
@@ -343,10 +360,11 @@ def backward(cfg: GpuConfig, q, k, v, qp, kp, qs, ks, do, lse, delta, dq_acc):
     row_stats = pl.BlockSpec((None, bq, None), lambda i, b, h: (b, i, h))
     rows = pl.BlockSpec((None, bq), lambda i, b, h: (b, i))
     keys = pl.BlockSpec((None, kp.shape[1]), lambda i, b, h: (b, 0))
-    in_specs = [q_block(dp), _kv_specs(cfg, k.shape, lambda h: h // g),
+    bound = pl.BlockSpec((None, None), lambda i, b, h: (b, i))
+    in_specs = [bound, bound, q_block(dp), _kv_specs(cfg, k.shape, lambda h: h // g),
                 _kv_specs(cfg, v.shape, lambda h: h // g), q_block(dvp), row_stats, row_stats,
                 rows, keys]  # fmt: skip
-    args = [q, k, v, do, lse, delta, qp, kp]
+    args = [q_lo, q_hi, q, k, v, do, lse, delta, qp, kp]
     if segments:
         in_specs += [rows, keys]
         args += [qs, ks]

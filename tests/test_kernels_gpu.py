@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import test_kernel_variants as variants
 import test_kernels as table
-from helpers import assert_close
+from helpers import assert_close, rel_err
 from test_impls import CASES as STRATEGY_CASES
 from test_impls import _inputs, _run
 
@@ -29,6 +29,12 @@ from eqx_longctx.attention._block import BlockOptions, block_attention
 from eqx_longctx.kernels import PallasGpuBlockImpl
 
 INTERPRET = PallasGpuBlockImpl(64, 64, True)
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}  # relative to the max
+
+
+def close(actual, expected, dtype, what):
+    err = rel_err(actual, expected)
+    assert err <= TOL[jnp.dtype(dtype)], f"{what}: relative error {err:.2e}"
 
 
 def gpu_block(q, k, v, qp, kp, qs, ks, *, causal, window=None, scale=None, impl=INTERPRET,
@@ -54,11 +60,11 @@ def test_kernel_table_forward_and_grads_match_the_oracle(name):
         *w, q, k, v,
     )  # fmt: skip
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
-    table.check_close(out, ref_out, dtype, "out")
-    table.check_lse(lse, ref_lse, dtype)
+    close(out, ref_out, dtype, "out")
+    table.check_lse(lse, ref_lse, jnp.float32)  # float32 in every case
     for n, g, r, x in zip("qkv", grads, ref_grads, (q, k, v), strict=True):
         assert g.dtype == x.dtype and g.shape == x.shape
-        table.check_close(g, r, dtype, f"d{n}")
+        close(g, r, dtype, f"d{n}")
 
 
 @pytest.mark.parametrize("name", list(variants.CASES))
@@ -118,11 +124,11 @@ def test_ring_hops_with_global_statistics():
     outs, lses, dq, dks, dvs = ring_of_two(q, k, v)
     lse = jnp.logaddexp(*lses)
     weights = [jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(x - lse))[..., None] for x in lses]
-    table.check_close(weights[0] * outs[0] + weights[1] * outs[1], ref_out, jnp.float32, "out")
+    close(weights[0] * outs[0] + weights[1] * outs[1], ref_out, jnp.float32, "out")
     table.check_lse(lse, ref_lse, jnp.float32)
-    table.check_close(dq, ref_dq, jnp.float32, "dq")
-    table.check_close(jnp.concatenate(dks, 1), ref_dk, jnp.float32, "dk")
-    table.check_close(jnp.concatenate(dvs, 1), ref_dv, jnp.float32, "dv")
+    close(dq, ref_dq, jnp.float32, "dq")
+    close(jnp.concatenate(dks, 1), ref_dk, jnp.float32, "dk")
+    close(jnp.concatenate(dvs, 1), ref_dv, jnp.float32, "dv")
 
 
 @pytest.mark.parametrize("strategy,layout,window,packed", STRATEGY_CASES[2:], ids=str)
@@ -151,7 +157,7 @@ def test_masked_key_blocks_are_skipped():
     assert np.isnan(np.asarray(out[0, 192:])).all()
     ref, _ = table.oracle(q, k, v, qp, kp, None, None, causal=True, window=None,
                           scale=q.shape[-1] ** -0.5)  # fmt: skip
-    table.check_close(out[0, :192], ref[0, :192], jnp.float32, "rows before the NaN")  # clean
+    close(out[0, :192], ref[0, :192], jnp.float32, "rows before the NaN")  # clean inputs
 
 
 def test_public_flash_attention_names_the_gpu_kernels():

@@ -205,7 +205,10 @@ class PackedDataset:
 
     Build it with `PackedDataset.from_documents` (or `load_datasets`). Fields:
     `tokens`, `positions`, `segment_ids` (numpy `[num_rows, seq_len]`; targets and loss
-    mask are derived per batch), `pad_id`, `num_documents`, `seed`.
+    mask are derived per batch), `pad_id`, `num_documents`, `seed`, and `loss_weights`:
+    `None`, or float32 `[num_rows, seq_len]` weights multiplied into each batch's derived
+    loss mask (0 where a target should not count, e.g. everything but a retrieval
+    document's answer).
     """
 
     tokens: Int[np.ndarray, "rows seq"]
@@ -214,6 +217,16 @@ class PackedDataset:
     pad_id: int
     num_documents: int
     seed: int = 0
+    loss_weights: np.ndarray | None = None  # checked in __post_init__, with its fix
+
+    def __post_init__(self):
+        w = self.loss_weights
+        if w is not None and (w.shape != self.tokens.shape or not np.all(np.isfinite(w))):
+            raise ValueError(
+                f"PackedDataset: loss_weights must be finite and shaped like tokens "
+                f"{self.tokens.shape}; got shape {w.shape}. Pass one weight per token slot, "
+                "or None."
+            )
 
     @classmethod
     def from_documents(
@@ -259,12 +272,16 @@ class PackedDataset:
         (PAD tokens, segment 0, loss mask 0)."""
         real = (index < self.num_rows)[:, None]
         take = np.minimum(index, self.num_rows - 1)
-        return _with_targets(
+        batch = _with_targets(
             np.where(real, self.tokens[take], self.pad_id),
             np.where(real, self.positions[take], 0),
             np.where(real, self.segment_ids[take], 0),
             self.pad_id,
         )
+        if self.loss_weights is None:
+            return batch
+        weights = np.where(real, self.loss_weights[take], 0.0).astype(np.float32)
+        return batch._replace(loss_mask=batch.loss_mask * weights)
 
     def batch(self, step: int, batch_size: int) -> Batch:
         """The training batch of `step`: a pure function of (`seed`, `step`, `batch_size`).

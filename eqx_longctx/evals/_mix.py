@@ -8,6 +8,9 @@ import numpy as np
 
 from ._tasks import check_task, make_sample, min_length
 
+SYNTHETIC_LOSSES = ("all", "answers")
+"""What the training loss counts in a retrieval document: every token, or the answer's."""
+
 FULL_ROW_SHARE = 0.3
 """The share of retrieval rows that hold one document as long as the row (the others hold
 several shorter ones), so that every depth of the longest context is trained."""
@@ -29,7 +32,13 @@ def _row_pieces(rng: np.random.Generator, seq_len: int, shortest: int) -> list[i
 
 
 def retrieval_dataset(
-    tasks: Sequence[str], tokenizer: Any, seq_len: int, rows: int, *, seed: int = 0
+    tasks: Sequence[str],
+    tokenizer: Any,
+    seq_len: int,
+    rows: int,
+    *,
+    seed: int = 0,
+    loss: str = "all",
 ) -> Any:
     """`rows` packed rows of retrieval documents (`make_sample`'s prompt and answer, at a
     uniform random depth, task by task in turn at random), each row filled exactly: a
@@ -43,15 +52,24 @@ def retrieval_dataset(
     - `seq_len`: tokens per row.
     - `rows`: how many rows.
     - `seed`: the documents' seed.
+    - `loss`: which tokens the training loss counts (`SYNTHETIC_LOSSES`): `"all"` (the
+      dataset has no `loss_weights`), or `"answers"`, only the answer's tokens (the
+      targets after the question), so the gradient is the retrieval's alone rather than
+      mostly the filler's.
 
     **Returns:** an `eqx_longctx.data.PackedDataset`.
 
-    **Raises:** `ValueError` for an unknown task, or a `seq_len` too short for the
-    longest task's shortest document.
+    **Raises:** `ValueError` for an unknown task or `loss`, or a `seq_len` too short for
+    the longest task's shortest document.
     """
     from ..data import PackedDataset
 
     tasks = [check_task(t) for t in tasks]
+    if loss not in SYNTHETIC_LOSSES:
+        raise ValueError(
+            f"the retrieval documents' loss must be one of {SYNTHETIC_LOSSES}; got {loss!r}. "
+            "Pass 'answers' to train on the answers alone, or 'all'."
+        )
     shortest = max(min_length(t, tokenizer) for t in tasks) + 2
     if seq_len < shortest:
         raise ValueError(
@@ -62,6 +80,7 @@ def retrieval_dataset(
     tokens = np.full((rows, seq_len), tokenizer.pad_id, np.int32)
     positions = np.zeros((rows, seq_len), np.int32)
     segments = np.zeros((rows, seq_len), np.int32)
+    weights = np.zeros((rows, seq_len), np.float32) if loss == "answers" else None
     documents = 0
     for r in range(rows):
         at = 0
@@ -72,10 +91,13 @@ def retrieval_dataset(
             tokens[r, at : at + size] = ids
             positions[r, at : at + size] = np.arange(size)
             segments[r, at : at + size] = seg
+            if weights is not None:  # the targets that are the answer's tokens
+                first = at + len(s.prompt_ids)  # BOS, then the prompt: its last token's slot
+                weights[r, first : first + len(s.answer_ids)] = 1.0
             at += size
             documents += 1
     return PackedDataset(tokens, positions, segments, pad_id=tokenizer.pad_id,
-                         num_documents=documents, seed=seed)  # fmt: skip
+                         num_documents=documents, seed=seed, loss_weights=weights)  # fmt: skip
 
 
 def mix_datasets(text: Any, retrieval: Any) -> Any:
@@ -83,6 +105,11 @@ def mix_datasets(text: Any, retrieval: Any) -> Any:
     text dataset's seed)."""
     from ..data import PackedDataset
 
+    weights = None
+    if text.loss_weights is not None or retrieval.loss_weights is not None:
+        ones = lambda d: np.ones(d.tokens.shape, np.float32)  # noqa: E731
+        weights = np.concatenate([ones(d) if d.loss_weights is None else d.loss_weights
+                                  for d in (text, retrieval)])  # fmt: skip
     return PackedDataset(
         np.concatenate([text.tokens, retrieval.tokens]),
         np.concatenate([text.positions, retrieval.positions]),
@@ -90,6 +117,7 @@ def mix_datasets(text: Any, retrieval: Any) -> Any:
         pad_id=text.pad_id,
         num_documents=text.num_documents + retrieval.num_documents,
         seed=text.seed,
+        loss_weights=weights,
     )
 
 

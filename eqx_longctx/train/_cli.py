@@ -165,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the share of training rows that hold --synthetic documents",
     )
     p.add_argument(
+        "--synthetic-loss",
+        choices=("all", "answers"),
+        default=d.synthetic_loss,
+        help="what the loss counts in --synthetic documents: all their tokens, or the "
+        "answers alone (the retrieval's gradient undiluted by the filler's)",
+    )
+    p.add_argument(
         "--recipe",
         default=None,
         choices=sorted(RECIPES),
@@ -349,6 +356,7 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             host_offload=args.host_offload,
             synthetic=args.synthetic,
             synthetic_share=args.synthetic_share,
+            synthetic_loss=args.synthetic_loss,
             progress=not args.no_progress and primary,
         )
         if runtime is not None:  # a default run dir is stamped with the time: take process 0's

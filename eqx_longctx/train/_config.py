@@ -80,6 +80,8 @@ class TrainConfig:
       `"passkey,niah_multikey"`) whose generated documents are mixed into the training rows
       (`None`: text only); the validation split stays text.
     - `synthetic_share`: the share of training rows that hold them, in `[0, 1)`.
+    - `synthetic_loss`: what the loss counts in those documents: `"all"` their tokens, or
+      `"answers"` the answers alone (`eqx_longctx.evals.retrieval_dataset`).
     - `progress`: show a tqdm progress bar.
     """
 
@@ -119,6 +121,7 @@ class TrainConfig:
     remat: str | None = None
     synthetic: str | None = None
     synthetic_share: float = 0.5
+    synthetic_loss: str = "all"
     progress: bool = True
 
     def __post_init__(self):
@@ -177,7 +180,7 @@ _FLOATS = {
 }
 _STRS = (
     "model", "preset", "data", "run_dir", "mesh", "fsdp_axes", "host_offload", "init_hf",
-    "synthetic",
+    "synthetic", "synthetic_loss",
 )  # fmt: skip
 _BOOLS = ("resume", "overwrite", "progress")
 _SEED_LIMIT = 2**32
@@ -286,6 +289,7 @@ def check_train_config(config: "TrainConfig") -> None:
         "load_balance": LOAD_BALANCES,
         "on_nonfinite": NONFINITE_MODES,
         "remat": (*REMAT_POLICIES, None),
+        "synthetic_loss": ("all", "answers"),
     }
     for name, allowed in choices.items():
         value, flag = getattr(config, name), flag_name(name)

@@ -174,7 +174,7 @@ class Trainer:
             rows = retrieval_rows_for(text_train.num_rows, config.synthetic_share)
             retrieval = retrieval_dataset(
                 config.synthetic.split(","), self.tokenizer, config.seq_len, rows,
-                seed=config.seed,
+                seed=config.seed, loss=config.synthetic_loss,
             )  # fmt: skip
             datasets = (mix_datasets(text_train, retrieval), val)
         self.train_data, self.val_data = datasets

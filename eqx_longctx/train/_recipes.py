@@ -38,6 +38,7 @@ _RETRIEVAL = {
     "lr": 3e-3,
     "synthetic": "passkey,niah_multikey",
     "synthetic_share": 0.75,
+    "synthetic_loss": "answers",
     "eval_every": 60,
     "eval_batches": 4,
     "final_eval_batches": 8,

@@ -57,6 +57,7 @@ RUN_FLAGS = (
     "seed",
     "synthetic",
     "synthetic_share",
+    "synthetic_loss",
 )
 RESHARDABLE_FLAGS = (
     "devices", "mesh", "fsdp_axes", "strategy", "load_balance", "remat", "grad_accum",

@@ -1,0 +1,84 @@
+"""The training rows of retrieval documents (`eqx_longctx.evals.retrieval_dataset`) and their
+mix with text: rows filled exactly, documents whole, and with `loss="answers"` a loss mask
+that counts exactly the answer's tokens, read back from the rows themselves."""
+
+import re
+
+import numpy as np
+import pytest
+
+from eqx_longctx.data import ByteTokenizer, PackedDataset
+from eqx_longctx.evals import mix_datasets, retrieval_dataset
+from eqx_longctx.train import TrainConfig
+from eqx_longctx.train._cli import parse_flags
+
+TOK = ByteTokenizer()
+SEQ, ROWS = 1024, 12
+
+
+def _segments(row_segments):
+    """`[(start, stop)]` of each segment of a row."""
+    cuts = np.flatnonzero(np.diff(row_segments)) + 1
+    bounds = [0, *cuts.tolist(), len(row_segments)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def test_rows_are_filled_with_whole_documents():
+    data = retrieval_dataset(["passkey", "niah_multikey"], TOK, SEQ, ROWS, seed=3)
+    assert data.tokens.shape == (ROWS, SEQ) and data.loss_weights is None
+    assert (data.segment_ids > 0).all()  # no padding anywhere
+    count = 0
+    for r in range(ROWS):
+        for start, stop in _segments(data.segment_ids[r]):
+            ids = data.tokens[r, start:stop]
+            assert ids[0] == TOK.bos_id and ids[-1] == TOK.eos_id
+            np.testing.assert_array_equal(data.positions[r, start:stop], np.arange(stop - start))
+            count += 1
+    assert count == data.num_documents > ROWS  # some rows hold several documents
+
+
+def test_answers_loss_counts_exactly_the_answer_tokens():
+    data = retrieval_dataset(["passkey"], TOK, SEQ, ROWS, seed=5, loss="answers")
+    batch = data.rows(np.arange(ROWS))
+    for r in range(ROWS):
+        for start, stop in _segments(data.segment_ids[r]):
+            mask = batch.loss_mask[r, start:stop]
+            counted = TOK.decode(batch.targets[r, start:stop][mask > 0].tolist())
+            prompt = TOK.decode(data.tokens[r, start + 1 : stop].tolist())
+            assert re.fullmatch(r" \d{5}", counted), counted
+            assert prompt.count(counted.strip()) == 2  # in the needle, and as the answer
+            question = "What is the pass key? The pass key is"
+            assert prompt.endswith(question + counted + TOK.decode([TOK.eos_id]))
+
+
+def test_a_mix_keeps_the_text_loss_whole():
+    text = PackedDataset.from_documents(["some text " * 300, "more text " * 200], SEQ, TOK)
+    retrieval = retrieval_dataset(["passkey"], TOK, SEQ, 4, loss="answers")
+    mixed = mix_datasets(text, retrieval)
+    n = text.num_rows
+    assert mixed.num_documents == text.num_documents + retrieval.num_documents
+    batch = mixed.rows(np.arange(mixed.num_rows))
+    np.testing.assert_array_equal(batch.loss_mask[:n], text.rows(np.arange(n)).loss_mask)
+    answer_tokens = batch.loss_mask[n:].sum(-1)
+    assert (answer_tokens >= 6).all() and (answer_tokens % 6 == 0).all()  # " 12345" each
+    plain = mix_datasets(text, retrieval_dataset(["passkey"], TOK, SEQ, 4))
+    assert plain.loss_weights is None
+    empty = mixed.rows(np.array([mixed.num_rows]))  # past the end: an empty row
+    assert empty.loss_mask.sum() == 0
+
+
+def test_bad_loss_and_weights_raise():
+    with pytest.raises(ValueError, match=r"loss must be one of \('all', 'answers'\)"):
+        retrieval_dataset(["passkey"], TOK, SEQ, 1, loss="needles")
+    t = np.zeros((2, 8), np.int32)
+    with pytest.raises(ValueError, match="loss_weights must be finite and shaped like tokens"):
+        PackedDataset(t, t, t, pad_id=0, num_documents=1, loss_weights=np.ones((2, 7)))
+    with pytest.raises(ValueError, match="--synthetic-loss must be one of"):
+        TrainConfig(synthetic="passkey", synthetic_loss="some")
+
+
+def test_the_recipes_train_on_answers_and_a_flag_wins():
+    assert parse_flags(["--recipe", "passkey"]).synthetic_loss == "answers"
+    flags = parse_flags(["--recipe", "passkey", "--synthetic-loss", "all"])
+    assert flags.synthetic_loss == "all"
+    assert parse_flags([]).synthetic_loss == "all"

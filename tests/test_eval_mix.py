@@ -43,12 +43,13 @@ def test_answers_loss_counts_exactly_the_answer_tokens():
     for r in range(ROWS):
         for start, stop in _segments(data.segment_ids[r]):
             mask = batch.loss_mask[r, start:stop]
-            counted = TOK.decode(batch.targets[r, start:stop][mask > 0].tolist())
-            prompt = TOK.decode(data.tokens[r, start + 1 : stop].tolist())
-            assert re.fullmatch(r" \d{5}", counted), counted
-            assert prompt.count(counted.strip()) == 2  # in the needle, and as the answer
-            question = "What is the pass key? The pass key is"
-            assert prompt.endswith(question + counted + TOK.decode([TOK.eos_id]))
+            counted = batch.targets[r, start:stop][mask > 0].tolist()
+            assert counted[-1] == TOK.eos_id  # where the answer stops counts too
+            answer = TOK.decode(counted[:-1])
+            prompt = TOK.decode(data.tokens[r, start + 1 : stop - 1].tolist())
+            assert re.fullmatch(r" \d{5}", answer), answer
+            assert prompt.count(answer.strip()) == 2  # in the needle, and as the answer
+            assert prompt.endswith("What is the pass key? The pass key is" + answer)
 
 
 def test_a_mix_keeps_the_text_loss_whole():
@@ -60,7 +61,7 @@ def test_a_mix_keeps_the_text_loss_whole():
     batch = mixed.rows(np.arange(mixed.num_rows))
     np.testing.assert_array_equal(batch.loss_mask[:n], text.rows(np.arange(n)).loss_mask)
     answer_tokens = batch.loss_mask[n:].sum(-1)
-    assert (answer_tokens >= 6).all() and (answer_tokens % 6 == 0).all()  # " 12345" each
+    assert (answer_tokens >= 7).all() and (answer_tokens % 7 == 0).all()  # " 12345", EOS
     plain = mix_datasets(text, retrieval_dataset(["passkey"], TOK, SEQ, 4))
     assert plain.loss_weights is None
     empty = mixed.rows(np.array([mixed.num_rows]))  # past the end: an empty row

@@ -53,9 +53,9 @@ def retrieval_dataset(
     - `rows`: how many rows.
     - `seed`: the documents' seed.
     - `loss`: which tokens the training loss counts (`SYNTHETIC_LOSSES`): `"all"` (the
-      dataset has no `loss_weights`), or `"answers"`, only the answer's tokens (the
-      targets after the question), so the gradient is the retrieval's alone rather than
-      mostly the filler's.
+      dataset has no `loss_weights`), or `"answers"`, only the answer's tokens and the EOS
+      after them (the targets after the question: the answer, and where it stops), so the
+      gradient is the retrieval's alone rather than mostly the filler's.
 
     **Returns:** an `eqx_longctx.data.PackedDataset`.
 
@@ -91,9 +91,9 @@ def retrieval_dataset(
             tokens[r, at : at + size] = ids
             positions[r, at : at + size] = np.arange(size)
             segments[r, at : at + size] = seg
-            if weights is not None:  # the targets that are the answer's tokens
+            if weights is not None:  # the targets that are the answer's tokens and the EOS
                 first = at + len(s.prompt_ids)  # BOS, then the prompt: its last token's slot
-                weights[r, first : first + len(s.answer_ids)] = 1.0
+                weights[r, first : first + len(s.answer_ids) + 1] = 1.0
             at += size
             documents += 1
     return PackedDataset(tokens, positions, segments, pad_id=tokenizer.pad_id,

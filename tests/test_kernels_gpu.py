@@ -92,43 +92,11 @@ def test_softcap_chunk_window_segments_match_the_oracle(name):
 
 
 def test_ring_hops_with_global_statistics():
-    """A ring in miniature through the methods as the ring calls them: queries tiled once,
-    keys in two hops each given the global `lse` and `delta`, the dQ accumulator passed on,
-    the partial forwards merged."""
+    """A ring of two hops through the contract's methods with the global `lse` and `delta`
+    (`test_kernels.check_ring_of_two`), at hop lengths that are not block multiples, GQA,
+    packed documents."""
     case = dict(table.CASES["ring_hop_gqa"], segments=([100, 156], [60, 196]))
-    q, k, v, qp, kp, qs, ks = table.make_case(case)
-    okw = table.oracle_kwargs(case)
-    ref_out, ref_lse = table.oracle(q, k, v, qp, kp, qs, ks, **okw)
-    w_out, w_lse = table.loss_weights(case)
-    _, vjp = jax.vjp(lambda q, k, v: table.oracle(q, k, v, qp, kp, qs, ks, **okw), q, k, v)
-    ref_dq, ref_dk, ref_dv = vjp((w_out, w_lse))
-    delta = jnp.sum(w_out * ref_out, -1) - w_lse
-    options = BlockOptions.make(okw["causal"], okw["window"], okw["scale"], q.shape[-1])
-    hops = (slice(0, 100), slice(100, None))  # not block multiples
-
-    @jax.jit
-    def ring_of_two(q, k, v):
-        qt = INTERPRET.tile_queries(q, qp, qs, k[:, hops[0]], options)
-        dout, lse, delta_ = qt.split_q(w_out), qt.split_rows(ref_lse), qt.split_rows(delta)
-        outs, lses, dq, dks, dvs = [], [], qt.zeros_dq(), [], []
-        for p in hops:
-            block = (k[:, p], v[:, p], kp[:, p], ks[:, p])  # pyright: ignore[reportOptionalSubscript]
-            o, lse_p = INTERPRET.attend(qt, *block)
-            dq, dk, dv = INTERPRET.attend_backward(qt, *block, dout, lse, delta_, dq)
-            outs.append(qt.merge_q(o))
-            lses.append(qt.merge_rows(lse_p))
-            dks.append(dk)
-            dvs.append(dv)
-        return outs, lses, qt.dq(dq), dks, dvs
-
-    outs, lses, dq, dks, dvs = ring_of_two(q, k, v)
-    lse = jnp.logaddexp(*lses)
-    weights = [jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(x - lse))[..., None] for x in lses]
-    close(weights[0] * outs[0] + weights[1] * outs[1], ref_out, jnp.float32, "out")
-    table.check_lse(lse, ref_lse, jnp.float32)
-    close(dq, ref_dq, jnp.float32, "dq")
-    close(jnp.concatenate(dks, 1), ref_dk, jnp.float32, "dk")
-    close(jnp.concatenate(dvs, 1), ref_dv, jnp.float32, "dv")
+    table.check_ring_of_two(INTERPRET, case, (slice(0, 100), slice(100, None)), check=close)
 
 
 @pytest.mark.parametrize("strategy,layout,window,packed", STRATEGY_CASES[2:], ids=str)

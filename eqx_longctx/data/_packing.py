@@ -209,6 +209,9 @@ class PackedDataset:
     `None`, or float32 `[num_rows, seq_len]` weights multiplied into each batch's derived
     loss mask (0 where a target should not count, e.g. everything but a retrieval
     document's answer).
+
+    **Raises:** `ValueError` when `loss_weights` is not shaped like `tokens` or holds a
+    non-finite value.
     """
 
     tokens: Int[np.ndarray, "rows seq"]

@@ -63,17 +63,6 @@ def next_power_of_two(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, int(n) - 1).bit_length())
 
 
-def pad_to(x, axis: int, size: int, mode: str = "constant"):
-    """`x` padded at the end of `axis` to `size` (zeros, or the edge value for ids, which
-    keeps a block's position range as tight as its real rows)."""
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, mode=mode)
-
-
 # ---------------------------------------------------------------------------- the rules
 
 

@@ -14,10 +14,17 @@ import jax
 import jax.numpy as jnp
 
 from .._block_contract import AbstractBlockImpl, BlockOptions
-from ._flash_gpu import GpuConfig, backward, forward, next_power_of_two, pad_to
+from ._flash_gpu import GpuConfig, backward, forward, next_power_of_two
+from ._operands import pad_axis
 
 GPU_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """The input dtypes the GPU kernels run (products accumulate in float32)."""
+
+
+def pad_to(x, axis: int, size: int, edge: bool = False):
+    """`x` padded at the end of `axis` to `size`: zeros, or the edge value for ids (which
+    keeps a block's position range as tight as its real rows)."""
+    return pad_axis(x, size - x.shape[axis], axis, None if edge else 0)
 
 
 class _GpuQueries(NamedTuple):
@@ -126,8 +133,10 @@ class PallasGpuBlockImpl(AbstractBlockImpl):
             interpret=self._interpret(), num_warps=self.num_warps,
             num_stages=self.num_stages, exact=jnp.dtype(q.dtype) == jnp.float32,
         )  # fmt: skip
-        qp = pad_to(positions.astype(jnp.int32), 1, sqp, "edge")
-        qs = None if segment_ids is None else pad_to(segment_ids.astype(jnp.int32), 1, sqp, "edge")
+        qp = pad_to(positions.astype(jnp.int32), 1, sqp, edge=True)
+        qs = None
+        if segment_ids is not None:
+            qs = pad_to(segment_ids.astype(jnp.int32), 1, sqp, edge=True)
         qpad = pad_to(pad_to(q, 1, sqp), 3, next_power_of_two(d))
         return _GpuQueries(qpad, qp, qs, cfg, d)
 
@@ -140,10 +149,10 @@ class PallasGpuBlockImpl(AbstractBlockImpl):
         k, v = (x.astype(qt.q.dtype) for x in (k, v))
         k = pad_to(pad_to(k, seq_axis, skp), 3, qt.q.shape[3])
         v = pad_to(pad_to(v, seq_axis, skp), 3, next_power_of_two(v.shape[3]))
-        kp = pad_to(kv_positions.astype(jnp.int32), 1, skp, "edge")
+        kp = pad_to(kv_positions.astype(jnp.int32), 1, skp, edge=True)
         ks = None
         if kv_segment_ids is not None:
-            ks = pad_to(kv_segment_ids.astype(jnp.int32), 1, skp, "edge")
+            ks = pad_to(kv_segment_ids.astype(jnp.int32), 1, skp, edge=True)
         cfg = qt.cfg._replace(block_k=block_k, seq_k=sk, heads_major=heads_major)
         return cfg, k, v, kp, ks
 

@@ -1,6 +1,7 @@
-"""The training rows of retrieval documents (`eqx_longctx.evals.retrieval_dataset`) and their
-mix with text: rows filled exactly, documents whole, and with `loss="answers"` a loss mask
-that counts exactly the answer's tokens, read back from the rows themselves."""
+"""The training rows of retrieval documents (`eqx_longctx.evals.retrieval_dataset`) and
+their mix with text: documents whole and of varied lengths, padding only at a row's end,
+and with `loss="answers"` a loss mask that counts exactly the answer's tokens, read back
+from the rows themselves."""
 
 import re
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from eqx_longctx.data import ByteTokenizer, PackedDataset
-from eqx_longctx.evals import mix_datasets, retrieval_dataset
+from eqx_longctx.evals import min_length, mix_datasets, retrieval_dataset
 from eqx_longctx.train import TrainConfig
 from eqx_longctx.train._cli import parse_flags
 
@@ -17,24 +18,37 @@ SEQ, ROWS = 1024, 12
 
 
 def _segments(row_segments):
-    """`[(start, stop)]` of each segment of a row."""
+    """`[(start, stop)]` of each document (segment id > 0) of a row."""
     cuts = np.flatnonzero(np.diff(row_segments)) + 1
     bounds = [0, *cuts.tolist(), len(row_segments)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+    pairs = zip(bounds[:-1], bounds[1:], strict=True)
+    return [(a, b) for a, b in pairs if row_segments[a] > 0]
 
 
-def test_rows_are_filled_with_whole_documents():
-    data = retrieval_dataset(["passkey", "niah_multikey"], TOK, SEQ, ROWS, seed=3)
-    assert data.tokens.shape == (ROWS, SEQ) and data.loss_weights is None
-    assert (data.segment_ids > 0).all()  # no padding anywhere
-    count = 0
-    for r in range(ROWS):
+def test_rows_hold_whole_documents_of_varied_lengths():
+    rows = 40
+    data = retrieval_dataset(["passkey", "niah_multikey"], TOK, SEQ, rows, seed=3)
+    assert data.tokens.shape == (rows, SEQ) and data.loss_weights is None
+    shortest = min_length("niah_multikey", TOK) + 2
+    count, lengths, questions = 0, [], []
+    for r in range(rows):
+        used = int((data.segment_ids[r] > 0).sum())
+        assert (data.segment_ids[r, :used] > 0).all() and (
+            data.tokens[r, used:] == TOK.pad_id
+        ).all()
+        assert SEQ - used < shortest  # padding only where no document fits
         for start, stop in _segments(data.segment_ids[r]):
             ids = data.tokens[r, start:stop]
             assert ids[0] == TOK.bos_id and ids[-1] == TOK.eos_id
             np.testing.assert_array_equal(data.positions[r, start:stop], np.arange(stop - start))
+            assert stop - start >= shortest
+            lengths.append(stop - start)
+            questions.append(TOK.decode(ids.tolist()).rfind("\n"))  # where the question opens
             count += 1
-    assert count == data.num_documents > ROWS  # some rows hold several documents
+    assert count == data.num_documents > rows  # some rows hold several documents
+    assert max(lengths) > 0.75 * SEQ  # the longest contexts are trained
+    # No position a model could answer from: the question opens at many places.
+    assert len(set(questions)) > 0.8 * len(questions), sorted(questions)
 
 
 def test_answers_loss_counts_exactly_the_answer_tokens():

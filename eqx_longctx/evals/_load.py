@@ -53,7 +53,7 @@ def with_overrides(model: Any, overrides: Sequence[tuple[str, str]]) -> Any:
     **Raises:** `ValueError` for a field the config lacks, a value that does not parse or
     that the config refuses, or one that changes a weight.
     """
-    from ..run import coerce_override
+    from ..run import coerce_override, transplant
 
     if not overrides:
         return model
@@ -77,21 +77,8 @@ def with_overrides(model: Any, overrides: Sequence[tuple[str, str]]) -> Any:
     abstract = eqx.filter_eval_shape(
         lambda: family.model(new_config, key=jax.random.key(0), spec=spec)
     )
-    old = jax.tree_util.tree_leaves_with_path(model)
-    new, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    same = len(old) == len(new) and all(
-        po == pn and (not eqx.is_array(x) or (x.shape, x.dtype) == (y.shape, y.dtype))
-        for (po, x), (pn, y) in zip(old, new, strict=True)
-    )
-    if not same:
-        raise ValueError(
-            f"--override {sorted(changes)} would change the model's weights; only fields that "
-            "keep every weight's shape may change at eval time (rope_theta, rope_scaling, "
-            "max_seq_len, ...)."
-        )
     # The weights are the model's; everything else (static fields) is the new config's.
-    leaves = [x if eqx.is_array(x) else y for (_, x), (_, y) in zip(old, new, strict=True)]
-    return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
+    return transplant(model, abstract, what=f"--override {sorted(changes)}")
 
 
 def _family_of(config: Any) -> Any:

@@ -77,3 +77,4 @@ from ._run_model import read_run_model as read_run_model
 from ._runs import FLAGS_FILE as FLAGS_FILE
 from ._runs import default_run_dir as default_run_dir
 from ._runs import read_flags as read_flags
+from ._transplant import transplant as transplant

@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         "safetensors, tokenizer.json tokenizes --data); --preset is then unused. On "
         "--resume it may be left out: the run's checkpoint wins",
     )
+    p.add_argument(
+        "--init-run",
+        default=None,
+        metavar="DIR",
+        help="start from the weights of this run's newest checkpoint (fresh optimizer and "
+        "steps): a longer --seq-len after a short run. The model flags must keep every "
+        "weight's shape. On --resume it may be left out",
+    )
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per row")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per optimizer step")
     p.add_argument(
@@ -326,6 +334,7 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             preset=args.preset,
             model_overrides=dict(args.override),
             init_hf=args.init_hf,
+            init_run=args.init_run,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
             grad_accum=args.grad_accum,

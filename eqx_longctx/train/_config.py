@@ -38,6 +38,12 @@ class TrainConfig:
       is then unused), its weights the starting point, its `tokenizer.json` the tokens of
       `data`; `model_overrides` may change only what keeps every weight's shape (e.g.
       `rope_theta`, `max_seq_len`). See `eqx_longctx.train._init_hf`.
+    - `init_run`: a run directory of `python -m eqx_longctx.train` whose newest readable
+      checkpoint's weights this run starts from, with a fresh optimizer and step count:
+      the long stage after a short one (context extension). The model is this run's
+      (`model`, `preset`, `model_overrides`), which may differ from that run's only in
+      what keeps every weight (`seq_len`, `max_seq_len`, `rope_theta`, `rope_scaling`);
+      the data, batch and schedule are this run's flags. Not with `init_hf`.
     - `seq_len`, `batch_size`: tokens per row, rows per optimizer step.
     - `grad_accum`: the step's rows run as this many micro-batches one after another, their
       gradients summed in float32 before one optimizer update (`make_train_step`): the
@@ -89,6 +95,7 @@ class TrainConfig:
     preset: str = "tiny"
     model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     init_hf: str | os.PathLike[str] | None = None
+    init_run: str | os.PathLike[str] | None = None
     seq_len: int = 256
     batch_size: int = 8
     grad_accum: int = 1
@@ -125,7 +132,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("run_dir", "data", "init_hf"):  # accept paths, record strings
+        for name in ("run_dir", "data", "init_hf", "init_run"):  # accept paths, record strings
             value = getattr(self, name)
             if isinstance(value, os.PathLike):
                 object.__setattr__(self, name, os.fspath(value))
@@ -167,7 +174,7 @@ _INTS = {
 }
 _OPTIONAL = (
     "max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "fsdp_axes",
-    "remat", "loss_chunk", "host_offload", "init_hf", "synthetic",
+    "remat", "loss_chunk", "host_offload", "init_hf", "init_run", "synthetic",
 )  # fmt: skip
 _EXAMPLES = {"final_eval_batches": 16, "loss_chunk": 1024}  # for fields whose default is None
 # Float fields: (rule, test, example); None: the range is check_optimizer_settings's.
@@ -180,7 +187,7 @@ _FLOATS = {
 }
 _STRS = (
     "model", "preset", "data", "run_dir", "mesh", "fsdp_axes", "host_offload", "init_hf",
-    "synthetic", "synthetic_loss",
+    "init_run", "synthetic", "synthetic_loss",
 )  # fmt: skip
 _BOOLS = ("resume", "overwrite", "progress")
 _SEED_LIMIT = 2**32
@@ -216,8 +223,8 @@ def check_train_config(config: "TrainConfig") -> None:
       out of range (`lr` finite and > 0, `steps >= 1`, `warmup_steps >= 0`,
       `weight_decay` finite and >= 0, `clip_norm` finite and > 0), `warmup_steps >= steps`,
       a `mesh` or `fsdp_axes` rejected by `eqx_longctx.run.mesh_shape` or
-      `eqx_longctx.run.fsdp_axes_of`, or both
-      `resume` and `overwrite`.
+      `eqx_longctx.run.fsdp_axes_of`, both `resume` and `overwrite`, or both
+      `init_hf` and `init_run`.
     """
     from eqx_longctx._sharding import LOAD_BALANCES, STRATEGIES
     from eqx_longctx.nn import REMAT_POLICIES
@@ -270,7 +277,8 @@ def check_train_config(config: "TrainConfig") -> None:
                 f"{flag} must be a {kind.__name__}; got {type(value).__name__} {value!r}. "
                 f"Pass {fix}."
             )
-        if name in ("data", "run_dir", "mesh", "fsdp_axes", "init_hf", "synthetic") and value == "":
+        empty_is_bad = ("data", "run_dir", "mesh", "fsdp_axes", "init_hf", "init_run", "synthetic")
+        if name in empty_is_bad and value == "":
             raise ValueError(
                 f"{flag} must not be empty; got {flag} ''. Leave the flag out for its "
                 "default, or pass a value."
@@ -338,6 +346,11 @@ def check_train_config(config: "TrainConfig") -> None:
         raise ValueError(
             "--resume continues the checkpoints in --run-dir while --overwrite deletes them; "
             "got both. Pass only one of --resume / --overwrite."
+        )
+    if config.init_hf is not None and config.init_run is not None:
+        raise ValueError(
+            f"a run starts from one set of weights; got both --init-hf {config.init_hf} and "
+            f"--init-run {config.init_run}. Pass only one of them."
         )
 
 

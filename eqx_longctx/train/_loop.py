@@ -46,6 +46,7 @@ from ..run import (
 from ._checkpoint import Checkpointer
 from ._config import TrainConfig, build_model_config, flag_name
 from ._eval import check_batch, evaluate
+from ._init_run import weights_of_run
 from ._metrics import MetricsLog, TrainResult, describe_loss, plot_metrics
 from ._offload import host_offload_of, to_device, to_host
 from ._preempt import PreemptionNotice
@@ -105,7 +106,8 @@ class Trainer:
       model config, or a data state from another seed, batch size or data;
     - a corpus that `load_datasets` cannot read or split (or, with `init_hf`, that the
       checkpoint's tokenizer cannot encode), or `datasets` packed at another `seq_len`;
-    - an `init_hf` checkpoint that cannot start the run (see `hf_start`).
+    - an `init_hf` checkpoint that cannot start the run (see `hf_start`), or an
+      `init_run` whose weights cannot (see `weights_of_run` in `_init_run.py`).
     """
 
     def __init__(self, config: TrainConfig, *, datasets=None, batch_hook: BatchHook | None = None):
@@ -227,10 +229,14 @@ class Trainer:
             target = parallel.abstract_opt_state(self.optimizer, abstract)
             model, opt_state = self._resume(abstract, target)
         else:
-            if self.hf_start is None:
-                model = parallel.build_model(self._make_model)
-            else:
+            if self.hf_start is not None:
                 model = self.hf_start.load(parallel.spec)
+            elif config.init_run is not None:
+                model = weights_of_run(
+                    config.init_run, parallel, self._abstract_model, config.model
+                )
+            else:
+                model = parallel.build_model(self._make_model)
             opt_state = parallel.init_opt_state(self.optimizer, model)
             checkpointer.delete_all()  # empty unless overwrite=True
             if self.primary:

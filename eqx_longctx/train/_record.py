@@ -8,7 +8,8 @@ Every `TrainConfig` field falls in one of three groups:
   `model_overrides`, and `init_hf`, the Hugging Face checkpoint a fine-tuning run started
   from: recorded as an absolute path; on `--resume` it may be left out, since the weights
   come from the run's checkpoint and the config and tokenizer from the run's own copy, and
-  if given it must be the recorded one)
+  if given it must be the recorded one; `init_run`, the run whose weights it started
+  from, likewise)
   and the optimizer with its schedule (`lr`, `warmup_steps`, `weight_decay`, `clip_norm`,
   `steps`: the cosine decay spans `steps`, so a different value changes the learning rate
   of every step after warmup, including ones already taken). Resuming with another value
@@ -44,6 +45,7 @@ RUN_FLAGS = (
     "preset",
     "model_overrides",
     "init_hf",
+    "init_run",
     "seq_len",
     "batch_size",
     "steps",
@@ -83,8 +85,8 @@ def run_flags(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
     """The record of a run's flags, normalised so that equal runs give equal records.
 
     Model overrides are parsed against the preset (`"2"` from the CLI equals `2` from
-    Python) and `data` and `init_hf` become absolute paths. Per-invocation switches (`run_dir`,
-    `resume`, `overwrite`, `progress`) are left out.
+    Python) and `data`, `init_hf` and `init_run` become absolute paths. Per-invocation
+    switches (`run_dir`, `resume`, `overwrite`, `progress`) are left out.
 
     **Arguments:**
 
@@ -100,7 +102,7 @@ def run_flags(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
     record["model_overrides"] = resolve_overrides(
         record["preset"], record.get("model_overrides") or {}, model=record["model"]
     )
-    for name in ("data", "init_hf"):
+    for name in ("data", "init_hf", "init_run"):
         if record.get(name) is not None:
             record[name] = str(pathlib.Path(record[name]).expanduser().resolve())
     return json.loads(json.dumps(record, default=str))
@@ -165,8 +167,9 @@ def check_resume_flags(
             "records none to compare with. Start a new --run-dir (or --overwrite this one)."
         )
     given = vars(config)
-    if config.init_hf is None:  # left out on resume: the run's own copy is used
-        given = {**given, "init_hf": recorded.get("init_hf")}
+    for name in ("init_hf", "init_run"):  # left out on resume: the checkpoint wins
+        if getattr(config, name) is None:
+            given = {**given, name: recorded.get(name)}
     diffs = flag_differences(recorded, given)
     done = step >= config.steps
     if done:

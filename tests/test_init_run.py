@@ -97,3 +97,29 @@ def test_init_run_and_init_hf_together_are_refused(short, tmp_path):
         _config(tmp_path, short, init_hf=str(tmp_path))
     with pytest.raises(ValueError, match="--init-run must not be empty"):
         _config(tmp_path, short, init_run="")
+
+
+def test_a_recipe_with_a_first_stage_trains_short_then_long(tmp_path, monkeypatch):
+    """A recipe's `first` stage trains into RUN_DIR/short, the run itself starts from its
+    weights; `--resume` finds both done; a user's `--init-run` replaces the first stage."""
+    from eqx_longctx.train import _recipes
+
+    recipe = _recipes.Recipe(
+        "two-stage", "a test recipe", {"seq_len": 64, "steps": 2, "devices": 1},
+        first={"seq_len": 32, "batch_size": 4, "steps": 2},
+    )  # fmt: skip
+    monkeypatch.setitem(_recipes.RECIPES, "two-stage", recipe)
+    run = tmp_path / "run"
+    flags = ["--recipe", "two-stage", *FLAGS, *COMMON, "--checkpoint-every", "2",
+             "--run-dir", str(run)]  # fmt: skip
+    assert main(flags) == 0
+    short_flags = json.loads((run / "short" / "flags.json").read_text())
+    assert (short_flags["seq_len"], short_flags["steps"], short_flags["init_run"]) == (32, 2, None)
+    long_flags = json.loads((run / "flags.json").read_text())
+    assert long_flags["init_run"] == str((run / "short").resolve())
+    assert long_flags["seq_len"] == 64
+    assert (run / "checkpoints" / "2").is_dir() and (run / "short" / "checkpoints" / "2").is_dir()
+    assert main([*flags, "--resume"]) == 0  # both stages: nothing left to do
+
+    config = TrainConfig(run_dir=str(tmp_path / "x"), init_run=str(run), progress=False)
+    assert _recipes.recipe_stages(recipe, config) == [config]  # the user's start wins

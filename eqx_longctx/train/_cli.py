@@ -28,7 +28,7 @@ from ..run import (
     preempted_line,
 )
 from ._config import TrainConfig
-from ._recipes import RECIPES, recipe_help
+from ._recipes import RECIPES, recipe_help, recipe_stages
 
 PROG = "eqx-longctx-train"
 
@@ -314,7 +314,6 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
     """The run itself; `runtime` is `None` for one process. Error messages go to stderr
     and into `failure["message"]`."""
     from ..run import primary_value
-    from ._loop import Trainer
 
     primary = runtime is None or runtime.process_id == 0
 
@@ -371,17 +370,40 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
         if runtime is not None:  # a default run dir is stamped with the time: take process 0's
             run_dir = primary_value("run_dir", str(config.run_dir), runtime.timeout)
             config = dataclasses.replace(config, run_dir=run_dir)
+        recipe = RECIPES[args.recipe] if args.recipe is not None else None
+        stages = recipe_stages(recipe, config) if recipe is not None else [config]
+    except ValueError as e:
+        return fail(e, 2)
+    for number, stage in enumerate(stages, start=1):
+        if primary and len(stages) > 1:
+            print(f"stage {number} of {len(stages)} of the {recipe and recipe.name} recipe: "
+                  f"{stage.seq_len}-token rows in {stage.run_dir}", flush=True)  # fmt: skip
+        code, trainer = _run_stage(stage, primary, failure, fail)
+        if code is not None:
+            return code
+    if recipe is not None and recipe.eval_task is not None and trainer is not None:
+        from ._recipe_eval import recipe_eval
+
+        if runtime is None:  # one process; eval a multi-process run with eqx_longctx.eval
+            recipe_eval(recipe, trainer)
+    return 0
+
+
+def _run_stage(config: TrainConfig, primary: bool, failure: dict[str, str], fail):
+    """Train `config` to its end. **Returns:** `(None, trainer)` when it completed (or had
+    nothing left to do: then `trainer` is `None`), else `(exit status, None)`."""
+    from ._loop import Trainer
+
+    try:
         trainer = Trainer(config)
         if trainer.nothing_to_do is not None:
             trainer.close()
             if primary:
                 print(trainer.nothing_to_do, flush=True)
-            return 0
+            return None, None
         if primary:
             print(
-                f"training {config.model} "
-                f"{config.preset if config.init_hf is None else 'from ' + str(config.init_hf)} "
-                f"({trainer.model.num_params():,} "
+                f"training {config.model} {_start_of(config)} ({trainer.model.num_params():,} "
                 "parameters) for "
                 f"{config.steps} steps of {config.batch_size}x{config.seq_len} tokens on "
                 f"{trainer.parallel.describe()}, "
@@ -399,23 +421,26 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
                 file=sys.stderr,
             )
             failure["message"] = f"interrupted at step {trainer.step}"
-            return 130
+            return 130, None
         finally:
             trainer.close()
     except ValueError as e:
-        return fail(e, 2)
+        return fail(e, 2), None
     if result.status == "preempted":
         if primary:
             print(preempted_line(result.step, result.checkpoint_dir), file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+        return EXIT_PREEMPTED, None
     if primary:
         print(result.summary(), flush=True)
     if result.status == "completed":
-        if args.recipe is not None and RECIPES[args.recipe].eval_task is not None:
-            from ._recipe_eval import recipe_eval
-
-            if runtime is None:  # one process; eval a multi-process run with eqx_longctx.eval
-                recipe_eval(RECIPES[args.recipe], trainer)
-        return 0
+        return None, trainer
     failure["message"] = f"the run stopped ({result.status}) at step {result.step + 1}"
-    return 1
+    return 1, None
+
+
+def _start_of(config: TrainConfig) -> str:
+    if config.init_hf is not None:
+        return f"from {config.init_hf}"
+    if config.init_run is not None:
+        return f"{config.preset} from the run {config.init_run}"
+    return config.preset

@@ -3,6 +3,7 @@ one (the user's own flags still win), and a recipe may end with an eval of the t
 model."""
 
 import dataclasses
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,9 @@ class Recipe:
       at its training length after the last step (`None`: none).
     - `eval_samples`: samples per depth of that eval.
     - `eval_depths`: its needle depths.
+    - `first`: `TrainConfig` fields of a short first stage (e.g. `seq_len`, `batch_size`,
+      `steps`), trained into `RUN_DIR/short` before the run itself, which then starts
+      from its weights (`init_run`); `None`: one stage.
     """
 
     name: str
@@ -29,6 +33,7 @@ class Recipe:
     eval_task: str | None = None
     eval_samples: int = 10
     eval_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    first: Mapping[str, Any] | None = None
 
 
 _RETRIEVAL = {
@@ -79,3 +84,36 @@ RECIPES: dict[str, Recipe] = {
 def recipe_help() -> str:
     """The `--help` text listing the recipes."""
     return "recipes: " + "; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values())
+
+
+FIRST_STAGE_DIR = "short"
+"""The folder of a recipe's run directory that holds its first stage's run."""
+
+
+def recipe_stages(recipe: Recipe, config: Any) -> list[Any]:
+    """The runs `--recipe` makes for `config` (a `TrainConfig`): `[config]`, or, for a
+    recipe with a `first` stage, that stage's run in `RUN_DIR/short` and then `config`
+    starting from its weights (`init_run`). A start given by the user (`init_run` or
+    `init_hf`) replaces the first stage. With `resume`, a stage that saved no checkpoint
+    yet starts fresh.
+
+    **Raises:** `ValueError` as `TrainConfig` for first-stage values it refuses.
+    """
+    if recipe.first is None or config.init_run is not None or config.init_hf is not None:
+        return [config]
+    short = pathlib.Path(str(config.run_dir)) / FIRST_STAGE_DIR
+    warmup = min(20, int(recipe.first.get("steps", config.steps)) // 10)
+    changes = {"warmup_steps": warmup, **recipe.first}
+    first = dataclasses.replace(
+        config, run_dir=str(short), resume=config.resume and _has_checkpoints(short), **changes
+    )
+    main = dataclasses.replace(
+        config, init_run=str(short),
+        resume=config.resume and _has_checkpoints(pathlib.Path(str(config.run_dir))),
+    )  # fmt: skip
+    return [first, main]
+
+
+def _has_checkpoints(run_dir: pathlib.Path) -> bool:
+    folder = run_dir / "checkpoints"
+    return folder.is_dir() and any(folder.iterdir())

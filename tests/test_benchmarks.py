@@ -40,6 +40,10 @@ SCRIPTS = {  # script: (toy arguments, the PNGs its --plot must write)
         "--quick --sections op cp".split(),
         ["linear_attention_op", "linear_attention_cp"],
     ),
+    "passkey_probe": (
+        "--seq 160 --batch 2 --steps 2 --every 1 --dim 32 --heads 2 --hidden 64".split(),
+        ["passkey_probe"],
+    ),
     "fsdp": (
         "--dim 32 --layers 1 --hidden 64 --heads 2 --vocab 128 --seq 32 --repeats 1 "
         "--fsdp 1 2".split(),

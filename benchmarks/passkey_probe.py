@@ -30,7 +30,7 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--seq", type=int, default=256, help="tokens per training row")
     p.add_argument("--batch", type=int, default=16, help="rows per step")
     p.add_argument("--steps", type=int, default=1000)

@@ -7,6 +7,8 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from ..run import is_step_dir
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -102,8 +104,7 @@ def recipe_stages(recipe: Recipe, config: Any) -> list[Any]:
     if recipe.first is None or config.init_run is not None or config.init_hf is not None:
         return [config]
     short = pathlib.Path(str(config.run_dir)) / FIRST_STAGE_DIR
-    warmup = min(20, int(recipe.first.get("steps", config.steps)) // 10)
-    changes = {"warmup_steps": warmup, **recipe.first}
+    changes = {"warmup_steps": None, **recipe.first}  # None: TrainConfig's default warmup
     first = dataclasses.replace(
         config, run_dir=str(short), resume=config.resume and _has_checkpoints(short), **changes
     )
@@ -116,4 +117,4 @@ def recipe_stages(recipe: Recipe, config: Any) -> list[Any]:
 
 def _has_checkpoints(run_dir: pathlib.Path) -> bool:
     folder = run_dir / "checkpoints"
-    return folder.is_dir() and any(folder.iterdir())
+    return folder.is_dir() and any(is_step_dir(p) for p in folder.iterdir())

@@ -97,3 +97,84 @@ def test_the_recipes_train_on_answers_and_a_flag_wins():
     flags = parse_flags(["--recipe", "passkey", "--synthetic-loss", "all"])
     assert flags.synthetic_loss == "all"
     assert parse_flags([]).synthetic_loss == "all"
+
+
+def test_drills_pack_short_needles_at_random_offsets():
+    """`max_filler`: each document is a task's needles and question without the intro, in
+    at most that many filler tokens, several to a row; the needle's and the question's
+    offsets vary, and the answers loss counts the answer read back from its needle."""
+    seq, rows, most = 512, 30, 40
+    data = retrieval_dataset(["passkey"], TOK, seq, rows, seed=4, loss="answers",
+                             max_filler=most)  # fmt: skip
+    batch = data.rows(np.arange(rows))
+    needle = " The pass key is"
+    gaps, distances, count = [], [], 0
+    for r in range(rows):
+        used = int((data.segment_ids[r] > 0).sum())
+        assert (data.segment_ids[r, :used] > 0).all()
+        assert (data.tokens[r, used:] == TOK.pad_id).all()
+        for start, stop in _segments(data.segment_ids[r]):
+            ids = data.tokens[r, start:stop]
+            assert ids[0] == TOK.bos_id and ids[-1] == TOK.eos_id
+            np.testing.assert_array_equal(data.positions[r, start:stop], np.arange(stop - start))
+            text = TOK.decode(ids[1:-1].tolist())
+            m = re.fullmatch(r"(.*)" + needle + r" (\d{5})\. Remember it\.(.*)\nWhat is the pass "
+                             r"key\? The pass key is (\d{5})", text, re.S)  # fmt: skip
+            assert m is not None and m.group(2) == m.group(4), text
+            assert "There is a pass key" not in text  # no intro
+            gap = len(m.group(1)) + len(m.group(3))  # bytes: tokens of the byte tokenizer
+            assert 0 <= gap <= most and not re.search(r"\d", m.group(1) + m.group(3))
+            gaps.append(gap)
+            distances.append(len(m.group(3)))  # needle end to question
+            mask = batch.loss_mask[r, start:stop]
+            counted = batch.targets[r, start:stop][mask > 0].tolist()
+            assert TOK.decode(counted[:-1]) == " " + m.group(2) and counted[-1] == TOK.eos_id
+            count += 1
+    assert count == data.num_documents >= 4 * rows  # several to a row
+    assert len(set(gaps)) > 30 and len(set(distances)) > 30 and min(gaps) < 5
+
+
+def test_drills_refuse_a_row_they_do_not_fit():
+    with pytest.raises(ValueError, match=r"--seq-len must be at least \d+ tokens for drills"):
+        retrieval_dataset(["passkey"], TOK, 256, 1, max_filler=300)
+    with pytest.raises(ValueError, match="--synthetic-filler is the most filler tokens"):
+        retrieval_dataset(["passkey"], TOK, 256, 1, max_filler=-1)
+    with pytest.raises(ValueError, match="--synthetic-filler"):
+        TrainConfig(synthetic="passkey", synthetic_filler=-1)
+    assert parse_flags(["--synthetic-filler", "32"]).synthetic_filler == 32
+
+
+def test_a_ramp_reaches_the_batches_in_order():
+    """`--synthetic-filler N`: drills whose filler grows from 0 to N over the run, at the
+    share asked for, read by the training batches (numpy and Grain alike) in that order."""
+    from eqx_longctx.data import GrainBatches
+    from eqx_longctx.evals import with_retrieval
+
+    seq, steps, batch, most = 256, 40, 4, 60
+    text = PackedDataset.from_documents(["some text " * 300, "more text " * 200], seq, TOK, seed=3)
+    data = with_retrieval(text, ["passkey"], TOK, share=0.75, loss="answers", seed=1,
+                          max_filler=most, samples=steps * batch)  # fmt: skip
+    assert data.num_rows == steps * batch and data.seed == text.seed
+    grain = GrainBatches(data, batch_size=batch, seed=data.seed, spec=None)
+    drills, fillers = 0, []
+    for step in range(steps):
+        b = data.batch(step, batch)
+        np.testing.assert_array_equal(np.asarray(grain.get(step).tokens), b.tokens)
+        gaps = []
+        for r in range(batch):
+            if "pass key" not in TOK.decode(b.tokens[r].tolist()):
+                assert b.loss_mask[r].sum() > 100  # a text row: its whole loss
+                continue
+            drills += 1
+            for start, stop in _segments(b.segment_ids[r]):
+                doc = TOK.decode(b.tokens[r, start:stop].tolist())
+                m = re.fullmatch(r"(.*) The pass key is \d{5}\. Remember it\.(.*)\nWhat is the "
+                                 r"pass key\? The pass key is \d{5}", doc, re.S)  # fmt: skip
+                assert m is not None, doc
+                gaps.append(len(m.group(1)) + len(m.group(2)))
+        fillers.append(max(gaps, default=-1))
+    assert drills == round(0.75 * steps * batch)
+    assert max(fillers[:4]) <= 6  # the first steps: needles right before their question
+    assert max(fillers[-10:]) > 40 and max(fillers) <= most
+    early, late = np.mean(fillers[: steps // 3]), np.mean(fillers[-steps // 3 :])
+    assert late > early + 20, fillers

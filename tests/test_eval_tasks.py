@@ -15,8 +15,10 @@ from eqx_longctx.evals._tasks import (
     GENERATION_TASKS,
     TASKS,
     check_task,
+    make_drill,
     make_sample,
     make_samples,
+    min_drill_length,
     min_length,
     training_document,
 )
@@ -227,6 +229,30 @@ def test_training_document(task):
         assert tail
         answer, _ = solve(task, doc[: question + tail.start(1)])
         assert tail[1] == " " + answer
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_drill(task):
+    """A drill: no intro, the filler asked for (read from any token of the unit on), the
+    queried needle where `needle_at` says, and the answer a text-only solver finds."""
+    rng = np.random.default_rng(6)
+    pieces = min_drill_length(task, BYTES, start=[BOS])
+    assert pieces < min_length(task, BYTES, start=[BOS])
+    openings = set()
+    for filler in (0, 1, 37, 300):
+        for _ in range(3):
+            s = make_drill(task, BYTES, filler=filler, rng=rng, start=[BOS])
+            assert s.prompt_ids[0] == BOS and FORMATS[task][0] not in s.prompt
+            assert filler <= s.length <= pieces + filler and 0 <= s.depth <= 1
+            answer, at = solve(task, s.prompt)
+            assert answer == s.answer and s.answer_ids == tuple(BYTES.encode(" " + answer))
+            assert s.needle_at == 1 + at  # bytes: one token per character, after the BOS
+            haystack = re.sub(FORMATS[task][1], "", s.prompt[: s.prompt.rindex("\n")])
+            assert not re.search(r"\d", haystack)  # digits only in the needles
+            openings.add(s.prompt[:3])
+    assert len(openings) > 4  # the filler starts anywhere in its unit
+    with pytest.raises(ValueError, match="filler must be an int >= 0"):
+        make_drill(task, BYTES, filler=-1, rng=rng)
 
 
 @pytest.mark.parametrize(

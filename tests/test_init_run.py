@@ -99,27 +99,32 @@ def test_init_run_and_init_hf_together_are_refused(short, tmp_path):
         _config(tmp_path, short, init_run="")
 
 
-def test_a_recipe_with_a_first_stage_trains_short_then_long(tmp_path, monkeypatch):
-    """A recipe's `first` stage trains into RUN_DIR/short, the run itself starts from its
-    weights; `--resume` finds both done; a user's `--init-run` replaces the first stage."""
+def test_a_recipe_trains_its_stages_in_order_then_the_run(tmp_path, monkeypatch):
+    """A recipe's stages train into RUN_DIR/stage-1, stage-2, each from the one before,
+    the run itself from the last; `--resume` finds all done; a user's `--init-run` replaces
+    the stages."""
     from eqx_longctx.train import _recipes
 
     recipe = _recipes.Recipe(
-        "two-stage", "a test recipe", {"seq_len": 64, "steps": 2, "devices": 1},
-        first={"seq_len": 32, "batch_size": 4, "steps": 2},
+        "staged", "a test recipe", {"seq_len": 64, "steps": 2, "devices": 1},
+        stages=({"seq_len": 32, "batch_size": 2, "steps": 2},
+                {"seq_len": 48, "steps": 4, "warmup_steps": 1}),
     )  # fmt: skip
-    monkeypatch.setitem(_recipes.RECIPES, "two-stage", recipe)
+    monkeypatch.setitem(_recipes.RECIPES, "staged", recipe)
     run = tmp_path / "run"
-    flags = ["--recipe", "two-stage", *FLAGS, *COMMON, "--checkpoint-every", "2",
+    flags = ["--recipe", "staged", *FLAGS, *COMMON, "--checkpoint-every", "2",
              "--run-dir", str(run)]  # fmt: skip
     assert main(flags) == 0
-    short_flags = json.loads((run / "short" / "flags.json").read_text())
-    assert (short_flags["seq_len"], short_flags["steps"], short_flags["init_run"]) == (32, 2, None)
-    long_flags = json.loads((run / "flags.json").read_text())
-    assert long_flags["init_run"] == str((run / "short").resolve())
-    assert long_flags["seq_len"] == 64
-    assert (run / "checkpoints" / "2").is_dir() and (run / "short" / "checkpoints" / "2").is_dir()
-    assert main([*flags, "--resume"]) == 0  # both stages: nothing left to do
+    read = lambda d: json.loads((d / "flags.json").read_text())  # noqa: E731
+    one, two, last = read(run / "stage-1"), read(run / "stage-2"), read(run)
+    assert (one["seq_len"], one["steps"], one["init_run"]) == (32, 2, None)
+    assert (two["seq_len"], two["steps"], two["warmup_steps"]) == (48, 4, 1)
+    assert one["batch_size"] == 2 and two["batch_size"] == last["batch_size"] == 4
+    assert two["init_run"] == str((run / "stage-1").resolve())
+    assert last["init_run"] == str((run / "stage-2").resolve()) and last["seq_len"] == 64
+    for folder, step in ((run / "stage-1", 2), (run / "stage-2", 4), (run, 2)):
+        assert (folder / "checkpoints" / str(step)).is_dir()
+    assert main([*flags, "--resume"]) == 0  # every stage: nothing left to do
 
     config = TrainConfig(run_dir=str(tmp_path / "x"), init_run=str(run), progress=False)
     assert _recipes.recipe_stages(recipe, config) == [config]  # the user's start wins

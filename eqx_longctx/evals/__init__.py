@@ -16,6 +16,8 @@ from ._load import with_overrides as with_overrides
 from ._mix import mix_datasets as mix_datasets
 from ._mix import retrieval_dataset as retrieval_dataset
 from ._mix import retrieval_rows_for as retrieval_rows_for
+from ._mix import stream_mix as stream_mix
+from ._mix import with_retrieval as with_retrieval
 from ._plots import plot_heatmap as plot_heatmap
 from ._plots import plot_position_loss as plot_position_loss
 from ._position import position_loss as position_loss
@@ -29,8 +31,10 @@ from ._runner import task_samples as task_samples
 from ._score import score as score
 from ._tasks import TASKS as TASKS
 from ._tasks import Sample as Sample
+from ._tasks import make_drill as make_drill
 from ._tasks import make_sample as make_sample
 from ._tasks import make_samples as make_samples
+from ._tasks import min_drill_length as min_drill_length
 from ._tasks import min_length as min_length
 from ._tasks import training_document as training_document
 
@@ -44,9 +48,11 @@ __all__ = [
     "eval_main",
     "evaluate_and_write",
     "generate_answers",
+    "make_drill",
     "make_sample",
     "make_samples",
     "mix_datasets",
+    "min_drill_length",
     "min_length",
     "plot_heatmap",
     "plot_position_loss",
@@ -56,7 +62,9 @@ __all__ = [
     "rope_scaling_of",
     "run_samples",
     "score",
+    "stream_mix",
     "task_samples",
     "training_document",
     "with_overrides",
+    "with_retrieval",
 ]

@@ -1,15 +1,19 @@
 """Training rows of synthetic retrieval documents, to mix into a text corpus: what the
 `passkey` recipe trains on besides the standard library."""
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from ._tasks import check_task, make_sample, min_length
+from ._tasks import check_task, make_drill, make_sample, min_drill_length, min_length
 
 SYNTHETIC_LOSSES = ("all", "answers")
 """What the training loss counts in a retrieval document: every token, or the answer's."""
+
+RAMP_SHARE = 0.75
+"""With a ramp (`retrieval_dataset`), the share of the rows over which the drills' most
+filler grows to its end value."""
 
 FULL_ROW_SHARE = 0.3
 """The share of retrieval rows that hold one document of three quarters to all of the row
@@ -45,6 +49,8 @@ def retrieval_dataset(
     *,
     seed: int = 0,
     loss: str = "all",
+    max_filler: int | None = None,
+    ramp: bool = False,
 ) -> Any:
     """`rows` packed rows of retrieval documents (`make_sample`'s prompt and answer, at a
     uniform random depth, task by task in turn at random): one document of three quarters
@@ -63,11 +69,23 @@ def retrieval_dataset(
       dataset has no `loss_weights`), or `"answers"`, only the answer's tokens and the EOS
       after them (the targets after the question: the answer, and where it stops), so the
       gradient is the retrieval's alone rather than mostly the filler's.
+    - `max_filler`: `None`, or drills (`make_drill`) instead of prompts: each document
+      the task's needles and question without the intro, in a uniform 0 to `max_filler`
+      tokens of filler from a random token of its unit, the needle at a random token, as
+      many to a row as fit. Short drills are where a small model first learns to read a
+      needle by its content; prompts at full length teach it no such thing in minutes.
+    - `ramp`: with `max_filler`, the most filler grows with the row: from 0 in row 0 to
+      `max_filler` at `RAMP_SHARE` of the rows, then stays. Read the rows in order
+      (`stream_mix`): a model that starts on needles right before their question learns to
+      copy them, then to find them ever further back (a fixed spread from the start does
+      not, in the same steps; docs/recipes.md).
 
     **Returns:** an `eqx_longctx.data.PackedDataset`.
 
-    **Raises:** `ValueError` for an unknown task or `loss`, or a `seq_len` too short for
-    the longest task's shortest document.
+    **Raises:** `ValueError` for an unknown task or `loss`, a negative `max_filler`, `ramp`
+    without `max_filler`, or a
+    `seq_len` too short for the longest task's shortest document (with `max_filler`, its
+    drill at `max_filler` tokens of filler).
     """
     from ..data import PackedDataset
 
@@ -77,11 +95,26 @@ def retrieval_dataset(
             f"the retrieval documents' loss must be one of {SYNTHETIC_LOSSES}; got {loss!r}. "
             "Pass 'answers' to train on the answers alone, or 'all'."
         )
-    shortest = max(min_length(t, tokenizer) for t in tasks) + 2
-    if seq_len < shortest:
+    if max_filler is not None and (isinstance(max_filler, bool) or max_filler < 0):
         raise ValueError(
-            f"--seq-len must be at least {shortest} tokens for retrieval documents of "
-            f"{', '.join(tasks)}; got {seq_len}. Raise --seq-len or drop --synthetic."
+            f"--synthetic-filler is the most filler tokens of a drill, an int >= 0; got "
+            f"{max_filler!r}. Pass e.g. 32, or leave it out for whole prompts."
+        )
+    if ramp and max_filler is None:
+        raise ValueError(
+            "a ramp grows the drills' filler up to max_filler; got ramp=True and no max_filler. "
+            "Pass max_filler (--synthetic-filler N)."
+        )
+    if max_filler is None:
+        shortest = max(min_length(t, tokenizer) for t in tasks) + 2
+    else:
+        shortest = max(min_drill_length(t, tokenizer) for t in tasks) + 2 + max_filler
+    if seq_len < shortest:
+        what = "retrieval documents" if max_filler is None else f"drills of {max_filler} filler"
+        raise ValueError(
+            f"--seq-len must be at least {shortest} tokens for {what} of "
+            f"{', '.join(tasks)}; got {seq_len}. Raise --seq-len or drop --synthetic"
+            f"{'' if max_filler is None else ' or lower --synthetic-filler'}."
         )
     rng = np.random.default_rng([seed, 48])
     tokens = np.full((rows, seq_len), tokenizer.pad_id, np.int32)
@@ -90,21 +123,40 @@ def retrieval_dataset(
     weights = np.zeros((rows, seq_len), np.float32) if loss == "answers" else None
     documents = 0
     for r in range(rows):
-        at = 0
-        for seg, size in enumerate(_row_pieces(rng, seq_len, shortest), start=1):
-            task = tasks[int(rng.integers(len(tasks)))]
-            s = make_sample(task, tokenizer, length=size - 2, depth=float(rng.random()), rng=rng)
-            ids = [tokenizer.bos_id, *s.prompt_ids, *s.answer_ids, tokenizer.eos_id]
+        at, seg = 0, 1
+        most = max_filler
+        if ramp and max_filler is not None:
+            most = round(max_filler * min(1.0, r / max(1.0, RAMP_SHARE * rows)))
+        for sample in _documents(tasks, tokenizer, rng, seq_len, shortest, most):
+            size = sample.length + 2
+            if at + size > seq_len:
+                break
+            ids = [tokenizer.bos_id, *sample.prompt_ids, *sample.answer_ids, tokenizer.eos_id]
             tokens[r, at : at + size] = ids
             positions[r, at : at + size] = np.arange(size)
             segments[r, at : at + size] = seg
             if weights is not None:  # the targets that are the answer's tokens and the EOS
-                first = at + len(s.prompt_ids)  # BOS, then the prompt: its last token's slot
-                weights[r, first : first + len(s.answer_ids) + 1] = 1.0
-            at += size
-            documents += 1
+                first = at + len(sample.prompt_ids)  # BOS, then the prompt: its last token's slot
+                weights[r, first : first + len(sample.answer_ids) + 1] = 1.0
+            at, seg, documents = at + size, seg + 1, documents + 1
     return PackedDataset(tokens, positions, segments, pad_id=tokenizer.pad_id,
                          num_documents=documents, seed=seed, loss_weights=weights)  # fmt: skip
+
+
+def _documents(
+    tasks: list[str], tokenizer: Any, rng: np.random.Generator, seq_len: int, shortest: int,
+    max_filler: int | None,
+) -> Iterator[Any]:  # fmt: skip
+    """The samples of one row, task by task at random: prompts of `_row_pieces`' lengths
+    (each with room for its BOS and EOS), or drills until one does not fit."""
+    if max_filler is None:
+        for size in _row_pieces(rng, seq_len, shortest):
+            task = tasks[int(rng.integers(len(tasks)))]
+            yield make_sample(task, tokenizer, length=size - 2, depth=float(rng.random()), rng=rng)
+        return
+    while True:
+        task = tasks[int(rng.integers(len(tasks)))]
+        yield make_drill(task, tokenizer, filler=int(rng.integers(max_filler + 1)), rng=rng)
 
 
 def mix_datasets(text: Any, retrieval: Any) -> Any:
@@ -131,3 +183,72 @@ def mix_datasets(text: Any, retrieval: Any) -> Any:
 def retrieval_rows_for(text_rows: int, share: float) -> int:
     """How many retrieval rows make `share` of all rows beside `text_rows` of text."""
     return round(share / (1.0 - share) * text_rows)
+
+
+def stream_mix(text: Any, retrieval: Any, samples: int) -> Any:
+    """`samples` rows that `PackedDataset.batch` (and `GrainBatches`) read in their first
+    epoch in this order: the `retrieval` rows in their own order (a ramp stays a ramp),
+    the `text` rows in a shuffled cycle spread evenly between them. The rows are stored
+    where the batches' first permutation (of `text.seed`) looks for them; later epochs
+    shuffle as usual.
+
+    **Arguments:**
+
+    - `text`, `retrieval`: packed datasets of one row length.
+    - `samples`: rows in all, the training run's `steps * batch_size`, at least as many as
+      `retrieval` has.
+
+    **Returns:** an `eqx_longctx.data.PackedDataset` of `samples` rows and `text.seed`.
+
+    **Raises:** `ValueError` when `samples` is below the retrieval rows.
+    """
+    from ..data import PackedDataset
+
+    extra = retrieval.num_rows
+    if samples < extra:
+        raise ValueError(
+            f"stream_mix lays out the run's rows; got samples={samples} below the "
+            f"{extra} retrieval rows. Pass steps * batch_size, or fewer retrieval rows."
+        )
+    t = np.arange(samples)
+    is_extra = (t + 1) * extra // samples > t * extra // samples  # `extra` slots, evenly
+    rng = np.random.default_rng([text.seed, 49])
+    cycle = np.concatenate(
+        [rng.permutation(text.num_rows) for _ in range(-(-(samples - extra) // text.num_rows))]
+    ) if samples > extra else np.zeros(0, np.int64)  # fmt: skip
+    source = np.zeros(samples, np.int64)
+    source[~is_extra] = cycle[: samples - extra]
+    source[is_extra] = text.num_rows + np.arange(extra)  # the retrieval rows, in order
+    both = mix_datasets(text, retrieval)
+    rows = both.rows(source)
+    where = np.random.default_rng((text.seed, 0)).permutation(samples)  # `batch`'s epoch 0
+    order = np.empty(samples, np.int64)
+    order[where] = np.arange(samples)  # the row stored at `where[t]` is stream slot t
+    weights = None if both.loss_weights is None else both.loss_weights[source][order]
+    return PackedDataset(
+        np.asarray(rows.tokens)[order], np.asarray(rows.positions)[order],
+        np.asarray(rows.segment_ids)[order], pad_id=text.pad_id,
+        num_documents=both.num_documents, seed=text.seed, loss_weights=weights,
+    )  # fmt: skip
+
+
+def with_retrieval(
+    text: Any, tasks: Sequence[str], tokenizer: Any, *, share: float, loss: str, seed: int,
+    max_filler: int | None, samples: int,
+) -> Any:  # fmt: skip
+    """The training rows of a run with `--synthetic` documents: `text` and
+    `retrieval_dataset` rows of `tasks` at `share` of all rows, shuffled together
+    (`mix_datasets`); or with `max_filler`, drills whose filler ramps up to it, read in
+    order over the run's `samples` (`steps * batch_size`) rows (`stream_mix`).
+
+    **Raises:** `ValueError` as `retrieval_dataset`.
+    """
+    seq_len = text.tokens.shape[1]
+    if max_filler is None:
+        rows = retrieval_rows_for(text.num_rows, share)
+        extra = retrieval_dataset(tasks, tokenizer, seq_len, rows, seed=seed, loss=loss)
+        return mix_datasets(text, extra)
+    rows = max(1, round(share * samples))
+    extra = retrieval_dataset(tasks, tokenizer, seq_len, rows, seed=seed, loss=loss,
+                              max_filler=max_filler, ramp=True)  # fmt: skip
+    return stream_mix(text, extra, max(samples, rows))

@@ -188,16 +188,44 @@ def assemble(
     at = min(int(target // unit), boundaries - 1)
     if at + 1 < boundaries and abs(offset(at + 1) - target) < abs(offset(at) - target):
         at += 1
-    places = draw.place(boundaries, at, rng)
+    places = [offset(b) for b in draw.place(boundaries, at, rng)]
     hay = np.resize(code.unit, filler)  # the units repeated, the last one cut
-    parts = [np.asarray(start, dtype=np.int64), intro]
-    size, done, needle_at = len(start) + intro.size, 0, 0
+    head = [np.asarray(start, dtype=np.int64), intro]
+    parts, needle_at = _weave(head, hay, needles, places)
+    return np.concatenate([*parts, question]), answer, needle_at
+
+
+def assemble_drill(
+    code: Coder, draw: Draw, *, start: Sequence[int], filler: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """A drill of `draw`: its needles and question without the intro, in `filler` tokens
+    of the filler units read from a random token of a unit on. Every token is a boundary:
+    the queried needle goes to a uniformly random one, the others where `draw.place` says,
+    so neither the needle nor the question sits at an offset a model could learn instead of
+    reading the needle. Returns the prompt ids (`start` first), the answer ids, the queried
+    needle's index and its depth in the filler (0 without filler).
+    """
+    needles = [code.ids(n) for n in draw.needles]
+    phase = int(rng.integers(code.unit.size))
+    hay = np.resize(np.roll(code.unit, -phase), filler)
+    places = draw.place(filler + 1, int(rng.integers(filler + 1)), rng)
+    parts, needle_at = _weave([np.asarray(start, dtype=np.int64)], hay, needles, places)
+    prompt = np.concatenate([*parts, code.ids(draw.question)])
+    return prompt, code.ids(draw.answer), needle_at, places[0] / max(filler, 1)
+
+
+def _weave(
+    head: list[np.ndarray], hay: np.ndarray, needles: list[np.ndarray], places: Sequence[int]
+) -> tuple[list[np.ndarray], int]:
+    """`head`, then `hay` with needle `i` put in before its token `places[i]` (needles at
+    one place in their order), and the index of needle 0 in the concatenation."""
+    parts = list(head)
+    size, done, needle_at = sum(p.size for p in head), 0, 0
     for i in sorted(range(len(needles)), key=places.__getitem__):
-        upto = offset(places[i])
+        upto = places[i]
         parts += [hay[done:upto], needles[i]]
         size, done = size + upto - done, upto
         if i == 0:
             needle_at = size
         size += needles[i].size
-    parts += [hay[done:], question]
-    return np.concatenate(parts), answer, needle_at
+    return [*parts, hay[done:]], needle_at

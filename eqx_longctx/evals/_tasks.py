@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._needles import WORDS, Draw, Piece, Place, Text, Var, assemble, coder
+from ._needles import WORDS, Draw, Piece, Place, Text, Var, assemble, assemble_drill, coder
 
 TASKS: tuple[str, ...] = (
     "passkey",
@@ -401,6 +401,66 @@ def make_samples(
         make_sample(task, text, length=length, depth=depth, rng=rng, start=begin)
         for _ in range(samples)
     ]
+
+
+def min_drill_length(
+    task: str, text: Text, *, start: Sequence[int | np.integer] | np.ndarray = ()
+) -> int:
+    """The most tokens a drill of `task` without filler can take with the tokenizer
+    `text` (`make_drill`): the `start` ids and every piece but the intro and the filler
+    at their largest.
+
+    **Raises:** `ValueError` for an unknown task.
+    """
+    check_task(task)
+    code, key = coder(text), "drill " + task
+    if key not in code.minimum:
+        draw = _DRAWS[task](np.random.default_rng(0))  # every draw has the same pieces
+        code.minimum[key] = code.bound(draw.pieces()) - code.bound(draw.intro)
+    return len(_start_ids(start)) + code.minimum[key]
+
+
+def make_drill(
+    task: str, text: Text, *, filler: int, rng: np.random.Generator,
+    start: Sequence[int | np.integer] | np.ndarray = (),
+) -> Sample:  # fmt: skip
+    """One drill of `task`, a training document rather than an eval: the task's needles
+    and question without its intro, in `filler` tokens of filler read from a random token
+    of its unit on, the queried needle before a uniformly random one of them (the others
+    where the task puts them). Short drills are how a small model first learns to read a
+    needle by its content (docs/recipes.md).
+
+    **Arguments:**
+
+    - `task`: one of `TASKS`.
+    - `text`: the tokenizer (see `Text`).
+    - `filler`: the filler's tokens, at least 0.
+    - `rng`: draws the sample, the filler's phase and the needles' places.
+    - `start`: ids the prompt opens with (e.g. `[bos_id]`).
+
+    **Returns:** a `Sample` whose `length` is what the drill came to and whose `depth` is
+    where its queried needle sits in the filler.
+
+    **Raises:** `ValueError` for an unknown task or a negative `filler`.
+    """
+    check_task(task)
+    if not isinstance(filler, int | np.integer) or isinstance(filler, bool) or filler < 0:
+        raise ValueError(f"filler must be an int >= 0 tokens; got {filler!r}. Pass e.g. 32.")
+    begin, code = _start_ids(start), coder(text)
+    draw = _DRAWS[task](rng)
+    ids, answer_ids, needle_at, depth = assemble_drill(
+        code, draw, start=begin, filler=int(filler), rng=rng
+    )
+    return Sample(
+        task=task,
+        length=int(ids.size + answer_ids.size),
+        depth=depth,
+        prompt_ids=tuple(ids.tolist()),
+        answer_ids=tuple(answer_ids.tolist()),
+        prompt=text.decode(ids[len(begin) :]),
+        answer=draw.answer_text,
+        needle_at=needle_at,
+    )
 
 
 def training_document(task: str, text: Text, *, length: int, rng: np.random.Generator) -> str:

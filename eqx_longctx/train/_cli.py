@@ -180,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         "answers alone (the retrieval's gradient undiluted by the filler's)",
     )
     p.add_argument(
+        "--synthetic-filler",
+        type=int,
+        default=d.synthetic_filler,
+        metavar="N",
+        help="train on drills instead of whole --synthetic prompts: each task's needles and "
+        "question without the intro, in 0 to N filler tokens, several to a row (how a small "
+        "model first learns to read a needle; see docs/recipes.md)",
+    )
+    p.add_argument(
         "--recipe",
         default=None,
         choices=sorted(RECIPES),
@@ -365,6 +374,7 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
             synthetic=args.synthetic,
             synthetic_share=args.synthetic_share,
             synthetic_loss=args.synthetic_loss,
+            synthetic_filler=args.synthetic_filler,
             progress=not args.no_progress and primary,
         )
         if runtime is not None:  # a default run dir is stamped with the time: take process 0's

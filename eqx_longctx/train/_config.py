@@ -88,6 +88,9 @@ class TrainConfig:
     - `synthetic_share`: the share of training rows that hold them, in `[0, 1)`.
     - `synthetic_loss`: what the loss counts in those documents: `"all"` their tokens, or
       `"answers"` the answers alone (`eqx_longctx.evals.retrieval_dataset`).
+    - `synthetic_filler`: `None` (whole prompts of varied lengths), or drills: the tasks'
+      needles and question without the intro in 0 to this many filler tokens, several to a
+      row (`retrieval_dataset`'s `max_filler`); how a small model first learns to retrieve.
     - `progress`: show a tqdm progress bar.
     """
 
@@ -129,6 +132,7 @@ class TrainConfig:
     synthetic: str | None = None
     synthetic_share: float = 0.5
     synthetic_loss: str = "all"
+    synthetic_filler: int | None = None
     progress: bool = True
 
     def __post_init__(self):
@@ -169,14 +173,17 @@ _INTS = {
     "devices": (1, "devices to run on"),
     "seed": (0, "the random seed"),
     "max_bytes": (1, "corpus bytes to read; None: the data package's default"),
+    "synthetic_filler": (0, "the most filler tokens of a retrieval drill; None: whole prompts"),
     "eval_batches": (1, "validation batches per evaluation; None: the whole split"),
     "final_eval_batches": (1, "validation batches after the last step; None: the whole split"),
 }
 _OPTIONAL = (
     "max_bytes", "eval_batches", "final_eval_batches", "data", "run_dir", "mesh", "fsdp_axes",
     "remat", "loss_chunk", "host_offload", "init_hf", "init_run", "synthetic",
+    "synthetic_filler",
 )  # fmt: skip
-_EXAMPLES = {"final_eval_batches": 16, "loss_chunk": 1024}  # for fields whose default is None
+# Examples for the fields whose default is None:
+_EXAMPLES = {"final_eval_batches": 16, "loss_chunk": 1024, "synthetic_filler": 32}
 # Float fields: (rule, test, example); None: the range is check_optimizer_settings's.
 _FLOATS = {
     "lr": (None, None, "3e-3"),

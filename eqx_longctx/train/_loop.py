@@ -170,15 +170,13 @@ class Trainer:
                     raise
                 raise ValueError(f"--data {config.data or '(the standard library)'}: {e}") from e
         if config.synthetic is not None and config.synthetic_share > 0:
-            from ..evals import mix_datasets, retrieval_dataset, retrieval_rows_for
+            from ..evals import with_retrieval
 
-            text_train, val = datasets
-            rows = retrieval_rows_for(text_train.num_rows, config.synthetic_share)
-            retrieval = retrieval_dataset(
-                config.synthetic.split(","), self.tokenizer, config.seq_len, rows,
-                seed=config.seed, loss=config.synthetic_loss,
-            )  # fmt: skip
-            datasets = (mix_datasets(text_train, retrieval), val)
+            datasets = (with_retrieval(
+                datasets[0], config.synthetic.split(","), self.tokenizer,
+                share=config.synthetic_share, loss=config.synthetic_loss, seed=config.seed,
+                max_filler=config.synthetic_filler, samples=config.steps * config.batch_size,
+            ), datasets[1])  # fmt: skip
         self.train_data, self.val_data = datasets
         lengths = {d.tokens.shape[1] for d in datasets}
         if lengths != {config.seq_len}:

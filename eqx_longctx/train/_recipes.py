@@ -24,9 +24,10 @@ class Recipe:
       at its training length after the last step (`None`: none).
     - `eval_samples`: samples per depth of that eval.
     - `eval_depths`: its needle depths.
-    - `first`: `TrainConfig` fields of a short first stage (e.g. `seq_len`, `batch_size`,
-      `steps`), trained into `RUN_DIR/short` before the run itself, which then starts
-      from its weights (`init_run`); `None`: one stage.
+    - `stages`: the stages trained before the run itself, in order, each the
+      `TrainConfig` fields it changes (e.g. `seq_len`, `steps`, `synthetic_filler`): stage
+      `k` trains into `RUN_DIR/stage-k` from the weights of stage `k - 1` (`init_run`),
+      and the run itself from the last one's; `()`: the run alone.
     """
 
     name: str
@@ -35,7 +36,7 @@ class Recipe:
     eval_task: str | None = None
     eval_samples: int = 10
     eval_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    first: Mapping[str, Any] | None = None
+    stages: tuple[Mapping[str, Any], ...] = ()
 
 
 _RETRIEVAL = {
@@ -88,31 +89,35 @@ def recipe_help() -> str:
     return "recipes: " + "; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values())
 
 
-FIRST_STAGE_DIR = "short"
-"""The folder of a recipe's run directory that holds its first stage's run."""
+STAGE_DIR = "stage-{}"
+"""The folder of a recipe's run directory that holds its stage `k`'s run (`k` from 1)."""
 
 
 def recipe_stages(recipe: Recipe, config: Any) -> list[Any]:
     """The runs `--recipe` makes for `config` (a `TrainConfig`): `[config]`, or, for a
-    recipe with a `first` stage, that stage's run in `RUN_DIR/short` and then `config`
-    starting from its weights (`init_run`). A start given by the user (`init_run` or
-    `init_hf`) replaces the first stage. With `resume`, a stage that saved no checkpoint
-    yet starts fresh.
+    recipe with `stages`, each stage's run in `RUN_DIR/stage-k` starting from the one
+    before (the first from scratch), then `config` starting from the last. Each stage
+    takes `config` with its own changes, and TrainConfig's default warmup unless it sets
+    one. A start given by the user (`init_run` or `init_hf`) replaces the stages. With
+    `resume`, a stage that saved no checkpoint yet starts fresh, one that did resumes.
 
-    **Raises:** `ValueError` as `TrainConfig` for first-stage values it refuses.
+    **Raises:** `ValueError` as `TrainConfig` for stage values it refuses.
     """
-    if recipe.first is None or config.init_run is not None or config.init_hf is not None:
+    if not recipe.stages or config.init_run is not None or config.init_hf is not None:
         return [config]
-    short = pathlib.Path(str(config.run_dir)) / FIRST_STAGE_DIR
-    changes = {"warmup_steps": None, **recipe.first}  # None: TrainConfig's default warmup
-    first = dataclasses.replace(
-        config, run_dir=str(short), resume=config.resume and _has_checkpoints(short), **changes
-    )
+    runs, before = [], None
+    for k, changes in enumerate(recipe.stages, start=1):
+        run_dir = pathlib.Path(str(config.run_dir)) / STAGE_DIR.format(k)
+        runs.append(dataclasses.replace(
+            config, **{"warmup_steps": None, **changes}, run_dir=str(run_dir), init_run=before,
+            resume=config.resume and _has_checkpoints(run_dir),
+        ))  # fmt: skip
+        before = str(run_dir)
     main = dataclasses.replace(
-        config, init_run=str(short),
+        config, init_run=before,
         resume=config.resume and _has_checkpoints(pathlib.Path(str(config.run_dir))),
     )  # fmt: skip
-    return [first, main]
+    return [*runs, main]
 
 
 def _has_checkpoints(run_dir: pathlib.Path) -> bool:

@@ -60,6 +60,7 @@ RUN_FLAGS = (
     "synthetic",
     "synthetic_share",
     "synthetic_loss",
+    "synthetic_filler",
 )
 RESHARDABLE_FLAGS = (
     "devices", "mesh", "fsdp_axes", "strategy", "load_balance", "remat", "grad_accum",

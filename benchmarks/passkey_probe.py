@@ -9,7 +9,10 @@ tokens, half up to 80 shorter), and on 40 held-out training rows:
 
     python benchmarks/passkey_probe.py --seq 256 --batch 16 --steps 1000 --heads 8
 
-`--plot DIR` draws accuracy against step.
+`--drills N` trains on drills instead (`retrieval_dataset(max_filler=N, ramp=True)`, read
+in order: the filler grows from 0 to N over the first 3/4 of the run) and also reports
+exact match on 40 held-out drills of 0 to N filler tokens. `--plot DIR` draws accuracy
+against step.
 """
 
 import argparse
@@ -42,6 +45,15 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=344)
     p.add_argument("--theta", type=float, default=10000.0, help="RoPE base")
     p.add_argument("--tasks", default="passkey", help="retrieval tasks trained on")
+    p.add_argument(
+        "--drills",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train on drills whose filler ramps from 0 to N tokens",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the model's and the data's seed")
+    p.add_argument("--save", default=None, metavar="FILE", help="save the weights here")
     p.add_argument("--plot", default=None, metavar="DIR", help="write passkey_probe.png here")
     a = p.parse_args()
 
@@ -50,12 +62,21 @@ def main() -> None:
         vocab_size=tok.vocab_size, dim=a.dim, n_layers=a.layers, n_heads=a.heads,
         n_kv_heads=a.heads, hidden_dim=a.hidden, rope_theta=a.theta, max_seq_len=a.seq,
     )  # fmt: skip
-    params, static = eqx.partition(Llama(config, key=jax.random.key(0)), eqx.is_array)
-    train = retrieval_dataset(a.tasks.split(","), tok, a.seq, a.batch * a.steps, seed=1,
-                              loss="answers")  # fmt: skip
+    params, static = eqx.partition(Llama(config, key=jax.random.key(a.seed)), eqx.is_array)
+    rows = a.batch * a.steps
+    train = retrieval_dataset(a.tasks.split(","), tok, a.seq, rows, seed=1 + a.seed,
+                              loss="answers", max_filler=a.drills,
+                              ramp=a.drills is not None)  # fmt: skip
+    read = (
+        (lambda s: train.rows(np.arange(s * a.batch, (s + 1) * a.batch)))
+        if a.drills is not None
+        else (lambda s: train.batch(s, a.batch))
+    )  # a ramp is read in order
     held = retrieval_dataset(["passkey"], tok, a.seq, 40, seed=99, loss="answers").rows(
         np.arange(40)
     )
+    drills = retrieval_dataset(["passkey"], tok, a.seq, 40, seed=98, loss="answers",
+                               max_filler=a.drills or 0).rows(np.arange(40))  # fmt: skip
     optimizer = make_optimizer(a.lr, min(20, a.steps // 10), a.steps)
     state = optimizer.init(params)
 
@@ -91,20 +112,25 @@ def main() -> None:
         prompts = jnp.all(guess == np.take_along_axis(tokens, at + 1, 1), -1)
         logits = model(held.tokens, held.positions, held.segment_ids)
         ok = (jnp.argmax(logits, -1) == held.targets) | (held.loss_mask == 0)
-        return prompts, jnp.all(ok, -1).mean()
+        logits = model(drills.tokens, drills.positions, drills.segment_ids)
+        drilled = (jnp.argmax(logits, -1) == drills.targets) | (drills.loss_mask == 0)
+        return prompts, jnp.all(ok, -1).mean(), jnp.all(drilled, -1).mean()
 
     history = []
     start = time.perf_counter()
     for s in range(a.steps):
-        params, state, loss = step(params, state, train.batch(s, a.batch))
+        params, state, loss = step(params, state, read(s))
         if (s + 1) % a.every == 0 or s + 1 == a.steps:
-            prompts, rows = exact(params)
+            prompts, rows, drilled = exact(params)
             by_depth = np.asarray(prompts).reshape(len(DEPTHS), -1).mean(1)
             history.append((s + 1, by_depth, float(rows)))
             print(f"step {s + 1}  {time.perf_counter() - start:.0f} s  loss {float(loss):.3f}  "
                   f"prompts {by_depth.mean():.0%} (by depth "
-                  f"{' '.join(f'{x:.0%}' for x in by_depth)})  held-out rows {float(rows):.0%}",
+                  f"{' '.join(f'{x:.0%}' for x in by_depth)})  held-out rows {float(rows):.0%}"
+                  + (f"  held-out drill rows {float(drilled):.0%}" if a.drills else ""),
                   flush=True)  # fmt: skip
+    if a.save:
+        eqx.tree_serialise_leaves(a.save, params)
     if a.plot:
         _plot(history, a.plot)
 

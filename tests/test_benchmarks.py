@@ -41,7 +41,8 @@ SCRIPTS = {  # script: (toy arguments, the PNGs its --plot must write)
         ["linear_attention_op", "linear_attention_cp"],
     ),
     "passkey_probe": (
-        "--seq 160 --batch 2 --steps 2 --every 1 --dim 32 --heads 2 --hidden 64".split(),
+        "--seq 160 --batch 2 --steps 2 --every 1 --dim 32 --heads 2 --hidden 64 "
+        "--drills 20".split(),
         ["passkey_probe"],
     ),
     "fsdp": (

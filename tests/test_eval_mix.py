@@ -178,3 +178,23 @@ def test_a_ramp_reaches_the_batches_in_order():
     assert max(fillers[-10:]) > 40 and max(fillers) <= most
     early, late = np.mean(fillers[: steps // 3]), np.mean(fillers[-steps // 3 :])
     assert late > early + 20, fillers
+
+
+def test_the_passkey_recipe_drills_first_unless_told_not_to(tmp_path):
+    """`--recipe passkey` trains its drill stage into RUN_DIR/stage-1, then the 2048-token
+    run from it; `--no-stages` trains the last stage alone, and a start of one's own
+    replaces the stages."""
+    from eqx_longctx.train._cli import config_from_flags
+    from eqx_longctx.train._recipes import RECIPES, recipe_stages
+
+    def stages(*extra):
+        args = parse_flags(["--recipe", "passkey", "--run-dir", str(tmp_path), *extra])
+        return recipe_stages(RECIPES["passkey"], config_from_flags(args))
+
+    drills, run = stages()
+    assert (drills.seq_len, drills.synthetic_filler, drills.init_run) == (256, 60, None)
+    assert drills.run_dir == str(tmp_path / "stage-1") and drills.synthetic == "passkey"
+    assert (run.seq_len, run.synthetic_filler, run.init_run) == (2048, None, drills.run_dir)
+    assert dict(run.model_overrides) == dict(drills.model_overrides) != {}
+    (alone,) = stages("--init-run", str(tmp_path / "other"))
+    assert alone.init_run == str(tmp_path / "other")

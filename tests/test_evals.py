@@ -40,8 +40,7 @@ def trained(tmp_path_factory) -> pathlib.Path:
 
     run = tmp_path_factory.mktemp("passkey") / "run"
     flags = [
-        "--recipe", "passkey", "--synthetic", "passkey", "--seq-len", str(SEQ), "--steps", "20",
-        "--override", "n_layers=2", "--override", "dim=128", "--override", "hidden_dim=344",
+        "--recipe", "passkey", "--no-stages", "--seq-len", str(SEQ), "--steps", "20",
         "--max-bytes", "200000", "--devices", "4", "--mesh", "data=2,context=2",
         "--eval-every", "1000", "--checkpoint-every", "1000", "--run-dir", str(run),
         "--no-progress",
@@ -292,7 +291,7 @@ def test_recipes_set_their_flags_and_fit_their_mesh(name):
     recipe = RECIPES[name]
     args = parse_flags(["--recipe", name, "--steps", "7"])
     assert args.steps == 7 and args.seq_len == recipe.flags["seq_len"] == 2048
-    assert args.synthetic == "passkey,niah_multikey" and args.model == recipe.flags.get(
+    assert args.synthetic == recipe.flags["synthetic"] and args.model == recipe.flags.get(
         "model", "llama"
     )
     config = preset_model_config(

@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="take the flag defaults from a named recipe (your own flags still win); see the "
         "list below and docs/recipes.md",
     )
+    p.add_argument(
+        "--no-stages",
+        action="store_true",
+        help="train a staged recipe's last stage alone (your flags set it), from scratch or "
+        "from --init-run / --init-hf, without the stages before it",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default=d.on_nonfinite)
     p.add_argument(
@@ -319,6 +325,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code  # not reached
 
 
+def config_from_flags(args: argparse.Namespace, *, progress: bool = False) -> TrainConfig:
+    """The run's `TrainConfig` from parsed flags (`parse_flags`), before a recipe's stages.
+
+    **Raises:** `ValueError` as `TrainConfig` for values it refuses.
+    """
+    return TrainConfig(
+        model=args.model,
+        preset=args.preset,
+        model_overrides=dict(args.override),
+        init_hf=args.init_hf,
+        init_run=args.init_run,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        loss_chunk=args.loss_chunk,
+        steps=args.steps,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip_norm,
+        data=args.data,
+        max_bytes=args.max_bytes,
+        run_dir=args.run_dir,
+        checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches or None,
+        final_eval_batches=args.final_eval_batches or None,
+        log_every=args.log_every,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        devices=args.devices,
+        mesh=args.mesh,
+        fsdp_axes=args.fsdp_axes,
+        strategy=args.strategy,
+        load_balance=args.load_balance,
+        seed=args.seed,
+        on_nonfinite=args.on_nonfinite,
+        remat=args.remat,
+        host_offload=args.host_offload,
+        synthetic=args.synthetic,
+        synthetic_share=args.synthetic_share,
+        synthetic_loss=args.synthetic_loss,
+        synthetic_filler=args.synthetic_filler,
+        progress=progress,
+    )
+
+
 def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
     """The run itself; `runtime` is `None` for one process. Error messages go to stderr
     and into `failure["message"]`."""
@@ -337,51 +390,13 @@ def _train(args: argparse.Namespace, runtime, failure: dict[str, str]) -> int:
     try:
         if runtime is not None:
             runtime.check_same_flags({k: v for k, v in vars(args).items() if k != "process_id"})
-        config = TrainConfig(
-            model=args.model,
-            preset=args.preset,
-            model_overrides=dict(args.override),
-            init_hf=args.init_hf,
-            init_run=args.init_run,
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            grad_accum=args.grad_accum,
-            loss_chunk=args.loss_chunk,
-            steps=args.steps,
-            lr=args.lr,
-            warmup_steps=args.warmup_steps,
-            weight_decay=args.weight_decay,
-            clip_norm=args.clip_norm,
-            data=args.data,
-            max_bytes=args.max_bytes,
-            run_dir=args.run_dir,
-            checkpoint_every=args.checkpoint_every,
-            eval_every=args.eval_every,
-            eval_batches=args.eval_batches or None,
-            final_eval_batches=args.final_eval_batches or None,
-            log_every=args.log_every,
-            resume=args.resume,
-            overwrite=args.overwrite,
-            devices=args.devices,
-            mesh=args.mesh,
-            fsdp_axes=args.fsdp_axes,
-            strategy=args.strategy,
-            load_balance=args.load_balance,
-            seed=args.seed,
-            on_nonfinite=args.on_nonfinite,
-            remat=args.remat,
-            host_offload=args.host_offload,
-            synthetic=args.synthetic,
-            synthetic_share=args.synthetic_share,
-            synthetic_loss=args.synthetic_loss,
-            synthetic_filler=args.synthetic_filler,
-            progress=not args.no_progress and primary,
-        )
+        config = config_from_flags(args, progress=not args.no_progress and primary)
         if runtime is not None:  # a default run dir is stamped with the time: take process 0's
             run_dir = primary_value("run_dir", str(config.run_dir), runtime.timeout)
             config = dataclasses.replace(config, run_dir=run_dir)
         recipe = RECIPES[args.recipe] if args.recipe is not None else None
-        stages = recipe_stages(recipe, config) if recipe is not None else [config]
+        staged = recipe is not None and not args.no_stages
+        stages = recipe_stages(recipe, config) if staged and recipe else [config]
     except ValueError as e:
         return fail(e, 2)
     for number, stage in enumerate(stages, start=1):

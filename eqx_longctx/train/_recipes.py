@@ -55,16 +55,48 @@ _RETRIEVAL = {
     "load_balance": "zigzag",
 }
 
+_SMALL_LLAMA = [
+    ("n_layers", "2"), ("dim", "128"), ("n_heads", "8"), ("n_kv_heads", "8"),
+    ("head_dim", "16"), ("hidden_dim", "344"),
+]  # fmt: skip
+"""The passkey recipe's model: the tiny Llama at 2 layers of width 128 (0.4M parameters),
+small enough to learn retrieval in minutes on a CPU."""
+
+_DRILLS = {
+    "seq_len": 256,
+    "batch_size": 16,
+    "steps": 1000,
+    "lr": 3e-3,
+    "synthetic": "passkey",
+    "synthetic_share": 0.98,
+    "synthetic_filler": 60,
+    "eval_every": 500,
+    "checkpoint_every": 500,
+}
+"""The passkey recipe's first stage: drills whose filler ramps from 0 to 60 tokens, where
+the model learns to copy a needle and then to find it by its content (docs/recipes.md)."""
+
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
         Recipe(
             "passkey",
-            "the tiny Llama trained for retrieval: stdlib text mixed with passkey and multi-key "
-            "needle documents at every depth, 2048-token rows, ring attention over zig-zag on "
-            "8 devices; ends with the passkey eval at 2047 tokens",
-            _RETRIEVAL,
+            "a 2-layer tiny Llama trained for retrieval in two stages: passkey drills whose "
+            "filler ramps from 0 to 60 tokens in 256-token rows, then stdlib text mixed with "
+            "passkey documents at every depth in 2048-token rows, ring attention over zig-zag "
+            "on 8 devices; ends with the passkey eval at 2047 tokens",
+            {
+                **_RETRIEVAL,
+                "override": _SMALL_LLAMA,
+                "synthetic": "passkey",
+                "synthetic_share": 0.875,
+                "lr": 1e-3,
+                "steps": 150,
+                "eval_every": 75,
+                "checkpoint_every": 75,
+            },
             eval_task="passkey",
+            stages=(_DRILLS,),
         ),
         Recipe(
             "passkey-hybrid",

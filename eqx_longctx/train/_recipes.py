@@ -89,7 +89,7 @@ RECIPES: dict[str, Recipe] = {
                 **_RETRIEVAL,
                 "override": _SMALL_LLAMA,
                 "synthetic": "passkey",
-                "synthetic_share": 0.875,
+                "synthetic_share": 0.98,
                 "lr": 1e-3,
                 "steps": 150,
                 "eval_every": 75,

@@ -41,6 +41,7 @@ def trained(tmp_path_factory) -> pathlib.Path:
     run = tmp_path_factory.mktemp("passkey") / "run"
     flags = [
         "--recipe", "passkey", "--no-stages", "--seq-len", str(SEQ), "--steps", "20",
+        "--synthetic-share", "0.75",
         "--max-bytes", "200000", "--devices", "4", "--mesh", "data=2,context=2",
         "--eval-every", "1000", "--checkpoint-every", "1000", "--run-dir", str(run),
         "--no-progress",

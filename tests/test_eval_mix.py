@@ -51,6 +51,31 @@ def test_rows_hold_whole_documents_of_varied_lengths():
     assert len(set(questions)) > 0.8 * len(questions), sorted(questions)
 
 
+@pytest.mark.parametrize("power", [None, 1.0])
+def test_whole_row_needles_lean_towards_the_start(power, monkeypatch):
+    """A whole-row document's needle is drawn at depth u ** 2 (the farthest distances, the
+    rarest, trained more often); at power 1, uniformly."""
+    from eqx_longctx.evals import _mix
+
+    if power is not None:
+        monkeypatch.setattr(_mix, "FAR_DEPTH_POWER", power)
+    data = retrieval_dataset(["passkey"], TOK, 512, 150, seed=4)
+    whole = []
+    for r in range(data.num_rows):
+        spans = _segments(data.segment_ids[r])
+        start, stop = spans[0]
+        if len(spans) == 1 and stop - start > 0.75 * 512:
+            text = TOK.decode(data.tokens[r, start + 1 : stop - 1].tolist())
+            intro, question = text.find("remember it.") + 12, text.rfind("\n")
+            whole.append((text.find("The pass key is") - intro) / (question - intro))
+    assert 0.5 < len(whole) / data.num_rows < 0.7  # FULL_ROW_SHARE
+    near = np.mean(np.asarray(whole) < 0.1)
+    if power is None:
+        assert np.mean(whole) < 0.4 and near > 0.25, (np.mean(whole), near)
+    else:
+        assert 0.4 < np.mean(whole) < 0.6 and near < 0.2, (np.mean(whole), near)
+
+
 def test_answers_loss_counts_exactly_the_answer_tokens():
     data = retrieval_dataset(["passkey"], TOK, SEQ, ROWS, seed=5, loss="answers")
     batch = data.rows(np.arange(ROWS))
@@ -178,6 +203,28 @@ def test_a_ramp_reaches_the_batches_in_order():
     assert max(fillers[-10:]) > 40 and max(fillers) <= most
     early, late = np.mean(fillers[: steps // 3]), np.mean(fillers[-steps // 3 :])
     assert late > early + 20, fillers
+
+
+def test_a_run_of_prompts_generates_only_the_rows_it_reads():
+    """Prompts at share 0.98 would mean 49 retrieval rows per text row; a run that reads
+    fewer rows gets the share of its own rows, and every row it reads is one of them or
+    text. A run that reads the whole mix gets the shuffled mix."""
+    from eqx_longctx.evals import retrieval_rows_for, with_retrieval
+
+    seq, steps, batch = 256, 10, 4
+    text = PackedDataset.from_documents(["some text " * 300, "more text " * 200], seq, TOK, seed=3)
+    assert retrieval_rows_for(text.num_rows, 0.98) > 2 * steps * batch
+    data = with_retrieval(text, ["passkey"], TOK, share=0.98, loss="answers", seed=1,
+                          max_filler=None, samples=steps * batch)  # fmt: skip
+    assert data.num_rows == steps * batch
+    read = np.concatenate([data.batch(step, batch).tokens for step in range(steps)])
+    passkey = ["pass key" in TOK.decode(row.tolist()) for row in read]
+    assert sum(passkey) == round(0.98 * steps * batch)
+    texts = {tuple(row) for row in np.asarray(text.tokens)}
+    assert all(p or tuple(row) in texts for p, row in zip(passkey, read, strict=True))
+    whole = with_retrieval(text, ["passkey"], TOK, share=0.5, loss="all", seed=1,
+                           max_filler=None, samples=10_000)  # fmt: skip
+    assert whole.num_rows == 2 * text.num_rows
 
 
 def test_the_passkey_recipe_drills_first_unless_told_not_to(tmp_path):

@@ -15,16 +15,24 @@ RAMP_SHARE = 0.75
 """With a ramp (`retrieval_dataset`), the share of the rows over which the drills' most
 filler grows to its end value."""
 
-FULL_ROW_SHARE = 0.3
+FULL_ROW_SHARE = 0.6
 """The share of retrieval rows that hold one document of three quarters to all of the row
 (the others hold several shorter ones), so that every depth of the longest context is
 trained."""
 
+FAR_DEPTH_POWER = 2.0
+"""A whole-row document's needle sits at depth `u ** FAR_DEPTH_POWER` (`u` uniform): more
+often near the start, far from the question. The shorter documents already train short
+distances many times over; at uniform depths a 2048-token passkey run saw its farthest
+needles (depth 0) so rarely that it found 1 in 10 of them, and 9 in 10 with this draw
+(docs/recipes.md)."""
 
-def _row_pieces(rng: np.random.Generator, seq_len: int, shortest: int) -> list[int]:
+
+def _row_pieces(rng: np.random.Generator, seq_len: int, shortest: int) -> tuple[list[int], bool]:
     """Token counts of the documents of one row (each with its BOS and EOS), each at least
-    `shortest`; the rest of the row is padding. One long document (`FULL_ROW_SHARE`), or
-    log-uniform pieces while at least `shortest` tokens are left.
+    `shortest`, and whether the row is one whole-row document; the rest of the row is
+    padding. One long document (`FULL_ROW_SHARE`), or log-uniform pieces while at least
+    `shortest` tokens are left.
 
     Lengths vary from row to row on purpose: with every document as long as the row, the
     question always sits at the same position, and a model learns to answer there from
@@ -32,13 +40,13 @@ def _row_pieces(rng: np.random.Generator, seq_len: int, shortest: int) -> list[i
     length, none 1 to 5 tokens shorter).
     """
     if rng.random() < FULL_ROW_SHARE:
-        return [int(rng.integers(max(shortest, seq_len - seq_len // 4), seq_len + 1))]
+        return [int(rng.integers(max(shortest, seq_len - seq_len // 4), seq_len + 1))], True
     pieces, left = [], seq_len
     while left >= shortest:
         size = int(np.exp(rng.uniform(np.log(shortest), np.log(left + 1))))
         pieces.append(min(max(size, shortest), left))
         left -= pieces[-1]
-    return pieces
+    return pieces, False
 
 
 def retrieval_dataset(
@@ -52,9 +60,10 @@ def retrieval_dataset(
     max_filler: int | None = None,
     ramp: bool = False,
 ) -> Any:
-    """`rows` packed rows of retrieval documents (`make_sample`'s prompt and answer, at a
-    uniform random depth, task by task in turn at random): one document of three quarters
-    to all of the row, or several shorter ones, each opened by BOS and closed by EOS, with
+    """`rows` packed rows of retrieval documents (`make_sample`'s prompt and answer, task by
+    task in turn at random): one document of three quarters to all of the row
+    (`FULL_ROW_SHARE`, its needle drawn towards the start, `FAR_DEPTH_POWER`), or several
+    shorter ones at uniform random depths, each opened by BOS and closed by EOS, with
     their own positions and segment ids, then padding (segment 0) shorter than the
     shortest document. Document lengths vary, so no answer sits at a fixed position.
 
@@ -148,11 +157,14 @@ def _documents(
     max_filler: int | None,
 ) -> Iterator[Any]:  # fmt: skip
     """The samples of one row, task by task at random: prompts of `_row_pieces`' lengths
-    (each with room for its BOS and EOS), or drills until one does not fit."""
+    (each with room for its BOS and EOS; a whole row's needle drawn towards the start,
+    `FAR_DEPTH_POWER`), or drills until one does not fit."""
     if max_filler is None:
-        for size in _row_pieces(rng, seq_len, shortest):
+        sizes, whole = _row_pieces(rng, seq_len, shortest)
+        for size in sizes:
             task = tasks[int(rng.integers(len(tasks)))]
-            yield make_sample(task, tokenizer, length=size - 2, depth=float(rng.random()), rng=rng)
+            depth = float(rng.random()) ** (FAR_DEPTH_POWER if whole else 1.0)
+            yield make_sample(task, tokenizer, length=size - 2, depth=depth, rng=rng)
         return
     while True:
         task = tasks[int(rng.integers(len(tasks)))]
@@ -237,18 +249,27 @@ def with_retrieval(
     max_filler: int | None, samples: int,
 ) -> Any:  # fmt: skip
     """The training rows of a run with `--synthetic` documents: `text` and
-    `retrieval_dataset` rows of `tasks` at `share` of all rows, shuffled together
-    (`mix_datasets`); or with `max_filler`, drills whose filler ramps up to it, read in
-    order over the run's `samples` (`steps * batch_size`) rows (`stream_mix`).
+    `retrieval_dataset` rows of `tasks` at `share` of all rows.
+
+    - Prompts (no `max_filler`): the rows are shuffled together (`mix_datasets`), with
+      `share / (1 - share)` retrieval rows per text row; or, when the run reads fewer rows
+      than that mix holds, only the `share` of its `samples` (`steps * batch_size`) that it
+      reads, spread evenly among the text rows (`stream_mix`). Nothing is generated that
+      no step reads (at share 0.98 the mix would hold 49 retrieval rows per text row).
+    - Drills (`max_filler`): their filler ramps up to it over the run's `samples` rows,
+      read in order (`stream_mix`).
 
     **Raises:** `ValueError` as `retrieval_dataset`.
     """
     seq_len = text.tokens.shape[1]
-    if max_filler is None:
-        rows = retrieval_rows_for(text.num_rows, share)
-        extra = retrieval_dataset(tasks, tokenizer, seq_len, rows, seed=seed, loss=loss)
-        return mix_datasets(text, extra)
     rows = max(1, round(share * samples))
+    if max_filler is None:
+        whole = retrieval_rows_for(text.num_rows, share)
+        if whole <= rows:  # the run reads the whole mix: shuffle it
+            extra = retrieval_dataset(tasks, tokenizer, seq_len, whole, seed=seed, loss=loss)
+            return mix_datasets(text, extra)
+        extra = retrieval_dataset(tasks, tokenizer, seq_len, rows, seed=seed, loss=loss)
+        return stream_mix(text, extra, max(samples, rows))
     extra = retrieval_dataset(tasks, tokenizer, seq_len, rows, seed=seed, loss=loss,
                               max_filler=max_filler, ramp=True)  # fmt: skip
     return stream_mix(text, extra, max(samples, rows))

@@ -25,7 +25,7 @@ FAR_DEPTH_POWER = 2.0
 often near the start, far from the question. The shorter documents already train short
 distances many times over; at uniform depths a 2048-token passkey run saw its farthest
 needles (depth 0) so rarely that it found 1 in 10 of them, and 9 in 10 with this draw
-(docs/recipes.md)."""
+and `FULL_ROW_SHARE` raised from 0.3 to 0.6 (docs/recipes.md)."""
 
 
 def _row_pieces(rng: np.random.Generator, seq_len: int, shortest: int) -> tuple[list[int], bool]:
@@ -263,13 +263,10 @@ def with_retrieval(
     """
     seq_len = text.tokens.shape[1]
     rows = max(1, round(share * samples))
-    if max_filler is None:
-        whole = retrieval_rows_for(text.num_rows, share)
-        if whole <= rows:  # the run reads the whole mix: shuffle it
-            extra = retrieval_dataset(tasks, tokenizer, seq_len, whole, seed=seed, loss=loss)
-            return mix_datasets(text, extra)
-        extra = retrieval_dataset(tasks, tokenizer, seq_len, rows, seed=seed, loss=loss)
-        return stream_mix(text, extra, max(samples, rows))
+    whole = retrieval_rows_for(text.num_rows, share)
+    if max_filler is None and whole <= rows:  # the run reads the whole mix: shuffle it
+        extra = retrieval_dataset(tasks, tokenizer, seq_len, whole, seed=seed, loss=loss)
+        return mix_datasets(text, extra)
     extra = retrieval_dataset(tasks, tokenizer, seq_len, rows, seed=seed, loss=loss,
-                              max_filler=max_filler, ramp=True)  # fmt: skip
+                              max_filler=max_filler, ramp=max_filler is not None)  # fmt: skip
     return stream_mix(text, extra, max(samples, rows))

@@ -1,7 +1,10 @@
 """Test harness: 8 fake CPU devices, set before any array exists, and a quicker backend
 compile (inherited by every subprocess a test starts)."""
 
+import fnmatch
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -51,6 +54,68 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+FULL_ENV = "EQX_LONGCTX_FULL_TESTS"
+FULL_TIER = pathlib.Path(__file__).with_name("full_tier.txt")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full", action="store_true", default=False,
+        help=f"also run the full tier: the cases listed in {FULL_TIER.name} or marked `full` "
+        f"(or set {FULL_ENV}=1)",
+    )  # fmt: skip
+
+
+def full_tier_regex(pattern: str) -> "re.Pattern[str]":
+    """A `full_tier.txt` line as a regex over node ids: `*` matches anything, every other
+    character (the brackets of parameter ids too) only itself."""
+    return re.compile(fnmatch.translate(re.sub(r"([\[\]])", r"[\1]", pattern)))
+
+
+def _full_tier_patterns() -> list[str]:
+    """The node-id patterns of `full_tier.txt` (`*` a wildcard, brackets literal)."""
+    lines = (line.strip() for line in FULL_TIER.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the full tier's cases and skip them unless `--full` asks for them.
+
+    The default tier is what CI runs: every grid keeps a cover of its factors (each value of
+    each factor at least once), every end-to-end command runs at least once. The full tier
+    (`full_tier.txt`, and tests marked `full`) adds the rest of each grid and the repeats of
+    long runs under other settings; run it before a release or after touching a strategy.
+    A line of `full_tier.txt` that names no collected test is an error when whole files
+    are collected (a renamed test must be renamed there too).
+    """
+    from helpers import full_tier_runs
+
+    patterns = _full_tier_patterns()
+    regexes = [full_tier_regex(p) for p in patterns]
+    used = [False] * len(patterns)
+    for item in items:
+        for i, regex in enumerate(regexes):
+            if regex.match(item.nodeid):
+                used[i] = True
+                item.add_marker(pytest.mark.full)
+                break
+    whole_files = not any("::" in a for a in config.args) and not config.option.keyword
+    files = {item.nodeid.split("::")[0] for item in items}
+    stale = [p for p, u in zip(patterns, used, strict=True)
+             if not u and p.split("::")[0] in files]  # fmt: skip
+    if whole_files and stale:
+        raise pytest.UsageError(
+            f"{FULL_TIER.name} names tests that were not collected (renamed or removed? "
+            f"update the file): {stale}"
+        )
+    if full_tier_runs(config):
+        return
+    skip = pytest.mark.skip(reason="full tier: run with --full (the default tier covers it)")
+    for item in items:
+        if item.get_closest_marker("full") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -32,7 +32,10 @@ SCRIPTS = {  # script: (toy arguments, the PNGs its --plot must write)
         "--prompts 64 --new-tokens 5 --repeats 1 --cache-lens 1024 2048 --b-layers 1".split(),
         ["generate"],
     ),
-    "train_step": (
+    "train_step": ("--configs main --steps 2 --warmup 1 --repeats 1".split(), ["train_step"]),
+    # The same with the stand-in attention's second run of each configuration (~30 s more;
+    # the full tier's, tests/full_tier.txt). The script is the name before "-".
+    "train_step-free-attention": (
         "--configs main --free-attention --steps 2 --warmup 1 --repeats 1".split(),
         ["train_step"],
     ),
@@ -62,6 +65,7 @@ def _check_png(path: Path) -> None:
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_plots(script: str, tmp_path: Path) -> None:
     args, names = SCRIPTS[script]
+    script = script.split("-")[0]
     for module in NEEDS.get(script, ()):
         pytest.importorskip(module)
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")

@@ -97,7 +97,7 @@ def test_one_device_equals_naive_attention(small_chunks, name, window):
     assert_close(out, want, what=f"{name}, window {window}")
 
 
-@pytest.mark.parametrize("name", ["xla direct", "pallas_gpu interpret"])
+@pytest.mark.parametrize("name", ["xla direct", "pallas interpret", "pallas_gpu interpret"])
 def test_a_latent_cache_reads_its_values_from_the_keys(small_chunks, name):
     dk, dv = 12, 8  # MLA absorbed: one K/V "head" whose first dv features are the values
     q, k_new, _, k, _, pos, q_pos = _problem(1, SLOTS, kvh=1, dk=dk)

@@ -21,14 +21,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^(?P<case>\S.*?)\s{2,}.*\s(?P<result>PASS|FAIL|VMEM-OOM|MOSAIC|OTHER)\b", re.M)
 
 
-@pytest.mark.slow
-def test_selftest_passes_on_cpu():
+def _run_selftest(*flags: str) -> str:
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     env["XLA_FLAGS"] = CHILD_XLA_FLAGS  # the selftest makes its own 8 devices
     proc = subprocess.run(
-        [sys.executable, "-m", "eqx_longctx.selftest"], capture_output=True, text=True,
+        [sys.executable, "-m", "eqx_longctx.selftest", *flags], capture_output=True, text=True,
         env=env, timeout=900, cwd=ROOT,
     )  # fmt: skip
     out = proc.stdout
@@ -38,6 +37,26 @@ def test_selftest_passes_on_cpu():
     assert re.search(
         r"^case\s+impl\s+vs\s+max errors \(relative\)\s+tol\s+time\s+result$", out, re.M
     )
+    assert "pallas 128x128 tpu-interpret  xla" in out  # the kernels held against XLA
+    assert re.search(r"all passed$", out.strip())
+    return out
+
+
+def test_selftest_cases_and_ring_pass_on_cpu():
+    # The CI tier: two attention cases (the MLA one at bf16) and the ring, no train steps.
+    out = _run_selftest("--quick", "--case", "causal", "--case", "m-mla")
+    rows = ROW.findall(out)
+    cases = [case for case, _ in rows]
+    for name in ("causal f32", "m-mla bf16 b2 s256 h2/2 d192/128", "ring of 8"):
+        assert any(c.startswith(name) for c in cases), (name, out)
+    assert not any(c.startswith("train") for c in cases), out
+    assert len(rows) == 2 * 3 + 1 and all(r == "PASS" for _, r in rows), out
+
+
+@pytest.mark.slow
+def test_selftest_passes_on_cpu():
+    # Every case, the kernel properties and the rerun (~140 s): the full tier.
+    out = _run_selftest()
     rows = ROW.findall(out)
     cases = [case for case, _ in rows]
     for name in ("causal f32", "window f32", "packed f32", "gqa bf16", "ring of 8", "train",
@@ -48,8 +67,6 @@ def test_selftest_passes_on_cpu():
     assert len(rows) == n_cases * 3 + 2 + 1 + 1 and all(r == "PASS" for _, r in rows), out
     for line in (r"kernel VMEM\s+16 MiB per core", r"kernel blocks\s+512 x 512", r"libtpu\s+\S"):
         assert re.search(line, out), out
-    assert "pallas 128x128 tpu-interpret  xla" in out  # the kernels held against XLA
-    assert re.search(r"all passed$", out.strip())
 
 
 class _OffByOnePercent(AbstractBlockImpl):

@@ -3,8 +3,8 @@ with its eval and files, an untrained model finds no key, `--check-strategies` p
 the run and fails on a planted ring or sinks bug, `--override` stretches a model, and bad
 input is one line with exit status 2.
 
-Not here: a trained model that retrieves. The tiny models this CPU trains in minutes do
-not learn to (see docs/recipes.md), so no test can claim it yet."""
+A trained model that retrieves: tests/test_evals_retrieval.py (the recipe's first stage
+trained to its end, about 8 minutes: the full tier)."""
 
 import dataclasses
 import json

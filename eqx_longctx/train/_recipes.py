@@ -55,12 +55,37 @@ _RETRIEVAL = {
     "load_balance": "zigzag",
 }
 
-_SMALL_LLAMA = [
-    ("n_layers", "2"), ("dim", "128"), ("n_heads", "8"), ("n_kv_heads", "8"),
-    ("head_dim", "16"), ("hidden_dim", "344"),
-]  # fmt: skip
+_SIZE = [("dim", "128"), ("n_heads", "8"), ("n_kv_heads", "8"), ("head_dim", "16"),
+         ("hidden_dim", "344")]  # fmt: skip
+_SMALL_LLAMA = [("n_layers", "2"), *_SIZE]
 """The passkey recipe's model: the tiny Llama at 2 layers of width 128 (0.4M parameters),
 small enough to learn retrieval in minutes on a CPU."""
+
+_SMALL_HYBRID = [
+    ("n_layers", "2"), ("layer_types", '["linear_attention", "full_attention"]'), *_SIZE,
+    ("linear_n_heads", "8"), ("linear_n_key_heads", "8"), ("linear_head_dim", "16"),
+    ("linear_v_head_dim", "16"), ("mlp_only_layers", "[0, 1]"),
+]  # fmt: skip
+"""`passkey-hybrid`'s model: Qwen3-Next's layers at the Llama's size, a Gated DeltaNet layer
+(8 heads of 16) then a gated full-attention one, dense SwiGLU feed-forwards (no experts)."""
+_SMALL_GEMMA3 = [
+    ("n_layers", "2"), ("layer_types", '["sliding_attention", "full_attention"]'), *_SIZE,
+    ("query_pre_attn_scalar", "16"),
+]  # fmt: skip
+"""`passkey-gemma3`'s model: Gemma 3's layers at the Llama's size, a local layer (a 256-token
+window) then a global one."""
+
+_PASSKEY = {
+    **_RETRIEVAL,
+    "synthetic": "passkey",
+    "synthetic_share": 0.98,
+    "lr": 1e-3,
+    "steps": 150,
+    "eval_every": 75,
+    "checkpoint_every": 75,
+}
+"""The passkey recipes' last stage: 150 steps of 8 rows of 2048 tokens, 98% passkey
+documents, from the drills' weights."""
 
 _DRILLS = {
     "seq_len": 256,
@@ -85,32 +110,30 @@ RECIPES: dict[str, Recipe] = {
             "filler ramps from 0 to 60 tokens in 256-token rows, then stdlib text mixed with "
             "passkey documents at every depth in 2048-token rows, ring attention over zig-zag "
             "on 8 devices; ends with the passkey eval at 2047 tokens",
-            {
-                **_RETRIEVAL,
-                "override": _SMALL_LLAMA,
-                "synthetic": "passkey",
-                "synthetic_share": 0.98,
-                "lr": 1e-3,
-                "steps": 150,
-                "eval_every": 75,
-                "checkpoint_every": 75,
-            },
+            {**_PASSKEY, "override": _SMALL_LLAMA},
             eval_task="passkey",
             stages=(_DRILLS,),
         ),
         Recipe(
             "passkey-hybrid",
-            "the passkey recipe on the tiny Qwen3-Next hybrid (Gated DeltaNet layers beside "
-            "full-attention ones)",
-            {**_RETRIEVAL, "model": "qwen3_next"},
+            "the passkey recipe on a Qwen3-Next hybrid of the same size (a Gated DeltaNet "
+            "layer, then a full-attention one): the same two stages and eval",
+            {**_PASSKEY, "model": "qwen3_next", "override": _SMALL_HYBRID},
             eval_task="passkey",
+            stages=(_DRILLS,),
         ),
         Recipe(
             "passkey-gemma3",
-            "the passkey recipe on the tiny Gemma 3 (sliding-window local layers beside "
-            "global ones, local layers by neighbour exchange)",
-            {**_RETRIEVAL, "model": "gemma3_text", "preset": "gemma3-tiny"},
+            "the passkey recipe on a Gemma 3 of the same size (a sliding-window local layer, "
+            "by neighbour exchange, then a global one): the same two stages and eval",
+            {
+                **_PASSKEY,
+                "model": "gemma3_text",
+                "preset": "gemma3-tiny",
+                "override": _SMALL_GEMMA3,
+            },  # fmt: skip
             eval_task="passkey",
+            stages=(_DRILLS,),
         ),
     )
 }

@@ -67,13 +67,6 @@ def pairwise_cover(factors: dict, seed_rows=()) -> list[dict]:
     return rows
 
 
-def full_tier_runs(config) -> bool:
-    """Whether this session runs the full tier (`pytest --full` or `EQX_LONGCTX_FULL_TESTS=1`),
-    for a test that does more of its work there (`request.config`)."""
-    env = os.environ.get("EQX_LONGCTX_FULL_TESTS", "")
-    return bool(config.getoption("--full")) or env not in ("", "0")
-
-
 def segment_ids_from_lengths(rows_of_lengths) -> np.ndarray:
     """`int32 [batch, seq]` segment ids of packed rows: document `j` of a row gets id `j`."""
     return np.stack([np.repeat(np.arange(len(ls)), ls) for ls in rows_of_lengths]).astype(np.int32)
